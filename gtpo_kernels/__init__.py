@@ -1,0 +1,18 @@
+"""gtpo_kernels: a fused, tested implementation of the GTPO loss for RL fine-tuning of LLMs."""
+
+from .config import GTPOConfig
+from .loss import GTPOLoss, gtpo_loss
+from .reference import compute_advantages, conflict_weights
+from .result import GTPOLossOutput, GTPOMetrics
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GTPOConfig",
+    "GTPOLoss",
+    "GTPOLossOutput",
+    "GTPOMetrics",
+    "compute_advantages",
+    "conflict_weights",
+    "gtpo_loss",
+]

@@ -1,0 +1,122 @@
+"""`gtpo_loss` and `GTPOLoss`: the public GTPO loss on logits, with a choice of backend."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from . import validation
+from .config import GTPOConfig
+from .ops.token_stats_torch import token_stats_torch
+from .reference import conflict_weights, gtpo_loss_from_token_stats
+from .result import GTPOLossOutput
+
+BACKENDS = ("auto", "torch")
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """The backend that ``backend`` names for tensors on ``device`` (``"auto"``: the fastest one)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "torch"
+    return backend
+
+
+def _token_stats(backend: str, logits, ids, valid, config: GTPOConfig):
+    if backend == "torch":
+        return token_stats_torch(logits, ids, valid, config.chunk_size)
+    raise AssertionError(f"unhandled backend {backend!r}")  # resolve_backend guards the names
+
+
+def gtpo_loss(
+    logits: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    group_size: int,
+    config: Optional[GTPOConfig] = None,
+    old_logprobs: Optional[torch.Tensor] = None,
+    ref_logprobs: Optional[torch.Tensor] = None,
+    initial_entropy: Optional[float] = None,
+    backend: str = "auto",
+) -> GTPOLossOutput:
+    """The GTPO loss of a batch of completions, from the policy's logits.
+
+    Args:
+        logits: ``[N, L, V]``, ``N = B * G`` completions with the rows of a prompt group contiguous;
+            ``logits[i, t]`` predicts ``completion_ids[i, t]`` (already shifted by the caller).
+            float16, bfloat16, float32 or float64; statistics accumulate in float32 (float64 for
+            float64 input). ``-inf`` entries (banned tokens) are allowed.
+        completion_ids: ``[N, L]`` integer token ids; values at masked positions are ignored.
+        completion_mask: ``[N, L]`` bool or 0/1, a contiguous prefix of ones per row (EOS included).
+        advantages: ``[N]`` float, e.g. from `compute_advantages`.
+        group_size: ``G``, completions per prompt; must divide ``N``.
+        config: `GTPOConfig` (default: the ``"paper"`` preset).
+        old_logprobs: ``[N, L]`` log-probs of the sampling policy, for off-policy updates
+            (``num_iterations > 1``); without them the ratio is ``exp(logp - logp.detach())``.
+        ref_logprobs: ``[N, L]`` reference-model log-probs, for the KL term and metric.
+        initial_entropy: the policy's mean token entropy at the first step, for the entropy gate.
+        backend: ``"auto"`` (fastest available) or ``"torch"`` (chunked plain PyTorch).
+
+    Returns:
+        `GTPOLossOutput` with ``.loss`` (0-d, differentiable w.r.t. ``logits``) and ``.metrics``
+        (`GTPOMetrics`, detached). A batch with every position masked gives a zero loss and zero
+        gradients.
+    """
+    config = config or GTPOConfig()
+    if not isinstance(config, GTPOConfig):
+        raise TypeError(f"config must be a GTPOConfig, got {type(config).__name__}")
+    sync = config.validate_inputs
+    validation.check_logits(logits)
+    shape = validation.check_ids(completion_ids)
+    if tuple(logits.shape[:2]) != shape:
+        raise ValueError(f"logits [N, L, V] = {tuple(logits.shape)} and completion_ids [N, L] = {shape} "
+                         f"disagree on N or L; logits[i, t] must predict completion_ids[i, t]")
+    valid, initial_entropy = validation.check_loss_inputs(
+        logits, completion_ids, completion_mask, advantages, group_size, old_logprobs, ref_logprobs,
+        initial_entropy, sync=sync, vocab_size=logits.shape[-1],
+    )
+    if config.kl_beta and ref_logprobs is None:
+        raise ValueError(f"config.kl_beta = {config.kl_beta} needs ref_logprobs [N, L]; pass the reference "
+                         f"model's log-probs or set kl_beta=0")
+    backend = resolve_backend(backend, logits.device)
+
+    logp, entropy = _token_stats(backend, logits, completion_ids, valid, config)
+    if sync:
+        validation.check_token_stats_finite(logp, entropy, valid)
+
+    if config.use_conflict_weights:
+        lambda_, n_conflict = conflict_weights(
+            completion_ids, valid, advantages.detach().to(logp.dtype), group_size, config.conflict_weight
+        )
+    else:
+        lambda_ = torch.ones_like(logp)
+        n_conflict = torch.zeros(shape[0], dtype=torch.long, device=logp.device)
+    return gtpo_loss_from_token_stats(
+        logp, entropy, valid, advantages.detach(), lambda_, n_conflict, config,
+        old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, initial_entropy=initial_entropy,
+    )
+
+
+class GTPOLoss(nn.Module):
+    """`gtpo_loss` as a module: ``GTPOLoss(config)(logits, ids, mask, advantages, group_size=G)``."""
+
+    def __init__(self, config: Optional[GTPOConfig] = None, backend: str = "auto") -> None:
+        super().__init__()
+        self.config = config or GTPOConfig()
+        self.backend = backend
+
+    def forward(self, logits, completion_ids, completion_mask, advantages, *, group_size, old_logprobs=None,
+                ref_logprobs=None, initial_entropy=None) -> GTPOLossOutput:
+        return gtpo_loss(
+            logits, completion_ids, completion_mask, advantages, group_size=group_size, config=self.config,
+            old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, initial_entropy=initial_entropy,
+            backend=self.backend,
+        )
+
+    def extra_repr(self) -> str:
+        return f"preset={self.config.preset!r}, backend={self.backend!r}"

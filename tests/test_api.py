@@ -1,0 +1,306 @@
+"""The public API: input validation, edge cases, the module wrapper and the config."""
+
+import math
+
+import pytest
+import torch
+
+import gtpo_kernels
+from gtpo_kernels import GTPOConfig, GTPOLoss, compute_advantages, gtpo_loss
+
+from .helpers import random_batch
+
+
+@pytest.fixture
+def batch():
+    return random_batch(2, 3, 5, 11, dtype=torch.float32, seed=7)
+
+
+def call(logits, ids, mask, adv, group_size=3, **kwargs):
+    return gtpo_loss(logits, ids, mask, adv, group_size=group_size, **kwargs)
+
+
+# ---- errors that name the argument ------------------------------------------------------------------
+
+def test_logits_must_be_3d(batch):
+    logits, ids, mask, adv = batch
+    with pytest.raises(ValueError, match=r"logits must be 3-D \[N, L, V\]"):
+        call(logits.view(-1, 11), ids, mask, adv)
+
+
+def test_logits_must_be_float(batch):
+    logits, ids, mask, adv = batch
+    with pytest.raises(ValueError, match="logits must be float16, bfloat16, float32 or float64"):
+        call(logits.long(), ids, mask, adv)
+
+
+def test_logits_and_ids_must_agree(batch):
+    logits, ids, mask, adv = batch
+    with pytest.raises(ValueError, match="disagree on N or L"):
+        call(logits[:, :4], ids, mask, adv)
+
+
+def test_ids_must_be_integers(batch):
+    logits, ids, mask, adv = batch
+    with pytest.raises(ValueError, match="completion_ids must be an integer tensor"):
+        call(logits, ids.float(), mask, adv)
+    with pytest.raises(ValueError, match="completion_ids must be an integer tensor"):
+        call(logits, mask, ids, adv)  # swapped
+
+
+def test_ids_outside_vocabulary(batch):
+    logits, ids, mask, adv = batch
+    bad = ids.clone()
+    bad[2, 0] = 11
+    with pytest.raises(ValueError, match=r"completion_ids must lie in \[0, V=11\).*completion_ids\[2, 0\] = 11"):
+        call(logits, bad, mask, adv)
+    bad[2, 0] = -1
+    with pytest.raises(ValueError, match="completion_ids must lie in"):
+        call(logits, bad, mask, adv)
+
+
+def test_ids_at_masked_positions_are_ignored(batch):
+    logits, ids, mask, adv = batch
+    padded = torch.where(mask, ids, -100)  # the usual ignore index
+    a = call(logits, ids, mask, adv).loss
+    b = call(logits, padded, mask, adv).loss
+    assert torch.equal(a, b)
+
+
+def test_mask_shape_and_values(batch):
+    logits, ids, mask, adv = batch
+    with pytest.raises(ValueError, match="completion_mask must have shape"):
+        call(logits, ids, mask[:, :3], adv)
+    with pytest.raises(ValueError, match="completion_mask must hold only 0 and 1"):
+        call(logits, ids, mask.float() * 2, adv)
+
+
+def test_mask_must_be_a_contiguous_prefix(batch):
+    logits, ids, mask, adv = batch
+    gapped = torch.ones_like(mask)
+    gapped[1, 2] = False
+    with pytest.raises(ValueError, match="contiguous prefix of ones.*row 1"):
+        call(logits, ids, gapped, adv)
+    left_padded = torch.ones_like(mask)
+    left_padded[4, 0] = False
+    with pytest.raises(ValueError, match="left-padded"):
+        call(logits, ids, left_padded, adv)
+
+
+def test_mask_dtypes_accepted(batch):
+    logits, ids, mask, adv = batch
+    expected = call(logits, ids, mask, adv).loss
+    for as_dtype in (torch.long, torch.int32, torch.float32, torch.uint8):
+        assert torch.equal(call(logits, ids, mask.to(as_dtype), adv).loss, expected)
+
+
+def test_advantages_shape_dtype_and_nan(batch):
+    logits, ids, mask, adv = batch
+    with pytest.raises(ValueError, match=r"advantages must have shape \[N\]"):
+        call(logits, ids, mask, adv[:, None])
+    with pytest.raises(ValueError, match="advantages must be a floating-point tensor"):
+        call(logits, ids, mask, adv.long())
+    nan = adv.clone()
+    nan[0] = float("nan")
+    with pytest.raises(ValueError, match="advantages must be finite"):
+        call(logits, ids, mask, nan)
+
+
+@pytest.mark.parametrize("group_size", [4, 0, -3, 2.0, True])
+def test_group_size(batch, group_size):
+    logits, ids, mask, adv = batch
+    with pytest.raises(ValueError, match="group_size"):
+        call(logits, ids, mask, adv, group_size=group_size)
+
+
+def test_old_and_ref_logprobs_shapes(batch):
+    logits, ids, mask, adv = batch
+    with pytest.raises(ValueError, match=r"old_logprobs must have shape \[N, L\]"):
+        call(logits, ids, mask, adv, old_logprobs=torch.zeros(6))
+    with pytest.raises(ValueError, match="ref_logprobs must be a floating-point tensor"):
+        call(logits, ids, mask, adv, ref_logprobs=ids)
+
+
+def test_kl_needs_reference(batch):
+    logits, ids, mask, adv = batch
+    with pytest.raises(ValueError, match="kl_beta = 0.1 needs ref_logprobs"):
+        call(logits, ids, mask, adv, config=GTPOConfig(kl_beta=0.1))
+
+
+def test_initial_entropy_must_be_finite(batch):
+    logits, ids, mask, adv = batch
+    with pytest.raises(ValueError, match="initial_entropy must be a finite number"):
+        call(logits, ids, mask, adv, initial_entropy=float("nan"))
+    call(logits, ids, mask, adv, initial_entropy=torch.tensor(0.3))  # a 0-d tensor is fine
+
+
+def test_tensors_on_different_devices(batch):
+    logits, ids, mask, adv = batch
+    with pytest.raises(ValueError, match="one device.*advantages on meta"):
+        call(logits, ids, mask, adv.to("meta"))
+
+
+def test_unknown_backend(batch):
+    logits, ids, mask, adv = batch
+    with pytest.raises(ValueError, match="backend must be one of"):
+        call(logits, ids, mask, adv, backend="cuda")
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_logits_at_unmasked_positions(batch, value):
+    logits, ids, mask, adv = batch
+    bad = logits.clone()
+    bad[1, 0, 3] = value
+    with pytest.raises(ValueError, match=r"non-finite log-prob or entropy at unmasked position \[1, 0\]"):
+        call(bad, ids, mask, adv)
+
+
+def test_sampled_banned_token_is_reported(batch):
+    logits, ids, mask, adv = batch
+    bad = logits.clone()
+    bad[0, 0, ids[0, 0]] = float("-inf")
+    with pytest.raises(ValueError, match="target token's logit is -inf"):
+        call(bad, ids, mask, adv)
+
+
+def test_validation_can_be_switched_off(batch):
+    logits, ids, mask, adv = batch
+    bad = logits.clone()
+    bad[1, 0, 3] = float("nan")
+    out = call(bad, ids, mask, adv, config=GTPOConfig(validate_inputs=False))
+    assert torch.isnan(out.loss)  # what the check exists to prevent
+
+
+# ---- edge cases -----------------------------------------------------------------------------------
+
+def test_garbage_at_masked_positions_is_ignored(batch):
+    logits, ids, mask, adv = batch
+    x = logits.clone().requires_grad_()
+    expected = call(x, ids, mask, adv, config=GTPOConfig(entropy_mode="penalty")).loss
+    grad, = torch.autograd.grad(expected, x)
+    dirty = logits.clone()
+    dirty[~mask] = float("nan")
+    y = dirty.requires_grad_()
+    out = call(y, ids, mask, adv, config=GTPOConfig(entropy_mode="penalty")).loss
+    grad_dirty, = torch.autograd.grad(out, y)
+    assert torch.equal(out, expected)
+    assert torch.equal(grad_dirty, grad)
+    assert (grad_dirty[~mask] == 0).all()
+
+
+@pytest.mark.parametrize("preset", ["paper", "official", "grpo"])
+def test_all_masked_batch_gives_zero_loss_and_zero_grad(batch, preset):
+    logits, ids, mask, adv = batch
+    x = logits.clone().requires_grad_()
+    out = call(x, ids, torch.zeros_like(mask), adv, config=GTPOConfig(preset=preset))
+    out.loss.backward()
+    assert out.loss.item() == 0.0
+    assert torch.equal(x.grad, torch.zeros_like(x))
+    for value in out.metrics.to_dict().values():
+        assert math.isfinite(value)
+
+
+def test_chunk_size_does_not_change_results(batch):
+    logits, ids, mask, adv = batch
+    results = []
+    for chunk in (None, 1, 3, 7, 1000):
+        x = logits.clone().requires_grad_()
+        out = call(x, ids, mask, adv, config=GTPOConfig(chunk_size=chunk, entropy_mode="penalty"))
+        out.loss.backward()
+        results.append((out.loss, x.grad))
+    for loss, grad in results[1:]:
+        torch.testing.assert_close(loss, results[0][0], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(grad, results[0][1], rtol=1e-5, atol=1e-8)
+
+
+def test_non_contiguous_logits(batch):
+    logits, ids, mask, adv = batch
+    # A model's logits over prompt + completion, sliced to the completion part: a non-contiguous view.
+    full = torch.randn(6, 9, 11)
+    full[:, 3:8] = logits
+    view = full[:, 3:8]
+    assert not view.is_contiguous()
+    a, b = call(view, ids, mask, adv), call(logits, ids, mask, adv)
+    assert torch.equal(a.loss, b.loss)
+
+
+def test_module_matches_function(batch):
+    logits, ids, mask, adv = batch
+    config = GTPOConfig(preset="official")
+    module = GTPOLoss(config)
+    assert "official" in repr(module)
+    assert torch.equal(module(logits, ids, mask, adv, group_size=3).loss, call(logits, ids, mask, adv, config=config).loss)
+
+
+def test_metrics_to_dict(batch):
+    logits, ids, mask, adv = batch
+    d = call(logits, ids, mask, adv).metrics.to_dict()
+    assert set(d) == {"entropy", "completion_entropy", "filtered_fraction", "amplified_fraction",
+                      "skipped_fraction", "ratio_mean", "clip_fraction"}
+    assert all(isinstance(v, float) for v in d.values())
+
+
+def test_public_names():
+    for name in ("gtpo_loss", "GTPOLoss", "GTPOConfig", "compute_advantages", "conflict_weights"):
+        assert hasattr(gtpo_kernels, name)
+
+
+# ---- advantages ------------------------------------------------------------------------------------
+
+def test_compute_advantages_errors():
+    with pytest.raises(ValueError, match="group_size"):
+        compute_advantages(torch.ones(6), 4)
+    with pytest.raises(ValueError, match=r"1-D \[N\]"):
+        compute_advantages(torch.ones(2, 3), 3)
+
+
+def test_compute_advantages_single_completion_groups():
+    assert compute_advantages(torch.tensor([3.0, 1.0]), 1, normalize_std=True).tolist() == [0.0, 0.0]
+
+
+# ---- config ----------------------------------------------------------------------------------------
+
+def test_presets_fill_knobs():
+    paper, official, grpo = (GTPOConfig(preset=p) for p in ("paper", "official", "grpo"))
+    assert paper.entropy_threshold == pytest.approx(math.log(2)) and paper.entropy_gate
+    assert official.entropy_threshold == 0.7 and not official.entropy_gate
+    assert official.divide_by_conflict_count and official.loss_reduction == "sum"
+    assert grpo.entropy_threshold is None and not grpo.use_conflict_weights
+    assert grpo.clip_eps_low == grpo.clip_eps_high == 0.2 and grpo.normalize_advantages_by_std
+    assert not paper.clipping and grpo.clipping
+
+
+def test_overrides_win_over_the_preset():
+    c = GTPOConfig(preset="official", entropy_threshold=0.5, loss_reduction="token_mean", clip_eps_high=0.28)
+    assert c.entropy_threshold == 0.5 and c.loss_reduction == "token_mean"
+    assert c.clip_eps_low == c.clip_eps_high == 0.28
+    assert GTPOConfig.from_dict(c.to_dict()) == c
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(preset="ppo"), "preset must be one of"),
+    (dict(entropy_threshold=-1.0), "entropy_threshold must be a positive number"),
+    (dict(entropy_coef=-0.1), "entropy_coef must be a finite number >= 0"),
+    (dict(entropy_mode="bonus"), "entropy_mode must be one of"),
+    (dict(conflict_weight=0.0), "conflict_weight must be"),
+    (dict(loss_reduction="mean"), "loss_reduction must be one of"),
+    (dict(clip_eps_low=1.5), "clip_eps_low must be < 1"),
+    (dict(clip_eps_high=float("nan")), "clip_eps_(low|high) must be a finite number"),
+    (dict(kl_beta=-1.0), "kl_beta must be"),
+    (dict(chunk_size=0), "chunk_size must be a positive int"),
+    (dict(entropy_gate="yes"), "entropy_gate must be True or False"),
+])
+def test_config_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GTPOConfig(**kwargs)
+
+
+def test_config_from_dict_rejects_unknown_fields():
+    with pytest.raises(ValueError, match="unknown field"):
+        GTPOConfig.from_dict({"preset": "paper", "beta": 0.1})
+
+
+def test_infinite_threshold_switches_the_filter_off(batch):
+    logits, ids, mask, adv = batch
+    out = call(logits, ids, mask, adv, config=GTPOConfig(entropy_threshold=float("inf")))
+    assert float(out.metrics.filtered_fraction) == 0.0

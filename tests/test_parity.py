@@ -1,0 +1,124 @@
+"""Every backend against the float64 reference: loss, metrics and gradients.
+
+The reference sees the same input values upcast to float64 (``logits.double()``), so the only
+differences are the backend's own arithmetic. Error bars (relative to the largest reference value):
+fp32 1e-5, bf16/fp16 1e-2; gradients of half-precision logits are returned in that dtype.
+Later backends join by being added to ``BACKENDS``.
+"""
+
+import pytest
+import torch
+
+from gtpo_kernels import GTPOConfig, gtpo_loss
+from gtpo_kernels.reference import reference_gtpo_loss, token_logprobs_and_entropy
+
+from .helpers import RTOL, assert_rel_close, random_batch
+
+BACKENDS = ["torch"]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+CONFIGS = {
+    "paper": GTPOConfig(preset="paper"),
+    "official": GTPOConfig(preset="official"),
+    "grpo": GTPOConfig(preset="grpo"),
+    "penalty": GTPOConfig(preset="paper", entropy_mode="penalty"),
+    "clip+kl": GTPOConfig(preset="paper", clip_eps_low=0.2, clip_eps_high=0.28, kl_beta=0.04,
+                          loss_reduction="token_mean"),
+    "dr_grpo": GTPOConfig(preset="grpo", loss_reduction="dr_grpo", kl_beta=0.1),
+}
+
+
+def compare(backend, dtype, config, logits, ids, mask, adv, group_size, *, off_policy=False,
+            initial_entropy=None):
+    valid = mask.bool()
+    logp64, _ = token_logprobs_and_entropy(logits.double(), torch.where(valid, ids, 0))
+    kwargs = {}
+    if off_policy or config.clipping:
+        g = torch.Generator().manual_seed(123)
+        kwargs["old_logprobs"] = (logp64 + 0.3 * torch.randn(logp64.shape, generator=g, dtype=torch.float64)).float()
+    if config.kl_beta:
+        g = torch.Generator().manual_seed(321)
+        kwargs["ref_logprobs"] = (logp64 + 0.5 * torch.randn(logp64.shape, generator=g, dtype=torch.float64)).float()
+
+    x = logits.detach().clone().requires_grad_()
+    out = gtpo_loss(x, ids, mask, adv, group_size=group_size, config=config, backend=backend,
+                    initial_entropy=initial_entropy, **kwargs)
+    out.loss.backward()
+
+    x64 = logits.detach().double().requires_grad_()
+    ref = reference_gtpo_loss(x64, ids, mask, adv.double(), group_size=group_size, config=config,
+                              initial_entropy=initial_entropy,
+                              **{k: v.double() for k, v in kwargs.items()})
+    ref.loss.backward()
+
+    rtol = RTOL[dtype]
+    assert x.grad.dtype == dtype
+    assert_rel_close(out.loss.detach(), ref.loss.detach(), rtol, "loss")
+    assert_rel_close(x.grad, x64.grad, rtol, "grad")
+    m, r = out.metrics, ref.metrics
+    for name in ("entropy", "completion_entropy", "ratio_mean"):
+        assert_rel_close(getattr(m, name), getattr(r, name), rtol, name)
+    # Discrete metrics agree exactly unless an entropy sits on the threshold (not in these draws).
+    for name in ("filtered_fraction", "amplified_fraction", "skipped_fraction", "clip_fraction"):
+        assert float(getattr(m, name)) == pytest.approx(float(getattr(r, name)), abs=1e-6), name
+    if r.kl is not None:
+        assert_rel_close(m.kl, r.kl, rtol, "kl")
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_configs_and_dtypes(backend, dtype, name):
+    logits, ids, mask, adv = random_batch(2, 4, 6, 37, dtype=dtype, seed=list(CONFIGS).index(name))
+    compare(backend, dtype, CONFIGS[name], logits, ids, mask, adv, 4, off_policy=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("vocab", [1, 7, 1000, 32003])
+def test_vocab_sizes(backend, vocab):
+    n_groups, length = (1, 3) if vocab > 1000 else (2, 5)
+    logits, ids, mask, adv = random_batch(n_groups, 2, length, vocab, dtype=torch.float32, seed=vocab)
+    compare(backend, torch.float32, CONFIGS["paper"], logits, ids, mask, adv, 2, off_policy=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_length_one(backend, dtype):
+    logits, ids, mask, adv = random_batch(3, 2, 1, 11, dtype=dtype, seed=1)
+    compare(backend, dtype, CONFIGS["official"], logits, ids, mask, adv, 2, off_policy=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_token_per_completion_and_fully_masked_rows(backend):
+    logits, ids, mask, adv = random_batch(2, 3, 5, 13, dtype=torch.float32, seed=2)
+    mask[:] = False
+    mask[0, 0] = mask[1, 0] = mask[3, :1] = True  # rows 2, 4, 5 fully masked; the others length 1
+    compare(backend, torch.float32, CONFIGS["paper"], logits, ids, mask, adv, 3, off_policy=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_all_equal_rewards(backend):
+    logits, ids, mask, adv = random_batch(2, 4, 5, 17, dtype=torch.float32, seed=3, tie_groups=True)
+    assert (adv == 0).all()
+    out = compare(backend, torch.float32, CONFIGS["paper"], logits, ids, mask, adv, 4)
+    # With A = 0 only the entropy shift -gamma Hbar moves the loss; no conflict weights apply.
+    assert float(out.metrics.amplified_fraction) == 0 and float(out.metrics.skipped_fraction) == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_extreme_logits_and_banned_tokens(backend, dtype):
+    logits, ids, mask, adv = random_batch(2, 2, 4, 19, dtype=torch.float64, seed=4)
+    logits = logits * 2500  # logits of order +-1e4
+    onehot = torch.nn.functional.one_hot(ids, 19).bool()
+    banned = torch.zeros_like(onehot)
+    banned[..., 3] = True
+    logits = logits.masked_fill(banned & ~onehot, float("-inf")).to(dtype)
+    compare(backend, dtype, CONFIGS["penalty"], logits, ids, mask, adv, 2, off_policy=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_initial_entropy_gate(backend):
+    logits, ids, mask, adv = random_batch(2, 3, 5, 23, dtype=torch.float32, seed=5)
+    compare(backend, torch.float32, CONFIGS["paper"], logits, ids, mask, adv, 3, initial_entropy=5.0)
