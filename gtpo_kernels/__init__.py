@@ -2,6 +2,7 @@
 
 from .config import GTPOConfig
 from .loss import GTPOLoss, gtpo_loss
+from .token_stats import token_logprobs_and_entropy
 from .reference import compute_advantages, conflict_weights
 from .result import GTPOLossOutput, GTPOMetrics
 
@@ -15,4 +16,5 @@ __all__ = [
     "compute_advantages",
     "conflict_weights",
     "gtpo_loss",
+    "token_logprobs_and_entropy",
 ]

@@ -85,6 +85,9 @@ class GTPOConfig:
             term; the KL is still reported in the metrics when reference log-probs are given).
         chunk_size: tokens per chunk for the ``"torch"`` backend (``None``: chosen so that one
             chunk's float32 logits take at most 64 MiB).
+        inplace_backward: write the gradient of the logits into the logits' own storage during
+            backward, saving one ``[N, L, V]`` buffer. The logits' values are destroyed; autograd
+            raises an error if another node still needs them (see README).
         validate_inputs: check shapes, dtypes, masks, ids and finiteness (cheap, on by default).
             Turning it off skips the checks that need a device synchronisation.
     """
@@ -103,6 +106,7 @@ class GTPOConfig:
     clip_eps_high: Optional[float] = None
     kl_beta: float = 0.0
     chunk_size: Optional[int] = None
+    inplace_backward: bool = False
     validate_inputs: bool = True
 
     def __post_init__(self) -> None:
@@ -151,7 +155,7 @@ class GTPOConfig:
         if self.chunk_size is not None and not (isinstance(self.chunk_size, int) and self.chunk_size > 0):
             raise bad("chunk_size", "must be a positive int, or None to choose automatically")
         for name in ("normalize_advantages_by_std", "entropy_gate", "use_conflict_weights",
-                     "divide_by_conflict_count", "validate_inputs"):
+                     "divide_by_conflict_count", "inplace_backward", "validate_inputs"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be True or False")
 

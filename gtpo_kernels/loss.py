@@ -9,27 +9,9 @@ from torch import nn
 
 from . import validation
 from .config import GTPOConfig
-from .ops.token_stats_torch import token_stats_torch
 from .reference import conflict_weights, gtpo_loss_from_token_stats
 from .result import GTPOLossOutput
-
-BACKENDS = ("auto", "torch")
-
-
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """The backend that ``backend`` names for tensors on ``device`` (``"auto"``: the fastest one)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        return "torch"
-    return backend
-
-
-def _token_stats(backend: str, logits, ids, valid, config: GTPOConfig):
-    if backend == "torch":
-        return token_stats_torch(logits, ids, valid, config.chunk_size)
-    raise AssertionError(f"unhandled backend {backend!r}")  # resolve_backend guards the names
-
+from .token_stats import resolve_backend, token_stats
 
 def gtpo_loss(
     logits: torch.Tensor,
@@ -60,7 +42,8 @@ def gtpo_loss(
             (``num_iterations > 1``); without them the ratio is ``exp(logp - logp.detach())``.
         ref_logprobs: ``[N, L]`` reference-model log-probs, for the KL term and metric.
         initial_entropy: the policy's mean token entropy at the first step, for the entropy gate.
-        backend: ``"auto"`` (fastest available) or ``"torch"`` (chunked plain PyTorch).
+        backend: ``"auto"`` (Triton for CUDA tensors, else ``"torch"``), ``"triton"`` (fused kernels; on
+            CPU tensors only under ``TRITON_INTERPRET=1``) or ``"torch"`` (chunked plain PyTorch).
 
     Returns:
         `GTPOLossOutput` with ``.loss`` (0-d, differentiable w.r.t. ``logits``) and ``.metrics``
@@ -85,12 +68,16 @@ def gtpo_loss(
                          f"model's log-probs or set kl_beta=0")
     backend = resolve_backend(backend, logits.device)
 
-    logp, entropy = _token_stats(backend, logits, completion_ids, valid, config)
+    logp, entropy = token_stats(backend, logits, completion_ids, valid, chunk_size=config.chunk_size,
+                                inplace=config.inplace_backward)
     if sync:
         validation.check_token_stats_finite(logp, entropy, valid)
 
     if config.use_conflict_weights:
-        lambda_, n_conflict = conflict_weights(
+        weights_fn = conflict_weights
+        if backend == "triton" and logp.dtype == torch.float32:
+            from .ops.conflict_weights_triton import conflict_weights_triton as weights_fn
+        lambda_, n_conflict = weights_fn(
             completion_ids, valid, advantages.detach().to(logp.dtype), group_size, config.conflict_weight
         )
     else:

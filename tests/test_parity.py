@@ -12,9 +12,9 @@ import torch
 from gtpo_kernels import GTPOConfig, gtpo_loss
 from gtpo_kernels.reference import reference_gtpo_loss, token_logprobs_and_entropy
 
-from .helpers import RTOL, assert_rel_close, random_batch
+from .helpers import RTOL, assert_rel_close, device_for, random_batch, to_cpu
 
-BACKENDS = ["torch"]
+BACKENDS = ["torch", "triton"]  # "triton" runs interpreted on CPU tensors (tests/conftest.py)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 CONFIGS = {
@@ -40,10 +40,13 @@ def compare(backend, dtype, config, logits, ids, mask, adv, group_size, *, off_p
         g = torch.Generator().manual_seed(321)
         kwargs["ref_logprobs"] = (logp64 + 0.5 * torch.randn(logp64.shape, generator=g, dtype=torch.float64)).float()
 
-    x = logits.detach().clone().requires_grad_()
-    out = gtpo_loss(x, ids, mask, adv, group_size=group_size, config=config, backend=backend,
-                    initial_entropy=initial_entropy, **kwargs)
+    dev = device_for(backend)
+    x = logits.detach().clone().to(dev).requires_grad_()
+    out = gtpo_loss(x, ids.to(dev), mask.to(dev), adv.to(dev), group_size=group_size, config=config,
+                    backend=backend, initial_entropy=initial_entropy, **{k: v.to(dev) for k, v in kwargs.items()})
     out.loss.backward()
+    out = to_cpu(out)
+    grad = x.grad.cpu()
 
     x64 = logits.detach().double().requires_grad_()
     ref = reference_gtpo_loss(x64, ids, mask, adv.double(), group_size=group_size, config=config,
@@ -52,9 +55,9 @@ def compare(backend, dtype, config, logits, ids, mask, adv, group_size, *, off_p
     ref.loss.backward()
 
     rtol = RTOL[dtype]
-    assert x.grad.dtype == dtype
+    assert grad.dtype == dtype
     assert_rel_close(out.loss.detach(), ref.loss.detach(), rtol, "loss")
-    assert_rel_close(x.grad, x64.grad, rtol, "grad")
+    assert_rel_close(grad, x64.grad, rtol, "grad")
     m, r = out.metrics, ref.metrics
     for name in ("entropy", "completion_entropy", "ratio_mean"):
         assert_rel_close(getattr(m, name), getattr(r, name), rtol, name)

@@ -15,6 +15,7 @@ from typing import Optional, Tuple
 import torch
 
 from ..reference import accumulation_dtype
+from .inplace import increment_version
 
 CHUNK_BYTES = 64 * 2**20  # float32 bytes of logits per chunk when no chunk size is given
 
@@ -60,7 +61,8 @@ class TorchTokenStats(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, chunk_size: Optional[int]):
+    def forward(ctx, logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, chunk_size: Optional[int],
+                inplace: bool = False):
         n_rows, length, vocab = logits.shape
         acc = accumulation_dtype(logits.dtype)
         chunk = chunk_size or default_chunk_size(vocab)
@@ -78,6 +80,7 @@ class TorchTokenStats(torch.autograd.Function):
         entropy = torch.where(valid, entropy, zero)
         ctx.save_for_backward(logits, ids, valid, lse, entropy)
         ctx.chunk = chunk
+        ctx.inplace = inplace
         return logp, entropy
 
     @staticmethod
@@ -89,7 +92,8 @@ class TorchTokenStats(torch.autograd.Function):
         grad_logp = zero.expand_as(lse) if grad_logp is None else torch.where(valid, grad_logp.to(acc), zero)
         grad_entropy = (zero.expand_as(lse) if grad_entropy is None
                         else torch.where(valid, grad_entropy.to(acc), zero))
-        grad_logits = torch.empty_like(logits, memory_format=torch.contiguous_format)
+        # In place: each block's gradient is computed from its logits before it overwrites them.
+        grad_logits = logits if ctx.inplace else torch.empty_like(logits, memory_format=torch.contiguous_format)
         for rows, pos in _blocks(*lse.shape, ctx.chunk):
             z = logits[rows, pos].to(acc)
             log_p = z - lse[rows, pos, None]
@@ -101,11 +105,14 @@ class TorchTokenStats(torch.autograd.Function):
             grad.scatter_add_(-1, ids[rows, pos, None], g_logp)
             # Masked tokens may hold NaN logits: write exact zeros, not 0 * NaN.
             grad_logits[rows, pos] = torch.where(valid[rows, pos, None], grad, zero).to(logits.dtype)
-        return grad_logits, None, None, None
+        if ctx.inplace:
+            increment_version(logits)
+        return grad_logits, None, None, None, None
 
 
 def token_stats_torch(
-    logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, chunk_size: Optional[int] = None
+    logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, chunk_size: Optional[int] = None,
+    inplace: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``logits [N, L, V]``, ``ids [N, L]``, ``valid [N, L]`` bool -> ``(logp, H)``, each ``[N, L]``."""
-    return TorchTokenStats.apply(logits, ids, valid, chunk_size)
+    return TorchTokenStats.apply(logits, ids, valid, chunk_size, inplace)

@@ -1,0 +1,173 @@
+"""Triton-specific behaviour: conflict weights bit for bit, the in-place gradient mode, the no-grad
+forward, backend selection, and a property test over random shapes. On the CPU the kernels run
+under Triton's interpreter (tests/conftest.py); with GTPO_TEST_CUDA=1 they run compiled on a GPU."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gtpo_kernels import GTPOConfig, conflict_weights, gtpo_loss, token_logprobs_and_entropy
+from gtpo_kernels.ops.conflict_weights_triton import conflict_weights_triton
+from gtpo_kernels.reference import reference_gtpo_loss
+from gtpo_kernels.reference import token_logprobs_and_entropy as reference_token_stats
+from gtpo_kernels.token_stats import resolve_backend
+
+from .helpers import FP32_ABS_FLOOR, RTOL, assert_rel_close, device_for, random_batch
+
+DEV = device_for("triton")
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_conflict_weights_bit_for_bit(seed):
+    g = torch.Generator().manual_seed(seed)
+    n_groups, group, length = 3, [2, 4, 8][seed % 3], [1, 5, 37][seed % 3]
+    ids = torch.randint(0, 3, (n_groups * group, length), generator=g)
+    lengths = torch.randint(0, length + 1, (n_groups * group,), generator=g)
+    mask = torch.arange(length)[None] < lengths[:, None]
+    adv = torch.randint(-1, 2, (n_groups * group,), generator=g).float() * torch.rand(n_groups * group, generator=g)
+    weight = [2.0, 3.0][seed % 2]
+    lam, n = conflict_weights_triton(ids.to(DEV), mask.to(DEV), adv.to(DEV), group, weight)
+    lam_ref, n_ref = conflict_weights(ids, mask, adv, group, weight)
+    assert torch.equal(lam.cpu(), lam_ref) and torch.equal(n.cpu(), n_ref)
+
+
+def test_conflict_weights_long_completions_cross_blocks():
+    # L > 1024 spans several position blocks; the run must continue across the block boundary.
+    length = 1500
+    ids = torch.randint(0, 50, (2, length))
+    ids[1] = ids[0]
+    ids[1, 1300] = (ids[0, 1300] + 1) % 50
+    mask = torch.ones(2, length, dtype=torch.bool)
+    adv = torch.tensor([1.0, -1.0])
+    lam, n = conflict_weights_triton(ids.to(DEV), mask.to(DEV), adv.to(DEV), 2)
+    lam_ref, n_ref = conflict_weights(ids, mask, adv, 2)
+    assert torch.equal(lam.cpu(), lam_ref) and n.tolist() == n_ref.tolist() == [1300, 1300]
+
+
+def make(dtype=torch.float32, seed=0):
+    logits, ids, mask, adv = random_batch(2, 3, 5, 29, dtype=dtype, seed=seed)
+    return logits.to(DEV), ids.to(DEV), mask.to(DEV), adv.to(DEV)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_inplace_backward_gives_the_same_gradient(dtype, backend):
+    logits, ids, mask, adv = make(dtype)
+    base = logits.clone().requires_grad_()
+    out = gtpo_loss(base * 1, ids, mask, adv, group_size=3, backend=backend,
+                    config=GTPOConfig(entropy_mode="penalty"))
+    out.loss.backward()
+
+    base_inplace = logits.clone().requires_grad_()
+    model_output = base_inplace * 1  # stands for the model's logits: a non-leaf tensor
+    out_inplace = gtpo_loss(model_output, ids, mask, adv, group_size=3, backend=backend,
+                            config=GTPOConfig(entropy_mode="penalty", inplace_backward=True))
+    storage = model_output.data_ptr()
+    out_inplace.loss.backward()
+    assert torch.equal(out.loss, out_inplace.loss)
+    assert torch.equal(base.grad, base_inplace.grad)
+    # The gradient really was written over the logits (that is the memory saving).
+    assert model_output.data_ptr() == storage
+    assert torch.equal(model_output.detach(), base.grad)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_inplace_backward_refuses_to_corrupt_saved_logits(backend):
+    logits, ids, mask, adv = make()
+    base = logits.clone().requires_grad_()
+    model_output = base * 1
+    # A node created *before* the loss that saved the logits runs its backward *after* the loss's:
+    # it would read gradients as logits. Autograd must refuse.
+    other_use = (model_output ** 2).sum()
+    out = gtpo_loss(model_output, ids, mask, adv, group_size=3, backend=backend,
+                    config=GTPOConfig(inplace_backward=True))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (out.loss + 0 * other_use).backward()
+
+
+def test_inplace_backward_rejects_leaf_logits():
+    logits, ids, mask, adv = make()
+    leaf = logits.clone().requires_grad_()
+    with pytest.raises(ValueError, match="inplace_backward=True would write the gradient over a leaf"):
+        gtpo_loss(leaf, ids, mask, adv, group_size=3, config=GTPOConfig(inplace_backward=True), backend="triton")
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_token_logprobs_and_entropy(backend, dtype):
+    logits, ids, mask, _ = make(dtype, seed=3)
+    logp, entropy = token_logprobs_and_entropy(logits, ids, mask, backend=backend)
+    assert not logp.requires_grad and logp.dtype == torch.float32
+    ref_logp, ref_entropy = reference_token_stats(logits.cpu().double(), torch.where(mask, ids, 0).cpu())
+    valid = mask.cpu()
+    assert_rel_close(logp.cpu()[valid], ref_logp[valid], RTOL[torch.float32], "logp")
+    assert_rel_close(entropy.cpu()[valid], ref_entropy[valid], RTOL[torch.float32], "entropy")
+    assert (logp.cpu()[~valid] == 0).all() and (entropy.cpu()[~valid] == 0).all()
+    # Without a mask every position counts.
+    full_logp, _ = token_logprobs_and_entropy(logits, ids, backend=backend)
+    all_logp, _ = reference_token_stats(logits.cpu().double(), ids.cpu())
+    assert_rel_close(full_logp.cpu(), all_logp, RTOL[torch.float32], "logp, no mask")
+
+
+def test_token_logprobs_and_entropy_validates():
+    logits, ids, mask, _ = make()
+    bad = ids.clone()
+    bad[0, 0] = 29
+    with pytest.raises(ValueError, match=r"completion_ids must lie in \[0, V=29\)"):
+        token_logprobs_and_entropy(logits, bad)
+    with pytest.raises(ValueError, match="disagree on N or L"):
+        token_logprobs_and_entropy(logits[:, :2], ids)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_logits_are_reported(value):
+    logits, ids, mask, adv = make()
+    logits[3, 0, 7] = value
+    with pytest.raises(ValueError, match=r"unmasked position \[3, 0\]"):
+        gtpo_loss(logits, ids, mask, adv, group_size=3, backend="triton")
+
+
+def test_unchecked_bad_id_gives_nan_not_a_wrong_value():
+    # With validation off, an out-of-range id must not read out of bounds or give a plausible number.
+    logits, ids, mask, _ = make()
+    bad = ids.clone()
+    bad[0, 0] = 10_000
+    logp, _ = token_logprobs_and_entropy(logits, bad, backend="triton", validate=False)
+    assert torch.isnan(logp[0, 0]) and torch.isfinite(logp[0, 1:]).all()
+
+
+def test_backend_selection(monkeypatch):
+    assert resolve_backend("auto", torch.device("cpu")) == "torch"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="backend='triton' needs CUDA tensors"):
+        resolve_backend("triton", torch.device("cpu"))
+    with pytest.raises(ValueError, match="backend must be one of"):
+        resolve_backend("cuda", torch.device("cpu"))
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    n_groups=st.integers(1, 3), group_size=st.integers(1, 4), length=st.integers(1, 6),
+    vocab=st.integers(1, 70), seed=st.integers(0, 10_000),
+    preset=st.sampled_from(["paper", "official", "grpo"]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_property_random_shapes_and_masks(n_groups, group_size, length, vocab, seed, preset, dtype):
+    logits, ids, mask, adv = random_batch(n_groups, group_size, length, vocab, dtype=dtype, seed=seed, min_len=0)
+    config = GTPOConfig(preset=preset)
+    x = logits.clone().to(DEV).requires_grad_()
+    out = gtpo_loss(x, ids.to(DEV), mask.to(DEV), adv.to(DEV), group_size=group_size, config=config,
+                    backend="triton")
+    out.loss.backward()
+    x64 = logits.double().requires_grad_()
+    ref = reference_gtpo_loss(x64, ids, mask, adv.double(), group_size=group_size, config=config)
+    ref.loss.backward()
+    rtol = RTOL[dtype]
+    # A completion entropy within rounding of the threshold may flip the filter; skip such draws.
+    tau = config.entropy_threshold
+    if tau is not None and (ref.metrics.completion_entropy - tau).abs().min() < 1e-3:
+        return
+    # The loss can be a tiny multiple of a near-zero entropy (G = 1 groups), hence the absolute floor.
+    assert_rel_close(out.loss.detach().cpu(), ref.loss.detach(), rtol, "loss", atol=FP32_ABS_FLOOR)
+    assert_rel_close(x.grad.cpu(), x64.grad, rtol, "grad", atol=FP32_ABS_FLOOR)
