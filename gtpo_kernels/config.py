@@ -84,7 +84,7 @@ class GTPOConfig:
         kl_beta: ``beta``, weight of the k3 KL estimate against ``ref_logprobs`` (0 disables the
             term; the KL is still reported in the metrics when reference log-probs are given).
         chunk_size: tokens per chunk for the ``"torch"`` backend (``None``: chosen so that one
-            chunk's float32 logits take at most 64 MiB).
+            chunk's float32 logits take at most 4 MiB on the CPU, 64 MiB on a GPU).
         inplace_backward: write the gradient of the logits into the logits' own storage during
             backward, saving one ``[N, L, V]`` buffer. The logits' values are destroyed; autograd
             raises an error if another node still needs them (see README).

@@ -17,11 +17,16 @@ import torch
 from ..reference import accumulation_dtype
 from .inplace import increment_version
 
-CHUNK_BYTES = 64 * 2**20  # float32 bytes of logits per chunk when no chunk size is given
+# float32 bytes of logits per chunk when no chunk size is given. On the CPU a chunk that stays in
+# cache makes the several elementwise passes below ~5x faster than 64 MiB chunks (measured at
+# T = 512, V = 151936 on 2 cores); on a GPU larger chunks amortise kernel launches.
+CHUNK_BYTES = {"cpu": 4 * 2**20}
+DEFAULT_CHUNK_BYTES = 64 * 2**20
 
 
-def default_chunk_size(vocab_size: int) -> int:
-    return max(1, CHUNK_BYTES // (4 * vocab_size))
+def default_chunk_size(vocab_size: int, device: torch.device) -> int:
+    budget = CHUNK_BYTES.get(device.type, DEFAULT_CHUNK_BYTES)
+    return max(1, budget // (4 * vocab_size))
 
 
 def _chunk_stats(z: torch.Tensor, ids: torch.Tensor):
@@ -65,7 +70,7 @@ class TorchTokenStats(torch.autograd.Function):
                 inplace: bool = False):
         n_rows, length, vocab = logits.shape
         acc = accumulation_dtype(logits.dtype)
-        chunk = chunk_size or default_chunk_size(vocab)
+        chunk = chunk_size or default_chunk_size(vocab, logits.device)
         ids = torch.where(valid, ids.long(), 0)
         lse = torch.zeros((n_rows, length), dtype=acc, device=logits.device)
         logp = torch.zeros_like(lse)

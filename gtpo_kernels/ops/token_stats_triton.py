@@ -40,9 +40,11 @@ def _token_stats_forward_kernel(
     is_valid = tl.load(valid_ptr + token) != 0
     n_blocks = tl.where(is_valid, tl.cdiv(vocab, BLOCK_V), 0)
 
+    # Running max m is a scalar (one reduction per block); the sums s and w are kept per lane and
+    # reduced once at the end, so each element costs one exp and no cross-warp traffic.
     m = tl.full((), float("-inf"), tl.float32)
-    s = tl.zeros((), tl.float32)
-    w = tl.zeros((), tl.float32)
+    s_lanes = tl.zeros((BLOCK_V,), tl.float32)
+    w_lanes = tl.zeros((BLOCK_V,), tl.float32)
     cols = tl.arange(0, BLOCK_V)
     for b in range(0, n_blocks):
         offs = b * BLOCK_V + cols
@@ -53,11 +55,15 @@ def _token_stats_forward_kernel(
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         e = tl.exp(z - shift)
         d = tl.where(e > 0, z - shift, 0.0)
+        # Rescale what the lanes hold from the old shift to the new one:
+        # sum e^(z-m)(z-m) -> alpha * (w + (m - shift) s), with alpha = e^(m - shift).
         alpha = tl.exp(m - shift)
-        old_delta = tl.where(s > 0, m - shift, 0.0)
-        w = alpha * (w + old_delta * s) + tl.sum(e * d, axis=0)
-        s = alpha * s + tl.sum(e, axis=0)
+        old_delta = tl.where(m == float("-inf"), 0.0, m - shift)
+        w_lanes = alpha * (w_lanes + old_delta * s_lanes) + e * d
+        s_lanes = alpha * s_lanes + e
         m = m_new
+    s = tl.sum(s_lanes, axis=0)
+    w = tl.sum(w_lanes, axis=0)
 
     log_s = tl.log(tl.where(is_valid, s, 1.0))  # masked tokens read nothing: s = 0
     lse = m + log_s

@@ -1,0 +1,229 @@
+"""Timing, peak memory, bandwidth floor and reporting shared by the benchmarks.
+
+Times are medians over repetitions, every implementation measured side by side in the same process
+(the machines are noisy; only ratios within one run mean anything).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, List, Optional
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _RssPeak:
+    """Peak resident memory of this process while active, sampled every millisecond (CPU runs)."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+
+    @staticmethod
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def __enter__(self):
+        self.start = self.peak = self.rss()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.rss())
+            time.sleep(0.001)
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.rss())
+
+    @property
+    def extra(self) -> int:
+        return self.peak - self.start
+
+
+@dataclass
+class Timing:
+    forward_ms: float
+    backward_ms: float
+    total_ms: float
+    peak_extra_mb: float
+
+
+def measure(make_input: Callable[[], object], forward: Callable[[object], torch.Tensor], device: torch.device,
+            reps: int, warmup: int = 1) -> Timing:
+    """Median forward, backward and forward+backward times of ``forward(make_input()).backward()``.
+
+    ``make_input`` runs outside the timed region (fresh inputs each repetition, as the in-place
+    modes destroy theirs). Peak memory is what the loss adds on top of its inputs.
+    """
+    fwd, bwd, tot = [], [], []
+    for _ in range(warmup):
+        forward(make_input()).backward()
+    sync(device)
+    peak_extra = 0
+    for _ in range(reps):
+        x = make_input()
+        sync(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+            tracker = None
+        else:
+            tracker = _RssPeak().__enter__()
+        t0 = time.perf_counter()
+        loss = forward(x)
+        sync(device)
+        t1 = time.perf_counter()
+        loss.backward()
+        sync(device)
+        t2 = time.perf_counter()
+        if tracker is None:
+            peak_extra = max(peak_extra, torch.cuda.max_memory_allocated(device) - base)
+        else:
+            tracker.__exit__(None, None, None)
+            peak_extra = max(peak_extra, tracker.extra)
+        del x, loss
+        fwd.append(t1 - t0)
+        bwd.append(t2 - t1)
+        tot.append(t2 - t0)
+    med = lambda xs: 1e3 * statistics.median(xs)  # noqa: E731
+    return Timing(med(fwd), med(bwd), med(tot), peak_extra / 2**20)
+
+
+def copy_bandwidth_gbs(device: torch.device, nbytes: int = 2**30, reps: int = 20) -> Optional[float]:
+    """Measured device-to-device copy bandwidth (bytes read + written per second), GPU only."""
+    if device.type != "cuda":
+        return None
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    sync(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * nbytes / statistics.median(times) / 1e9
+
+
+def environment(device: torch.device) -> dict:
+    info = {
+        "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "device": str(device),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_threads": torch.get_num_threads(),
+    }
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info["gpu"] = props.name
+        info["gpu_memory_gb"] = round(props.total_memory / 2**30, 1)
+        info["cuda"] = torch.version.cuda
+    else:
+        try:
+            with open("/proc/cpuinfo") as f:
+                names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+            info["cpu"] = names[0] if names else info["cpu"]
+        except OSError:
+            pass
+    return info
+
+
+@dataclass
+class Row:
+    impl: str
+    tokens: int
+    vocab: int
+    dtype: str
+    forward_ms: Optional[float] = None
+    backward_ms: Optional[float] = None
+    total_ms: Optional[float] = None
+    peak_extra_mb: Optional[float] = None
+    extra: dict = field(default_factory=dict)
+    error: Optional[str] = None
+
+
+def markdown_table(rows: List[Row], columns: List[str]) -> str:
+    header = "| impl | T | V | dtype | fwd ms | bwd ms | fwd+bwd ms | peak extra MB | " + \
+        " | ".join(columns) + " |"
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    fmt = lambda v: "" if v is None else (f"{v:.2f}" if isinstance(v, float) else str(v))  # noqa: E731
+    for r in rows:
+        if r.error:
+            cells = [r.impl, r.tokens, r.vocab, r.dtype, f"error: {r.error}", "", "", ""] + [""] * len(columns)
+        else:
+            cells = [r.impl, r.tokens, r.vocab, r.dtype, r.forward_ms, r.backward_ms, r.total_ms,
+                     r.peak_extra_mb] + [r.extra.get(c) for c in columns]
+        lines.append("| " + " | ".join(fmt(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def save(name: str, env: dict, rows: List[Row], table: str, notes: str = "") -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(
+        {"environment": env, "rows": [asdict(r) for r in rows]}, indent=1))
+    env_lines = "\n".join(f"- {k}: {v}" for k, v in env.items())
+    (RESULTS / f"{name}.md").write_text(f"# {name}\n\n{env_lines}\n\n{notes}\n\n{table}\n")
+    return RESULTS / f"{name}.md"
+
+
+def plot_time_vs_vocab(name: str, rows: List[Row], title: str) -> Optional[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot (pip install -e '.[bench]')")
+        return None
+    panels = sorted({(r.tokens, r.dtype) for r in rows if r.total_ms is not None})
+    if not panels:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (tokens, dtype) in zip(axes[0], panels):
+        impls = sorted({r.impl for r in rows if r.tokens == tokens and r.dtype == dtype})
+        for impl in impls:
+            pts = sorted((r.vocab, r.total_ms) for r in rows
+                         if r.impl == impl and r.tokens == tokens and r.dtype == dtype and r.total_ms)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
+        ax.set_title(f"T = {tokens}, {dtype}")
+        ax.set_xlabel("vocabulary size V")
+        ax.set_ylabel("forward + backward (ms)")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path = RESULTS / f"{name}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

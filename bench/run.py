@@ -1,0 +1,16 @@
+"""Entry point: ``python -m bench [logits] [options]`` (``--help`` for each benchmark's options)."""
+
+import sys
+
+BENCHMARKS = {"logits": "bench.logits"}
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    name = argv.pop(0) if argv and argv[0] in BENCHMARKS else "logits"
+    module = __import__(BENCHMARKS[name], fromlist=["main"])
+    module.main(argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""The benchmark harness runs end to end (tiny shapes; Triton rows under the interpreter), so it does
+not rot between GPU sessions. Timings here mean nothing; the structure of the output does."""
+
+import importlib.util
+
+import torch
+
+from bench import common, logits
+
+
+def test_logits_benchmark_harness(tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    rows, bandwidth = logits.run(torch.device("cpu"), [32], [50], [torch.float32], reps=1,
+                                 with_compile=False, only=[], triton_rows=True)
+    names = {r.impl for r in rows}
+    assert {"reference-eager", "gtpo-torch", "gtpo-triton", "gtpo-triton-inplace"} <= names
+    if importlib.util.find_spec("liger_kernel"):
+        assert "liger-grpo" in names
+    assert all(r.error is None and r.total_ms > 0 for r in rows), [r.error for r in rows]
+    assert bandwidth is None  # CPU: no copy-bandwidth floor
+    eager = next(r for r in rows if r.impl == "reference-eager")
+    assert eager.extra["speedup vs eager"] == 1.0
+    table = common.markdown_table(rows, sorted({k for r in rows for k in r.extra}))
+    path = common.save("t", {"device": "cpu"}, rows, table)
+    assert path.exists() and (tmp_path / "t.json").exists()
