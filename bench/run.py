@@ -1,8 +1,8 @@
-"""Entry point: ``python -m bench [logits] [options]`` (``--help`` for each benchmark's options)."""
+"""Entry point: ``python -m bench [logits|fused_linear] [options]`` (``--help`` for each one's options)."""
 
 import sys
 
-BENCHMARKS = {"logits": "bench.logits"}
+BENCHMARKS = {"logits": "bench.logits", "fused_linear": "bench.fused_linear"}
 
 
 def main() -> None:

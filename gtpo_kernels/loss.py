@@ -50,43 +50,61 @@ def gtpo_loss(
         (`GTPOMetrics`, detached). A batch with every position masked gives a zero loss and zero
         gradients.
     """
-    config = config or GTPOConfig()
-    if not isinstance(config, GTPOConfig):
-        raise TypeError(f"config must be a GTPOConfig, got {type(config).__name__}")
-    sync = config.validate_inputs
     validation.check_logits(logits)
-    shape = validation.check_ids(completion_ids)
-    if tuple(logits.shape[:2]) != shape:
-        raise ValueError(f"logits [N, L, V] = {tuple(logits.shape)} and completion_ids [N, L] = {shape} "
-                         f"disagree on N or L; logits[i, t] must predict completion_ids[i, t]")
-    valid, initial_entropy = validation.check_loss_inputs(
-        logits, completion_ids, completion_mask, advantages, group_size, old_logprobs, ref_logprobs,
-        initial_entropy, sync=sync, vocab_size=logits.shape[-1],
-    )
-    if config.kl_beta and ref_logprobs is None:
-        raise ValueError(f"config.kl_beta = {config.kl_beta} needs ref_logprobs [N, L]; pass the reference "
-                         f"model's log-probs or set kl_beta=0")
+    config, valid, initial_entropy = prepare_loss_inputs(
+        logits, completion_ids, completion_mask, advantages, group_size, config, old_logprobs, ref_logprobs,
+        initial_entropy, what="logits [N, L, V]")
     backend = resolve_backend(backend, logits.device)
 
     logp, entropy = token_stats(backend, logits, completion_ids, valid, chunk_size=config.chunk_size,
                                 inplace=config.inplace_backward)
-    if sync:
+    if config.validate_inputs:
         validation.check_token_stats_finite(logp, entropy, valid)
-
-    if config.use_conflict_weights:
-        weights_fn = conflict_weights
-        if backend == "triton" and logp.dtype == torch.float32:
-            from .ops.conflict_weights_triton import conflict_weights_triton as weights_fn
-        lambda_, n_conflict = weights_fn(
-            completion_ids, valid, advantages.detach().to(logp.dtype), group_size, config.conflict_weight
-        )
-    else:
-        lambda_ = torch.ones_like(logp)
-        n_conflict = torch.zeros(shape[0], dtype=torch.long, device=logp.device)
+    lambda_, n_conflict = batch_conflict_weights(config, backend, completion_ids, valid, advantages, group_size,
+                                                 logp.dtype)
     return gtpo_loss_from_token_stats(
         logp, entropy, valid, advantages.detach(), lambda_, n_conflict, config,
         old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, initial_entropy=initial_entropy,
     )
+
+
+def prepare_loss_inputs(source, completion_ids, completion_mask, advantages, group_size, config, old_logprobs,
+                        ref_logprobs, initial_entropy, what):
+    """Checks the inputs shared by every GTPO loss entry point.
+
+    ``source`` is the ``[N, L, *]`` tensor the loss reads (logits, or hidden states with
+    ``vocab_size`` checked by the caller); its last dimension is the vocabulary for logits.
+    Returns ``(config, valid [N, L] bool, initial_entropy float|None)``.
+    """
+    config = config or GTPOConfig()
+    if not isinstance(config, GTPOConfig):
+        raise TypeError(f"config must be a GTPOConfig, got {type(config).__name__}")
+    shape = validation.check_ids(completion_ids)
+    if tuple(source.shape[:2]) != shape:
+        raise ValueError(f"{what} = {tuple(source.shape)} and completion_ids [N, L] = {shape} disagree on N "
+                         f"or L; position t of row i must predict completion_ids[i, t]")
+    valid, initial_entropy = validation.check_loss_inputs(
+        source, completion_ids, completion_mask, advantages, group_size, old_logprobs, ref_logprobs,
+        initial_entropy, sync=config.validate_inputs,
+        vocab_size=source.shape[-1] if what.startswith("logits") else None,
+    )
+    if config.kl_beta and ref_logprobs is None:
+        raise ValueError(f"config.kl_beta = {config.kl_beta} needs ref_logprobs [N, L]; pass the reference "
+                         f"model's log-probs or set kl_beta=0")
+    return config, valid, initial_entropy
+
+
+def batch_conflict_weights(config: GTPOConfig, backend: str, completion_ids, valid, advantages, group_size,
+                           dtype: torch.dtype):
+    """``(lambda_ [N, L], n_conflict [N])`` for the whole batch, or ones/zeros when disabled."""
+    n_rows, length = completion_ids.shape
+    if not config.use_conflict_weights:
+        return (torch.ones((n_rows, length), dtype=dtype, device=valid.device),
+                torch.zeros(n_rows, dtype=torch.long, device=valid.device))
+    weights_fn = conflict_weights
+    if backend == "triton" and dtype == torch.float32:
+        from .ops.conflict_weights_triton import conflict_weights_triton as weights_fn
+    return weights_fn(completion_ids, valid, advantages.detach().to(dtype), group_size, config.conflict_weight)
 
 
 class GTPOLoss(nn.Module):

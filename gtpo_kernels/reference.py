@@ -187,12 +187,19 @@ def gtpo_loss_from_token_stats(
     old_logprobs: Optional[torch.Tensor] = None,
     ref_logprobs: Optional[torch.Tensor] = None,
     initial_entropy: Optional[float] = None,
+    total_rows: Optional[int] = None,
+    total_tokens: Optional[torch.Tensor] = None,
 ) -> GTPOLossOutput:
     """The GTPO loss from per-token log-probs and entropies (``[N, L]`` each, differentiable).
 
     Values of ``token_logprobs``, ``token_entropy``, ``old_logprobs`` and ``ref_logprobs`` at masked
     positions are never used (they may hold anything, even NaN). ``lambda_`` and ``n_conflict``
     come from `conflict_weights` (pass ones and zeros to disable them).
+
+    Everything is row-local except the reductions' denominators. For a chunk of rows of a larger
+    batch, pass the batch's ``total_rows`` (``N``) and ``total_tokens`` (unmasked tokens): the
+    returned loss is then the chunk's exact contribution to the batch loss (the metrics stay the
+    chunk's own).
     """
     dtype = token_logprobs.dtype
     valid = completion_mask.bool()
@@ -201,6 +208,8 @@ def gtpo_loss_from_token_stats(
     lengths = mask.sum(dim=1)
     n_rows, n_positions = valid.shape
     n_tokens = mask.sum()
+    rows_denominator = n_rows if total_rows is None else total_rows
+    tokens_denominator = n_tokens if total_tokens is None else total_tokens
 
     logp = torch.where(valid, token_logprobs, zero)
     entropy = torch.where(valid, token_entropy, zero)
@@ -251,11 +260,11 @@ def gtpo_loss_from_token_stats(
         per_completion = per_token.sum(dim=1) / lengths.clamp(min=1)
         loss = per_completion.sum()
         if config.loss_reduction == "sequence_mean":
-            loss = loss / n_rows
+            loss = loss / rows_denominator
     elif config.loss_reduction == "token_mean":
-        loss = per_token.sum() / n_tokens.clamp(min=1)
+        loss = per_token.sum() / torch.as_tensor(tokens_denominator, dtype=dtype).clamp(min=1)
     else:  # dr_grpo
-        loss = per_token.sum() / (n_rows * n_positions)
+        loss = per_token.sum() / (rows_denominator * n_positions)
 
     def token_fraction(flags: torch.Tensor) -> torch.Tensor:
         return (flags & valid).sum().to(dtype) / n_tokens.clamp(min=1)

@@ -13,6 +13,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import validation
+from .ops.function import TokenStats
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -52,18 +53,21 @@ def token_stats(
         raise ValueError("inplace_backward=True would write the gradient over a leaf tensor that is its own "
                          "parameter (logits.grad would alias logits); use it on logits computed by the "
                          "model, or set inplace_backward=False")
-    if backend == "triton":
-        from .ops.token_stats_triton import token_stats_triton
+    kernels = kernels_for(backend, logits.dtype)
+    return TokenStats.apply(logits, ids, valid, kernels, chunk_size, inplace)
 
-        if logits.dtype == torch.float64:
-            # The kernels accumulate in float32; float64 (the oracle's dtype) stays exact in torch.
-            backend = "torch"
-        else:
-            return token_stats_triton(logits, ids, valid, inplace)
-    if backend == "torch":
-        from .ops.token_stats_torch import token_stats_torch
 
-        return token_stats_torch(logits, ids, valid, chunk_size, inplace)
+def kernels_for(backend: str, dtype: torch.dtype):
+    """The module holding a resolved backend's ``forward``/``backward`` (see `ops.function`)."""
+    if backend == "triton" and dtype != torch.float64:
+        from .ops import token_stats_triton
+
+        return token_stats_triton
+    if backend in ("torch", "triton"):
+        # float64 (the oracle's dtype) stays exact in the torch path; the kernels accumulate in float32.
+        from .ops import token_stats_torch
+
+        return token_stats_torch
     raise AssertionError(f"unresolved backend {backend!r}")
 
 

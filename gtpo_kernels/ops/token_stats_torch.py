@@ -1,21 +1,20 @@
 """Per-token log-prob and entropy in plain PyTorch, chunked over tokens (the ``"torch"`` backend).
 
 The unchunked reference (`reference.token_logprobs_and_entropy`) lets autograd keep several float32
-``[T, V]`` tensors alive until backward. This `autograd.Function` keeps only ``lse`` and ``H`` per
-token, and both passes walk the tokens in chunks, so at most one chunk's float32 logits and softmax
-exist at a time. The backward uses the closed form from SPEC.md:
+``[T, V]`` tensors alive until backward. Here the forward keeps only ``lse`` and ``H`` per token, and
+both passes walk the tokens in chunks, so at most one chunk's float32 logits and softmax exist at a
+time (`function.TokenStats` wraps them for autograd). The backward uses the closed form from SPEC.md:
 
     dlogits = g_logp * (onehot(y) - p) + g_H * dH/dz,   dH/dz = -p * (z - lse + H)
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 
 from ..reference import accumulation_dtype
-from .inplace import increment_version
 
 # float32 bytes of logits per chunk when no chunk size is given. On the CPU a chunk that stays in
 # cache makes the several elementwise passes below ~5x faster than 64 MiB chunks (measured at
@@ -58,66 +57,44 @@ def _blocks(n_rows: int, length: int, chunk_tokens: int):
             yield slice(r, r + rows_per_block), slice(t, t + positions_per_block)
 
 
-class TorchTokenStats(torch.autograd.Function):
-    """``(logits [N, L, V], ids [N, L], valid [N, L] bool, chunk_size) -> (logp [N, L], H [N, L])``.
-
-    Masked tokens (``valid = False``) get ``logp = H = 0`` and a zero gradient, whatever their
-    logits hold.
-    """
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, chunk_size: Optional[int],
-                inplace: bool = False):
-        n_rows, length, vocab = logits.shape
-        acc = accumulation_dtype(logits.dtype)
-        chunk = chunk_size or default_chunk_size(vocab, logits.device)
-        ids = torch.where(valid, ids.long(), 0)
-        lse = torch.zeros((n_rows, length), dtype=acc, device=logits.device)
-        logp = torch.zeros_like(lse)
-        entropy = torch.zeros_like(lse)
-        for rows, pos in _blocks(n_rows, length, chunk):
-            z = logits[rows, pos].to(acc).reshape(-1, vocab)
-            block = _chunk_stats(z, ids[rows, pos].reshape(-1))
-            for out, value in zip((lse, logp, entropy), block):
-                out[rows, pos] = value.view(out[rows, pos].shape)
-        zero = torch.zeros((), dtype=acc, device=logits.device)
-        logp = torch.where(valid, logp, zero)
-        entropy = torch.where(valid, entropy, zero)
-        ctx.save_for_backward(logits, ids, valid, lse, entropy)
-        ctx.chunk = chunk
-        ctx.inplace = inplace
-        return logp, entropy
-
-    @staticmethod
-    def backward(ctx, grad_logp: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor]):
-        logits, ids, valid, lse, entropy = ctx.saved_tensors
-        acc = lse.dtype
-        zero = torch.zeros((), dtype=acc, device=logits.device)
-        # Masked tokens get no gradient whatever the incoming one says.
-        grad_logp = zero.expand_as(lse) if grad_logp is None else torch.where(valid, grad_logp.to(acc), zero)
-        grad_entropy = (zero.expand_as(lse) if grad_entropy is None
-                        else torch.where(valid, grad_entropy.to(acc), zero))
-        # In place: each block's gradient is computed from its logits before it overwrites them.
-        grad_logits = logits if ctx.inplace else torch.empty_like(logits, memory_format=torch.contiguous_format)
-        for rows, pos in _blocks(*lse.shape, ctx.chunk):
-            z = logits[rows, pos].to(acc)
-            log_p = z - lse[rows, pos, None]
-            p = log_p.exp()
-            g_logp = grad_logp[rows, pos, None]
-            # -g_logp p + g_H dH/dz with dH/dz = -p (log p + H); log p of banned tokens (-inf) zeroed.
-            log_p = log_p.masked_fill(torch.isneginf(z), 0.0)
-            grad = -p * (g_logp + grad_entropy[rows, pos, None] * (log_p + entropy[rows, pos, None]))
-            grad.scatter_add_(-1, ids[rows, pos, None], g_logp)
-            # Masked tokens may hold NaN logits: write exact zeros, not 0 * NaN.
-            grad_logits[rows, pos] = torch.where(valid[rows, pos, None], grad, zero).to(logits.dtype)
-        if ctx.inplace:
-            increment_version(logits)
-        return grad_logits, None, None, None, None
+def forward(logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, chunk_size: Optional[int] = None):
+    """``logits [N, L, V]``, ``ids, valid [N, L]`` -> ``(lse, logp, H)`` ``[N, L]``, zeros where masked."""
+    n_rows, length, vocab = logits.shape
+    acc = accumulation_dtype(logits.dtype)
+    chunk = chunk_size or default_chunk_size(vocab, logits.device)
+    ids = torch.where(valid, ids.long(), 0)
+    lse = torch.zeros((n_rows, length), dtype=acc, device=logits.device)
+    logp = torch.zeros_like(lse)
+    entropy = torch.zeros_like(lse)
+    for rows, pos in _blocks(n_rows, length, chunk):
+        z = logits[rows, pos].to(acc).reshape(-1, vocab)
+        block = _chunk_stats(z, ids[rows, pos].reshape(-1))
+        for out, value in zip((lse, logp, entropy), block):
+            out[rows, pos] = value.view(out[rows, pos].shape)
+    zero = torch.zeros((), dtype=acc, device=logits.device)
+    return (torch.where(valid, lse, zero), torch.where(valid, logp, zero), torch.where(valid, entropy, zero))
 
 
-def token_stats_torch(
-    logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, chunk_size: Optional[int] = None,
-    inplace: bool = False,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``logits [N, L, V]``, ``ids [N, L]``, ``valid [N, L]`` bool -> ``(logp, H)``, each ``[N, L]``."""
-    return TorchTokenStats.apply(logits, ids, valid, chunk_size, inplace)
+def backward(logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, lse: torch.Tensor,
+             entropy: torch.Tensor, grad_logp: torch.Tensor, grad_entropy: torch.Tensor, out: torch.Tensor,
+             chunk_size: Optional[int] = None) -> torch.Tensor:
+    """Writes ``dlogits = g_logp (onehot - p) + g_H dH/dz`` into ``out`` (which may be ``logits``
+    itself: each block is read before it is overwritten); exact zeros at masked tokens."""
+    acc = lse.dtype
+    chunk = chunk_size or default_chunk_size(logits.shape[-1], logits.device)
+    ids = torch.where(valid, ids.long(), 0)
+    zero = torch.zeros((), dtype=acc, device=logits.device)
+    grad_logp = torch.where(valid, grad_logp.to(acc), zero)
+    grad_entropy = torch.where(valid, grad_entropy.to(acc), zero)
+    for rows, pos in _blocks(*lse.shape, chunk):
+        z = logits[rows, pos].to(acc)
+        log_p = z - lse[rows, pos, None]
+        p = log_p.exp()
+        g_logp = grad_logp[rows, pos, None]
+        # -g_logp p + g_H dH/dz with dH/dz = -p (log p + H); log p of banned tokens (-inf) zeroed.
+        log_p = log_p.masked_fill(torch.isneginf(z), 0.0)
+        grad = -p * (g_logp + grad_entropy[rows, pos, None] * (log_p + entropy[rows, pos, None]))
+        grad.scatter_add_(-1, ids[rows, pos, None], g_logp)
+        # Masked tokens may hold NaN logits: write exact zeros, not 0 * NaN.
+        out[rows, pos] = torch.where(valid[rows, pos, None], grad, zero).to(out.dtype)
+    return out

@@ -11,17 +11,17 @@ writes ``dlogits = c (onehot(y) - p) + e dH/dz`` with ``dH/dz = -p (log p + H)``
 "Gradient with respect to the logits"). Masked tokens get exact zeros without reading their logits.
 
 The same kernels run on CPU tensors under ``TRITON_INTERPRET=1`` (how CI tests them).
+`function.TokenStats` wraps `forward`/`backward` for autograd.
 """
 
 from __future__ import annotations
-
-from typing import Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
-from .inplace import increment_version
+from ..token_stats import triton_interpreted
+
 
 MAX_BLOCK_V = 8192
 
@@ -85,7 +85,7 @@ def _token_stats_forward_kernel(
 def _token_stats_backward_kernel(
     logits_ptr, grad_ptr, ids_ptr, valid_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr,
     length, vocab, stride_n, stride_l, grad_stride_n, grad_stride_l,
-    BLOCK_V: tl.constexpr,
+    BLOCK_V: tl.constexpr, EMULATE_BF16_ROUNDING: tl.constexpr,
 ):
     token = tl.program_id(0)
     row = token // length
@@ -110,6 +110,12 @@ def _token_stats_backward_kernel(
         p = tl.exp(log_p)
         log_p = tl.where(p > 0, log_p, 0.0)  # banned tokens: p = 0, avoid 0 * -inf
         grad = -p * (c + e * (log_p + entropy)) + tl.where(offs == target, c, 0.0)
+        if EMULATE_BF16_ROUNDING:
+            # Triton's interpreter truncates float32 -> bfloat16; GPUs round to nearest even. Round
+            # here so that tests on the CPU see the GPU's numerics (the cast below is then exact).
+            bits = grad.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            grad = bits.to(tl.float32, bitcast=True)
         tl.store(grad_base + offs, grad.to(grad_ptr.dtype.element_ty), mask=in_row)
     # Masked tokens: zeros, without reading logits that may hold anything.
     for b in range(n_compute, n_total):
@@ -125,12 +131,9 @@ def _num_warps(block_v: int) -> int:
     return 16 if block_v >= 8192 else 8 if block_v >= 2048 else 4
 
 
-def _last_dim_contiguous(logits: torch.Tensor) -> torch.Tensor:
-    return logits if logits.stride(-1) == 1 else logits.contiguous()
-
-
-def token_stats_forward(logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor):
-    """``logits [N, L, V]`` (last dim contiguous), ``ids, valid [N, L]`` -> ``(lse, logp, H)`` float32."""
+def forward(logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, chunk_size=None):
+    """``logits [N, L, V]`` (last dim contiguous), ``ids, valid [N, L]`` -> ``(lse, logp, H)`` float32
+    ``[N, L]``, zeros where masked. ``chunk_size`` is ignored (each program streams its own row)."""
     n_rows, length, vocab = logits.shape
     ids = ids.contiguous()
     valid = valid.contiguous()
@@ -146,49 +149,20 @@ def token_stats_forward(logits: torch.Tensor, ids: torch.Tensor, valid: torch.Te
     return lse, logp, entropy
 
 
-class TritonTokenStats(torch.autograd.Function):
-    """``(logits [N, L, V], ids [N, L], valid [N, L] bool, inplace) -> (logp [N, L], H [N, L])``.
-
-    With ``inplace=True`` the backward writes the gradient into the logits' own storage and returns
-    it, saving a whole ``N * L * V`` buffer; the logits' values are gone afterwards. The logits'
-    version counter is bumped, so any other autograd node that saved the same tensor and runs later
-    raises "modified by an inplace operation" instead of reading gradients as logits.
-    """
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, inplace: bool):
-        logits = _last_dim_contiguous(logits)
-        ids = ids.contiguous()
-        valid = valid.contiguous()
-        lse, logp, entropy = token_stats_forward(logits, ids, valid)
-        ctx.save_for_backward(logits, ids, valid, lse, entropy)
-        ctx.inplace = inplace
-        return logp, entropy
-
-    @staticmethod
-    def backward(ctx, grad_logp: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor]):
-        logits, ids, valid, lse, entropy = ctx.saved_tensors
-        grad_logp = torch.zeros_like(lse) if grad_logp is None else grad_logp.float().contiguous()
-        grad_entropy = torch.zeros_like(lse) if grad_entropy is None else grad_entropy.float().contiguous()
-        if ctx.inplace:
-            grad_logits = logits
-        else:
-            grad_logits = torch.empty_like(logits, memory_format=torch.contiguous_format)
-        n_rows, length, vocab = logits.shape
-        if lse.numel():
-            block = _block_v(vocab)
-            _token_stats_backward_kernel[(n_rows * length,)](
-                logits, grad_logits, ids, valid, lse, entropy, grad_logp, grad_entropy,
-                length, vocab, logits.stride(0), logits.stride(1), grad_logits.stride(0), grad_logits.stride(1),
-                BLOCK_V=block, num_warps=_num_warps(block),
-            )
-        if ctx.inplace:
-            increment_version(logits)
-        return grad_logits, None, None, None
-
-
-def token_stats_triton(
-    logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, inplace: bool = False
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``logits [N, L, V]``, ``ids [N, L]``, ``valid [N, L]`` bool -> ``(logp, H)`` float32 ``[N, L]``."""
-    return TritonTokenStats.apply(logits, ids, valid, inplace)
+def backward(logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, lse: torch.Tensor,
+             entropy: torch.Tensor, grad_logp: torch.Tensor, grad_entropy: torch.Tensor, out: torch.Tensor,
+             chunk_size=None) -> torch.Tensor:
+    """Writes ``dlogits`` into ``out`` (``[N, L, V]``, last dim contiguous; may be ``logits`` itself)."""
+    if logits.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError("triton backward needs logits and out with a contiguous last dimension")
+    n_rows, length, vocab = logits.shape
+    if lse.numel():
+        block = _block_v(vocab)
+        _token_stats_backward_kernel[(n_rows * length,)](
+            logits, out, ids.contiguous(), valid.contiguous(), lse, entropy,
+            grad_logp.float().contiguous(), grad_entropy.float().contiguous(),
+            length, vocab, logits.stride(0), logits.stride(1), out.stride(0), out.stride(1),
+            BLOCK_V=block, EMULATE_BF16_ROUNDING=out.dtype == torch.bfloat16 and triton_interpreted(),
+            num_warps=_num_warps(block),
+        )
+    return out

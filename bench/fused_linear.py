@@ -1,0 +1,139 @@
+"""Benchmark of the GTPO loss from hidden states and the lm_head weight (``hidden @ W.T`` inside).
+
+Rows (forward, backward, both, peak memory beyond the inputs):
+  materialised-torch   logits = hidden @ W.T, then `gtpo_loss(backend="torch")`: the full logits exist
+  fused-torch          `fused_linear_gtpo_loss(backend="torch")`: chunks of completions, no full logits
+  materialised-triton  the same as the first with the Triton loss (GPU only)
+  fused-triton         `fused_linear_gtpo_loss(backend="triton")` (GPU only)
+  liger-fused-grpo     Liger-Kernel's `LigerFusedLinearGRPOLoss` when installed (GPU only; no entropy)
+On a GPU the table adds achieved TFLOP/s counting the floor of 6 T H V FLOPs (one forward GEMM and two
+backward GEMMs) and the ratio to that floor at the bf16 matrix rate given by --peak-tflops.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Callable, Dict, List
+
+import torch
+
+from gtpo_kernels import GTPOConfig, fused_linear_gtpo_loss, gtpo_loss
+
+from .common import Row, environment, markdown_table, measure, save
+from .logits import GROUP_SIZE, ROWS_PER_BATCH, make_batch
+
+
+class _Leaf(torch.autograd.Function):
+    """Stands for the model body: hands ``data`` on as a non-leaf tensor (no copy), drops its gradient."""
+
+    @staticmethod
+    def forward(ctx, anchor, data):
+        return data
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None
+
+
+def implementations(device: torch.device, gpu_rows: bool) -> Dict[str, Callable]:
+    config = GTPOConfig(preset="paper")
+
+    def materialised(backend):
+        return lambda h, w, ids, m, a: gtpo_loss(h @ w.T, ids, m, a, group_size=GROUP_SIZE, config=config,
+                                                 backend=backend).loss
+
+    def fused(backend):
+        return lambda h, w, ids, m, a: fused_linear_gtpo_loss(h, w, ids, m, a, group_size=GROUP_SIZE, config=config,
+                                                              backend=backend).loss
+
+    impls = {"materialised-torch": materialised("torch"), "fused-torch": fused("torch")}
+    if gpu_rows:
+        impls["materialised-triton"] = materialised("triton")
+        impls["fused-triton"] = fused("triton")
+        try:
+            from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+        except ImportError:
+            print("liger-kernel not installed: no liger-fused-grpo rows")
+        else:
+            liger = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, loss_type="grpo",
+                                             compiled=device.type == "cuda")
+
+            def liger_loss(h, w, ids, m, a):
+                out = liger(h, w, ids, m.to(h.dtype), a)
+                return out[0] if isinstance(out, tuple) else out
+            impls["liger-fused-grpo"] = liger_loss
+    return impls
+
+
+def run(device, tokens_list: List[int], vocabs: List[int], hidden_sizes: List[int], dtypes, reps: int,
+        only: List[str], peak_tflops: float, gpu_rows=None) -> List[Row]:
+    impls = implementations(device, device.type == "cuda" if gpu_rows is None else gpu_rows)
+    if only:
+        impls = {k: v for k, v in impls.items() if k in only}
+    rows: List[Row] = []
+    for dtype in dtypes:
+        for tokens in tokens_list:
+            for hidden_size in hidden_sizes:
+                for vocab in vocabs:
+                    ids, mask, adv = make_batch(tokens, vocab, dtype, device)
+                    n, length = ids.shape
+                    weight = (torch.randn(vocab, hidden_size, device=device) / hidden_size ** 0.5).to(dtype)
+                    weight.requires_grad_()
+                    for name, fn in impls.items():
+                        def make_input():
+                            data = torch.randn(n, length, hidden_size, device=device, dtype=dtype)
+                            return _Leaf.apply(torch.zeros((), device=device, requires_grad=True), data)
+
+                        row = Row(name, tokens, vocab, str(dtype).replace("torch.", ""), extra={"H": hidden_size})
+                        try:
+                            t = measure(make_input, lambda h: fn(h, weight, ids, mask, adv), device, reps)
+                        except Exception as exc:
+                            row.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+                            if device.type == "cuda":
+                                torch.cuda.empty_cache()
+                        else:
+                            row.forward_ms, row.backward_ms, row.total_ms = t.forward_ms, t.backward_ms, t.total_ms
+                            row.peak_extra_mb = t.peak_extra_mb
+                            logits_mb = tokens * vocab * 4 / 2**20
+                            row.extra["peak/fp32 logits"] = t.peak_extra_mb / logits_mb
+                            flops = 6 * tokens * hidden_size * vocab
+                            row.extra["TFLOP/s"] = flops / (t.total_ms / 1e3) / 1e12
+                            if device.type == "cuda":
+                                row.extra["x floor"] = t.total_ms / (1e3 * flops / (peak_tflops * 1e12))
+                        weight.grad = None
+                        print(f"{row.impl:>20} T={tokens:>6} H={hidden_size:>5} V={vocab:>6} {row.dtype:>8}: "
+                              + (row.error or f"fwd+bwd {row.total_ms:9.1f} ms, peak +{row.peak_extra_mb:8.1f} MB"),
+                              flush=True)
+                        rows.append(row)
+    return rows
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench fused_linear", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tokens", type=int, nargs="+")
+    p.add_argument("--vocab", type=int, nargs="+", default=[151936])
+    p.add_argument("--hidden", type=int, nargs="+")
+    p.add_argument("--dtype", nargs="+")
+    p.add_argument("--reps", type=int)
+    p.add_argument("--only", nargs="+", default=[])
+    p.add_argument("--peak-tflops", type=float, default=790.0,
+                   help="bf16 matrix rate for the floor (H200 measured here: about 790)")
+    p.add_argument("--name")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    gpu = device.type == "cuda"
+    tokens = args.tokens or ([16384] if gpu else [4096])
+    hidden = args.hidden or ([3584] if gpu else [512])
+    dtypes = [getattr(torch, d) for d in (args.dtype or (["bfloat16"] if gpu else ["float32"]))]
+    reps = args.reps or (5 if gpu else 1)
+    rows = run(device, tokens, args.vocab, hidden, dtypes, reps, args.only, args.peak_tflops)
+    env = environment(device)
+    table = markdown_table(rows, sorted({k for r in rows for k in r.extra}))
+    print(table)
+    name = args.name or f"fused-linear-{device.type}"
+    notes = (f"N = {ROWS_PER_BATCH} completions (groups of {GROUP_SIZE}), L = T / {ROWS_PER_BATCH}, paper preset. "
+             f"Median of {reps} repetitions. 'peak extra' is memory beyond the inputs (hidden states, weight); "
+             "'peak/fp32 logits' divides it by the size of the full logits in float32 (T V 4 bytes).")
+    print("wrote", save(name, env, rows, table, notes))
