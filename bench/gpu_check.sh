@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check: on a CUDA machine (e.g. the lent H200), run the Triton kernels' tests compiled on
-# CUDA tensors, then the benchmark tables. Fits in about 6 minutes.
+# CUDA tensors, then the benchmark tables. Each step has a timeout; about 6 minutes in all.
 #
 #   bash bench/gpu_check.sh            # results in bench/results/, log in bench/results/gpu_check.log
 #   OUT=/some/dir bash bench/gpu_check.sh
@@ -21,15 +21,25 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
   $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
   if ls bench/wheels/*.whl >/dev/null 2>&1; then $PY -m pip install -q --no-deps bench/wheels/*.whl; fi
 
-  echo "== 1. CUDA tests: parity with the float64 reference, Triton specifics (compiled kernels)"
-  GTPO_TEST_CUDA=1 timeout 150 $PY -m pytest -q -x -p no:cacheprovider tests/test_parity.py tests/test_triton.py
+  echo "== 1. CUDA tests: parity with the float64 reference, Triton specifics, fused linear (compiled kernels)"
+  GTPO_TEST_CUDA=1 timeout 150 $PY -m pytest -q -x -p no:cacheprovider tests/test_parity.py tests/test_triton.py tests/test_fused_linear.py
 
   echo "== 2. Headline shape: T = 16384, V = 151936, bf16, every implementation incl. torch.compile"
   timeout 150 $PY -m bench logits --tokens 16384 --vocab 151936 --dtype bfloat16 --name logits-cuda-headline
 
-  echo "== 3. Full table (no torch.compile rows: compiling every shape would not fit the budget)"
-  timeout 180 $PY -m bench logits --no-compile --reps 5 --name logits-cuda
+  echo "== 3. Full logits table (no torch.compile rows: compiling every shape would not fit the budget)"
+  timeout 120 $PY -m bench logits --no-compile --reps 3 --name logits-cuda
+
+  echo "== 4. Fused hidden @ lm_head: T = 16384, H = 3584, V = 151936, bf16 (floor 6 T H V / 790 TFLOP/s)"
+  timeout 90 $PY -m bench fused_linear --only fused-triton materialised-triton liger-fused-grpo \
+    --name fused-linear-cuda
 } 2>&1 | tee -a "$LOG"
 
-if [ "$OUT" != "bench/results" ]; then cp bench/results/logits-cuda* "$OUT"/ 2>/dev/null; fi
+# The device tool brings back at most 8 files: the log and these seven.
+if [ "$OUT" != "bench/results" ]; then
+  for f in logits-cuda-headline.md logits-cuda-headline.json logits-cuda.md logits-cuda.json logits-cuda.png \
+           fused-linear-cuda.md fused-linear-cuda.json; do
+    cp "bench/results/$f" "$OUT"/ 2>/dev/null
+  done
+fi
 echo "results: $OUT"

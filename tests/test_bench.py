@@ -23,3 +23,17 @@ def test_logits_benchmark_harness(tmp_path, monkeypatch):
     table = common.markdown_table(rows, sorted({k for r in rows for k in r.extra}))
     path = common.save("t", {"device": "cpu"}, rows, table)
     assert path.exists() and (tmp_path / "t.json").exists()
+
+
+def test_fused_linear_benchmark_harness(tmp_path, monkeypatch):
+    from bench import fused_linear
+
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    rows = fused_linear.run(torch.device("cpu"), [32], [40], [8], [torch.float32], reps=1, only=[],
+                            peak_tflops=1.0, gpu_rows=True)
+    names = {r.impl for r in rows}
+    assert {"materialised-torch", "fused-torch", "materialised-triton", "fused-triton"} <= names
+    if importlib.util.find_spec("liger_kernel"):
+        assert "liger-fused-grpo" in names
+    assert all(r.error is None and r.total_ms > 0 and r.extra["TFLOP/s"] > 0 for r in rows), \
+        [r.error for r in rows]
