@@ -3,6 +3,7 @@
 Rows (forward, backward, both, peak memory beyond the inputs):
   materialised-torch   logits = hidden @ W.T, then `gtpo_loss(backend="torch")`: the full logits exist
   fused-torch          `fused_linear_gtpo_loss(backend="torch")`: chunks of completions, no full logits
+  fused-cpu            the same with the C++ kernels (CPU only)
   materialised-triton  the same as the first with the Triton loss (GPU only)
   fused-triton         `fused_linear_gtpo_loss(backend="triton")` (GPU only)
   liger-fused-grpo     Liger-Kernel's `LigerFusedLinearGRPOLoss` when installed (GPU only; no entropy)
@@ -18,6 +19,7 @@ from typing import Callable, Dict, List
 import torch
 
 from gtpo_kernels import GTPOConfig, fused_linear_gtpo_loss, gtpo_loss
+from gtpo_kernels._extension import cpu_extension_available
 
 from .common import Row, environment, markdown_table, measure, save
 from .logits import GROUP_SIZE, ROWS_PER_BATCH, make_batch
@@ -47,6 +49,8 @@ def implementations(device: torch.device, gpu_rows: bool) -> Dict[str, Callable]
                                                               backend=backend).loss
 
     impls = {"materialised-torch": materialised("torch"), "fused-torch": fused("torch")}
+    if device.type == "cpu" and cpu_extension_available():
+        impls["fused-cpu"] = fused("cpu")
     if gpu_rows:
         impls["materialised-triton"] = materialised("triton")
         impls["fused-triton"] = fused("triton")

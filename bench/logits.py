@@ -4,6 +4,8 @@ Rows (forward, backward, forward+backward, peak memory beyond the inputs):
   reference-eager    `reference_gtpo_loss`, plain autograd (what a typical trainer does)
   reference-compile  the same under `torch.compile`
   gtpo-torch         `gtpo_loss(backend="torch")`, chunked PyTorch
+  gtpo-cpu           `gtpo_loss(backend="cpu")`, the C++ kernels (CPU only), and -inplace with
+                     `inplace_backward=True`
   gtpo-triton        `gtpo_loss(backend="triton")`, the fused kernels (GPU only)
   gtpo-triton-inplace  the same with `inplace_backward=True` (GPU only)
   liger-grpo         Liger-Kernel's `triton_grpo_loss` when installed (GPU only; no entropy, no
@@ -22,6 +24,7 @@ from typing import Callable, Dict, List
 import torch
 
 from gtpo_kernels import GTPOConfig, gtpo_loss
+from gtpo_kernels._extension import cpu_extension_available
 from gtpo_kernels.reference import reference_gtpo_loss
 
 from .common import Row, copy_bandwidth_gbs, environment, markdown_table, measure, plot_time_vs_vocab, save
@@ -68,6 +71,12 @@ def implementations(device: torch.device, with_compile: bool, triton_rows=None) 
             x, ids, m, a, group_size=GROUP_SIZE, config=config).loss
     impls["gtpo-torch"] = lambda x, ids, m, a: gtpo_loss(
         x, ids, m, a, group_size=GROUP_SIZE, config=config, backend="torch").loss
+    if device.type == "cpu" and cpu_extension_available():
+        inplace_cpu = GTPOConfig(preset="paper", inplace_backward=True)
+        impls["gtpo-cpu"] = lambda x, ids, m, a: gtpo_loss(
+            x, ids, m, a, group_size=GROUP_SIZE, config=config, backend="cpu").loss
+        impls["gtpo-cpu-inplace"] = lambda x, ids, m, a: gtpo_loss(
+            x, ids, m, a, group_size=GROUP_SIZE, config=inplace_cpu, backend="cpu").loss
     if device.type == "cuda" if triton_rows is None else triton_rows:
         inplace = GTPOConfig(preset="paper", inplace_backward=True)
         impls["gtpo-triton"] = lambda x, ids, m, a: gtpo_loss(

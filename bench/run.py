@@ -1,8 +1,8 @@
-"""Entry point: ``python -m bench [logits|fused_linear] [options]`` (``--help`` for each one's options)."""
+"""Entry point: ``python -m bench [logits|fused_linear|cpu_kernels] [options]`` (``--help`` for each one's options)."""
 
 import sys
 
-BENCHMARKS = {"logits": "bench.logits", "fused_linear": "bench.fused_linear"}
+BENCHMARKS = {"logits": "bench.logits", "fused_linear": "bench.fused_linear", "cpu_kernels": "bench.cpu_kernels"}
 
 
 def main() -> None:

@@ -42,8 +42,9 @@ def gtpo_loss(
             (``num_iterations > 1``); without them the ratio is ``exp(logp - logp.detach())``.
         ref_logprobs: ``[N, L]`` reference-model log-probs, for the KL term and metric.
         initial_entropy: the policy's mean token entropy at the first step, for the entropy gate.
-        backend: ``"auto"`` (Triton for CUDA tensors, else ``"torch"``), ``"triton"`` (fused kernels; on
-            CPU tensors only under ``TRITON_INTERPRET=1``) or ``"torch"`` (chunked plain PyTorch).
+        backend: ``"auto"`` (Triton for CUDA tensors, the C++ kernels for CPU tensors), ``"triton"``
+            (fused kernels; on CPU tensors only under ``TRITON_INTERPRET=1``), ``"cpu"`` (C++ kernels)
+            or ``"torch"`` (chunked plain PyTorch).
 
     Returns:
         `GTPOLossOutput` with ``.loss`` (0-d, differentiable w.r.t. ``logits``) and ``.metrics``
@@ -104,6 +105,8 @@ def batch_conflict_weights(config: GTPOConfig, backend: str, completion_ids, val
     weights_fn = conflict_weights
     if backend == "triton" and dtype == torch.float32:
         from .ops.conflict_weights_triton import conflict_weights_triton as weights_fn
+    elif backend == "cpu" and dtype == torch.float32:
+        from .ops.token_stats_cpu import conflict_weights_cpu as weights_fn
     return weights_fn(completion_ids, valid, advantages.detach().to(dtype), group_size, config.conflict_weight)
 
 

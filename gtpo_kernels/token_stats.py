@@ -13,9 +13,10 @@ from typing import Optional, Tuple
 import torch
 
 from . import validation
+from ._extension import cpu_extension_available
 from .ops.function import TokenStats
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "cpu")
 
 
 def triton_available() -> bool:
@@ -27,12 +28,18 @@ def triton_interpreted() -> bool:
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
-    """The concrete backend for tensors on ``device``: ``"auto"`` takes Triton for CUDA tensors and
-    the chunked PyTorch path elsewhere."""
+    """The concrete backend for tensors on ``device``: ``"auto"`` takes Triton for CUDA tensors, the
+    C++ kernels for CPU tensors, and the chunked PyTorch path when those are unavailable."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "triton" if device.type == "cuda" and triton_available() else "torch"
+        if device.type == "cuda":
+            return "triton" if triton_available() else "torch"
+        if device.type == "cpu" and cpu_extension_available():
+            return "cpu"
+        return "torch"
+    if backend == "cpu" and device.type != "cpu":
+        raise ValueError(f"backend='cpu' needs CPU tensors, got tensors on {device}; use backend='auto'")
     if backend == "triton":
         if not triton_available():
             raise ValueError("backend='triton' needs the triton package: pip install triton (Linux), "
@@ -63,7 +70,11 @@ def kernels_for(backend: str, dtype: torch.dtype):
         from .ops import token_stats_triton
 
         return token_stats_triton
-    if backend in ("torch", "triton"):
+    if backend == "cpu" and dtype != torch.float64:
+        from .ops import token_stats_cpu
+
+        return token_stats_cpu
+    if backend in ("torch", "triton", "cpu"):
         # float64 (the oracle's dtype) stays exact in the torch path; the kernels accumulate in float32.
         from .ops import token_stats_torch
 

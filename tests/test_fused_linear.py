@@ -76,7 +76,7 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("chunk_size", [1, 2, 3, None])  # 1 and 3 split groups of 2; 2 aligns; None: one chunk
@@ -104,7 +104,7 @@ def test_against_float64_reference(backend, dtype, name, chunk_size):
         assert float(getattr(out.metrics, metric)) == pytest.approx(float(getattr(ref.metrics, metric)), abs=1e-6)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
 def test_agrees_with_gtpo_loss_on_materialised_logits(backend):
     h, w, b, ids, mask, adv = make(seed=5)
     config = GTPOConfig(preset="official")
@@ -122,7 +122,7 @@ def test_agrees_with_gtpo_loss_on_materialised_logits(backend):
     torch.testing.assert_close(wx.grad, wy.grad, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
 def test_frozen_weight_skips_weight_gradient(backend):
     h, w, b, ids, mask, adv = make(seed=6, bias=False)
     config = GTPOConfig()
@@ -141,7 +141,7 @@ def test_hidden_without_grad_gives_weight_gradient_only():
     assert_rel_close(wx.grad, dw_ref, RTOL[torch.float32], "d_weight")
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
 def test_all_masked_gives_zero_loss_and_gradients(backend):
     h, w, b, ids, mask, adv = make(seed=8)
     out, dh, dw, db = fused(h, w, b, ids, torch.zeros_like(mask), adv, GTPOConfig(), backend, torch.float32)

@@ -14,7 +14,7 @@ from gtpo_kernels.reference import reference_gtpo_loss, token_logprobs_and_entro
 
 from .helpers import RTOL, assert_rel_close, device_for, random_batch, to_cpu
 
-BACKENDS = ["torch", "triton"]  # "triton" runs interpreted on CPU tensors (tests/conftest.py)
+BACKENDS = ["torch", "cpu", "triton"]  # "triton" runs interpreted on CPU tensors (tests/conftest.py)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 CONFIGS = {
