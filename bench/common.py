@@ -7,7 +7,6 @@ Times are medians over repetitions, every implementation measured side by side i
 from __future__ import annotations
 
 import json
-import os
 import platform
 import statistics
 import threading
@@ -94,6 +93,24 @@ class _RssPeak:
     @property
     def extra(self) -> int:
         return self.peak - self.start
+
+
+class _ModelOutput(torch.autograd.Function):
+    """Stands for the model: hands ``data`` on as a non-leaf tensor (no copy), drops its gradient."""
+
+    @staticmethod
+    def forward(ctx, anchor, data):
+        return data
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None
+
+
+def model_output(data: torch.Tensor) -> torch.Tensor:
+    """``data`` as if a model had produced it: a non-leaf tensor that requires grad (what the in-place
+    modes need), whose gradient goes nowhere (so no leaf accumulates a ``.grad`` buffer)."""
+    return _ModelOutput.apply(torch.zeros((), device=data.device, requires_grad=True), data)
 
 
 @dataclass
@@ -213,6 +230,20 @@ class Row:
     peak_extra_mb: Optional[float] = None
     extra: dict = field(default_factory=dict)
     error: Optional[str] = None
+
+
+def measure_into(row: "Row", make_input, forward, device: torch.device, reps: int) -> Optional[Timing]:
+    """Times ``forward`` into ``row`` (or records why it failed, e.g. out of memory); returns the Timing."""
+    try:
+        t = measure(make_input, forward, device, reps)
+    except Exception as exc:  # noqa: BLE001 (a failing implementation is a row, not the end of the run)
+        row.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return None
+    row.forward_ms, row.backward_ms, row.total_ms = t.forward_ms, t.backward_ms, t.total_ms
+    row.peak_extra_mb = t.peak_extra_mb
+    return t
 
 
 def markdown_table(rows: List[Row], columns: List[str]) -> str:

@@ -21,20 +21,8 @@ import torch
 from gtpo_kernels import GTPOConfig, fused_linear_gtpo_loss, gtpo_loss
 from gtpo_kernels._extension import cpu_extension_available
 
-from .common import Row, environment, markdown_table, measure, save
+from .common import Row, environment, markdown_table, measure_into, model_output, save
 from .logits import GROUP_SIZE, ROWS_PER_BATCH, make_batch
-
-
-class _Leaf(torch.autograd.Function):
-    """Stands for the model body: hands ``data`` on as a non-leaf tensor (no copy), drops its gradient."""
-
-    @staticmethod
-    def forward(ctx, anchor, data):
-        return data
-
-    @staticmethod
-    def backward(ctx, grad):
-        return None, None
 
 
 def implementations(device: torch.device, gpu_rows: bool) -> Dict[str, Callable]:
@@ -85,19 +73,11 @@ def run(device, tokens_list: List[int], vocabs: List[int], hidden_sizes: List[in
                     weight.requires_grad_()
                     for name, fn in impls.items():
                         def make_input():
-                            data = torch.randn(n, length, hidden_size, device=device, dtype=dtype)
-                            return _Leaf.apply(torch.zeros((), device=device, requires_grad=True), data)
+                            return model_output(torch.randn(n, length, hidden_size, device=device, dtype=dtype))
 
                         row = Row(name, tokens, vocab, str(dtype).replace("torch.", ""), extra={"H": hidden_size})
-                        try:
-                            t = measure(make_input, lambda h: fn(h, weight, ids, mask, adv), device, reps)
-                        except Exception as exc:
-                            row.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
-                            if device.type == "cuda":
-                                torch.cuda.empty_cache()
-                        else:
-                            row.forward_ms, row.backward_ms, row.total_ms = t.forward_ms, t.backward_ms, t.total_ms
-                            row.peak_extra_mb = t.peak_extra_mb
+                        t = measure_into(row, make_input, lambda h: fn(h, weight, ids, mask, adv), device, reps)
+                        if t is not None:
                             logits_mb = tokens * vocab * 4 / 2**20
                             row.extra["peak/fp32 logits"] = t.peak_extra_mb / logits_mb
                             flops = 6 * tokens * hidden_size * vocab

@@ -18,7 +18,6 @@ device-to-device copy bandwidth measured in the same run.
 from __future__ import annotations
 
 import argparse
-import math
 from typing import Callable, Dict, List
 
 import torch
@@ -27,22 +26,11 @@ from gtpo_kernels import GTPOConfig, gtpo_loss
 from gtpo_kernels._extension import cpu_extension_available
 from gtpo_kernels.reference import reference_gtpo_loss
 
-from .common import Row, copy_bandwidth_gbs, environment, markdown_table, measure, plot_time_vs_vocab, save
+from .common import (Row, copy_bandwidth_gbs, environment, markdown_table, measure_into, model_output,
+                     plot_time_vs_vocab, save)
 
 GROUP_SIZE = 8
 ROWS_PER_BATCH = 16  # N = 2 prompts x 8 completions; L = T / N
-
-
-class _ModelOutput(torch.autograd.Function):
-    """Stands for the model: hands ``data`` on as a non-leaf tensor (no copy), drops its gradient."""
-
-    @staticmethod
-    def forward(ctx, anchor, data):
-        return data
-
-    @staticmethod
-    def backward(ctx, grad):
-        return None, None
 
 
 def make_batch(tokens: int, vocab: int, dtype: torch.dtype, device: torch.device, seed: int = 0):
@@ -113,19 +101,11 @@ def run(device: torch.device, tokens_list: List[int], vocabs: List[int], dtypes:
                     extra_pos = 1 if name == "liger-grpo" else 0
 
                     def make_input():
-                        data = torch.randn(n, length + extra_pos, vocab, device=device, dtype=dtype) * 2
-                        return _ModelOutput.apply(torch.zeros((), device=device, requires_grad=True), data)
+                        return model_output(torch.randn(n, length + extra_pos, vocab, device=device, dtype=dtype) * 2)
 
                     row = Row(name, tokens, vocab, str(dtype).replace("torch.", ""))
-                    try:
-                        t = measure(make_input, lambda x: fn(x, ids, mask, adv), device, reps)
-                    except Exception as exc:  # e.g. out of memory for the eager reference
-                        row.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
-                        if device.type == "cuda":
-                            torch.cuda.empty_cache()
-                    else:
-                        row.forward_ms, row.backward_ms, row.total_ms = t.forward_ms, t.backward_ms, t.total_ms
-                        row.peak_extra_mb = t.peak_extra_mb
+                    t = measure_into(row, make_input, lambda x: fn(x, ids, mask, adv), device, reps)
+                    if t is not None:
                         logits_mb = tokens * vocab * torch.finfo(dtype).bits / 8 / 2**20
                         row.extra["peak/logits"] = t.peak_extra_mb / logits_mb
                         if bandwidth:

@@ -120,6 +120,7 @@ def test_token_logprobs_and_entropy_validates():
         token_logprobs_and_entropy(logits[:, :2], ids)
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's numpy
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_non_finite_logits_are_reported(value):
     logits, ids, mask, adv = make()
