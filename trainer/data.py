@@ -1,0 +1,88 @@
+"""Problems with numeric answers, as `datasets.Dataset` with ``question`` and ``answer`` columns.
+
+- ``arithmetic``: a built-in, seeded, unlimited generator of word problems in graded difficulty.
+- ``gsm8k``: ``datasets.load_dataset("openai/gsm8k", "main")`` (needs a network).
+- a ``.jsonl``/``.json``/``.parquet`` path with ``question``/``answer`` columns (answers may be
+  GSM8K-style ``"... #### 42"``).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from pathlib import Path
+from typing import Tuple
+
+from datasets import Dataset, load_dataset
+
+NAMES = ["Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Gus", "Hana", "Ivan", "Jo", "Kofi", "Lena"]
+ITEMS = ["apples", "books", "coins", "stickers", "marbles", "pencils", "shells", "cards", "stamps", "eggs"]
+
+
+def _problem(rng: random.Random, difficulty: int) -> Tuple[str, int]:
+    name, other = rng.sample(NAMES, 2)
+    item = rng.choice(ITEMS)
+    hi = [0, 9, 20, 50, 100][difficulty]
+    a, b, c = rng.randint(2, hi), rng.randint(2, hi), rng.randint(1, hi)
+    kind = rng.randrange(difficulty + 1)
+    if kind == 0:
+        return f"{name} has {a} {item}. {other} gives {name} {b} more. How many {item} does {name} have now?", a + b
+    if kind == 1:
+        a, b = max(a, b), min(a, b)
+        return f"{name} has {a} {item} and gives {b} of them to {other}. How many {item} does {name} have left?", a - b
+    if kind == 2:
+        a, b = rng.randint(2, min(hi, 12)), rng.randint(2, min(hi, 12))
+        return f"{name} buys {a} boxes with {b} {item} in each box. How many {item} does {name} buy?", a * b
+    total = a + b
+    return (f"{name} has {a} {item}, finds {b} more, then loses {min(c, total)}. How many {item} does {name} "
+            f"have now?", total - min(c, total))
+
+
+def arithmetic_problems(n: int, seed: int, difficulty: int = 1) -> Dataset:
+    """``n`` word problems; the same seed gives the same problems. Difficulty 1 uses one operation
+    on small numbers; each level adds an operation type and larger numbers."""
+    rng = random.Random(f"arithmetic-{seed}-{difficulty}")
+    questions, answers = [], []
+    for _ in range(n):
+        q, a = _problem(rng, difficulty)
+        questions.append(q)
+        answers.append(str(a))
+    return Dataset.from_dict({"question": questions, "answer": answers})
+
+
+def gsm8k_final_answer(answer: str) -> str:
+    """GSM8K's reference solutions end with ``#### <number>``; other answers pass through."""
+    match = re.search(r"####\s*(.+?)\s*$", answer.strip())
+    return (match.group(1) if match else answer).replace(",", "").strip()
+
+
+def _normalise(ds: Dataset, source: str) -> Dataset:
+    missing = {"question", "answer"} - set(ds.column_names)
+    if missing:
+        raise ValueError(f"{source}: needs 'question' and 'answer' columns, missing {sorted(missing)} "
+                         f"(has {ds.column_names})")
+    return ds.map(lambda row: {"answer": gsm8k_final_answer(str(row["answer"]))})
+
+
+def load_problems(dataset: str, seed: int, eval_size: int, difficulty: int = 1,
+                  train_size: int = 100_000) -> Tuple[Dataset, Dataset]:
+    """``(train, held_out)`` for a dataset name or a local file; no question appears in both."""
+    if dataset == "arithmetic":
+        held_out = arithmetic_problems(eval_size, seed=10_000 + seed, difficulty=difficulty)
+        seen = set(held_out["question"])
+        train = arithmetic_problems(train_size, seed=seed, difficulty=difficulty)
+        return train.filter(lambda row: row["question"] not in seen), held_out
+    if dataset == "gsm8k":
+        ds = load_dataset("openai/gsm8k", "main")
+        return _normalise(ds["train"], "gsm8k"), _normalise(ds["test"], "gsm8k").select(range(eval_size))
+    path = Path(dataset)
+    if not path.exists():
+        raise ValueError(f"dataset {dataset!r} is neither 'arithmetic', 'gsm8k' nor an existing .jsonl/.parquet file")
+    kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(path.suffix)
+    if kind is None:
+        raise ValueError(f"dataset file {dataset!r} must end in .jsonl, .json or .parquet")
+    ds = _normalise(load_dataset(kind, data_files=str(path), split="train"), dataset)
+    if len(ds) <= eval_size:
+        raise ValueError(f"{dataset}: {len(ds)} rows is not more than eval_size={eval_size}")
+    split = ds.train_test_split(test_size=eval_size, seed=seed)
+    return split["train"], split["test"]

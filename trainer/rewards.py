@@ -1,0 +1,74 @@
+"""Reward functions, TRL-style: ``f(completions: list[str], answer: list[str], **kwargs) -> list[float]``.
+
+The layout the GTPO authors train for::
+
+    <reasoning>
+    ...
+    </reasoning>
+    <answer>
+    42
+    </answer>
+"""
+
+from __future__ import annotations
+
+import re
+from typing import List, Optional
+
+SYSTEM_PROMPT = (
+    "Solve the problem. Respond in the following format:\n"
+    "<reasoning>\nshort reasoning\n</reasoning>\n<answer>\nthe number\n</answer>"
+)
+_STRICT = re.compile(r"^\s*<reasoning>.*?</reasoning>\s*<answer>.*?</answer>\s*$", re.DOTALL)
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+
+
+def extract_answer(completion: str) -> Optional[str]:
+    """The text of the last ``<answer>...</answer>`` block, or, without one, the last number."""
+    blocks = _ANSWER.findall(completion)
+    if blocks:
+        return blocks[-1].strip()
+    numbers = _NUMBER.findall(completion)
+    return numbers[-1] if numbers else None
+
+
+def parse_number(text: Optional[str]) -> Optional[float]:
+    """The last number in ``text`` (thousands separators and a trailing period allowed), or None."""
+    if text is None:
+        return None
+    numbers = _NUMBER.findall(text.replace("−", "-"))
+    if not numbers:
+        return None
+    try:
+        return float(numbers[-1].replace(",", ""))
+    except ValueError:
+        return None
+
+
+def answers_match(predicted: Optional[str], gold: str) -> bool:
+    """Exact numeric match; LaTeX answers (``\\frac``, ``\\sqrt``...) go through math-verify if installed."""
+    if predicted is None:
+        return False
+    if "\\" in gold or "\\" in predicted:
+        try:
+            from math_verify import parse, verify
+
+            return bool(verify(parse(gold), parse(predicted)))
+        except ImportError:
+            return predicted.strip() == gold.strip()
+    p, g = parse_number(predicted), parse_number(gold)
+    return p is not None and g is not None and abs(p - g) < 1e-9
+
+
+def correctness_reward(completions: List[str], answer: List[str], **kwargs) -> List[float]:
+    """1 when the extracted answer equals the reference answer, else 0."""
+    return [1.0 if answers_match(extract_answer(c), a) else 0.0 for c, a in zip(completions, answer)]
+
+
+def format_reward(completions: List[str], **kwargs) -> List[float]:
+    """0.5 for the full reasoning/answer layout; 0.25 for an answer block alone."""
+    return [0.5 if _STRICT.match(c) else 0.25 if _ANSWER.search(c) else 0.0 for c in completions]
+
+
+DEFAULT_REWARDS = [correctness_reward, format_reward]
