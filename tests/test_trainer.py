@@ -239,3 +239,18 @@ def test_default_model_trains_two_steps(tmp_path):
                       eval_size=4, eval_k=0, max_minutes=None)
     summary = train_module.run(cfg)
     assert summary["steps"] == 2 and (tmp_path / "final" / "config.json").exists()
+
+
+def test_compare_runs_table(tmp_path):
+    from trainer.compare import load, table
+
+    for algo, seed, after in (("gtpo", 0, 0.5), ("gtpo", 1, 0.6), ("grpo", 0, 0.4)):
+        d = tmp_path / f"{algo}{seed}"
+        d.mkdir()
+        (d / "summary.json").write_text(json.dumps(
+            {"algo": algo, "seed": seed, "before": {"accuracy": 0.4}, "after": {"accuracy": after}}))
+    (tmp_path / "unfinished").mkdir()
+    by_algo = load([str(p) for p in sorted(tmp_path.iterdir())])
+    text = table(by_algo)
+    assert "| gtpo | 0,1 | accuracy | 0.400 | 0.550 | +0.150 | +0.100 +0.200 | 0.100 |" in text
+    assert "| grpo | 0 | accuracy | 0.400 | 0.400 | +0.000 | +0.000 | 0.000 |" in text

