@@ -57,7 +57,8 @@ class FusedLinearGTPOFunction(torch.autograd.Function):
         stat_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
         logp_all = torch.zeros((n_rows, length), dtype=stat_dtype, device=device)
         entropy_all = torch.zeros_like(logp_all)
-        d_hidden = torch.zeros_like(hidden) if need_hidden else None
+        # Contiguous whatever the input's strides (hidden is often a slice of the model's output).
+        d_hidden = torch.zeros(hidden.shape, dtype=hidden.dtype, device=device) if need_hidden else None
         # Accumulated in float32 across chunks (bf16 accumulation visibly shifts training).
         acc_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
         d_weight = torch.zeros((vocab, hidden_size), dtype=acc_dtype, device=device) if need_weight else None

@@ -206,3 +206,18 @@ def test_errors_name_the_argument():
         fused_linear_gtpo_loss(h, w, ids, mask, adv, group_size=G, chunk_size=0)
     with pytest.raises(ValueError, match="disagree on N or L"):
         fused_linear_gtpo_loss(h[:, :3], w, ids, mask, adv, group_size=G)
+
+
+def test_non_contiguous_hidden_states():
+    # The trainer passes hidden[:, P - 1:-1] of the model's output: a strided view.
+    h, w, b, ids, mask, adv = make(seed=14)
+    full = torch.randn(h.shape[0], h.shape[1] + 3, h.shape[2], dtype=torch.float32)
+    full[:, 2:-1] = h.float()
+    full.requires_grad_()
+    view = full[:, 2:-1]
+    assert not view.is_contiguous()
+    out = fused_linear_gtpo_loss(view, w.float(), ids, mask, adv, group_size=G, backend="torch")
+    out.loss.backward()
+    _, dh_ref, _, _ = reference(h, w, None, ids, mask, adv, GTPOConfig())
+    assert_rel_close(full.grad[:, 2:-1], dh_ref, RTOL[torch.float32], "d_hidden")
+    assert (full.grad[:, :2] == 0).all() and (full.grad[:, -1] == 0).all()
