@@ -193,9 +193,7 @@ def fused_linear_gtpo_loss(
                              f"must share a dtype; cast one, or run under torch.autocast")
     config, valid, initial_entropy = prepare_loss_inputs(
         hidden_states, completion_ids, completion_mask, advantages, group_size, config, old_logprobs,
-        ref_logprobs, initial_entropy, what="hidden_states [N, L, H]")
-    if config.validate_inputs:
-        validation.check_ids_in_vocab(completion_ids, valid, vocab)
+        ref_logprobs, initial_entropy, vocab_size=vocab, what="hidden_states [N, L, H]")
     if chunk_size is not None and not (isinstance(chunk_size, int) and chunk_size > 0):
         raise ValueError(f"chunk_size must be a positive int (completions per chunk) or None, got {chunk_size!r}")
     if not (isinstance(max_chunk_bytes, int) and max_chunk_bytes > 0):

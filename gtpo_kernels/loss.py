@@ -54,7 +54,7 @@ def gtpo_loss(
     validation.check_logits(logits)
     config, valid, initial_entropy = prepare_loss_inputs(
         logits, completion_ids, completion_mask, advantages, group_size, config, old_logprobs, ref_logprobs,
-        initial_entropy, what="logits [N, L, V]")
+        initial_entropy, vocab_size=logits.shape[-1], what="logits [N, L, V]")
     backend = resolve_backend(backend, logits.device)
 
     logp, entropy = token_stats(backend, logits, completion_ids, valid, chunk_size=config.chunk_size,
@@ -70,11 +70,11 @@ def gtpo_loss(
 
 
 def prepare_loss_inputs(source, completion_ids, completion_mask, advantages, group_size, config, old_logprobs,
-                        ref_logprobs, initial_entropy, what):
+                        ref_logprobs, initial_entropy, vocab_size: int, what: str):
     """Checks the inputs shared by every GTPO loss entry point.
 
-    ``source`` is the ``[N, L, *]`` tensor the loss reads (logits, or hidden states with
-    ``vocab_size`` checked by the caller); its last dimension is the vocabulary for logits.
+    ``source`` is the ``[N, L, *]`` tensor the loss reads (logits or hidden states), named ``what`` in
+    errors; ids at unmasked positions must lie in ``[0, vocab_size)``.
     Returns ``(config, valid [N, L] bool, initial_entropy float|None)``.
     """
     config = config or GTPOConfig()
@@ -87,7 +87,7 @@ def prepare_loss_inputs(source, completion_ids, completion_mask, advantages, gro
     valid, initial_entropy = validation.check_loss_inputs(
         source, completion_ids, completion_mask, advantages, group_size, old_logprobs, ref_logprobs,
         initial_entropy, sync=config.validate_inputs,
-        vocab_size=source.shape[-1] if what.startswith("logits") else None,
+        vocab_size=vocab_size,
     )
     if config.kl_beta and ref_logprobs is None:
         raise ValueError(f"config.kl_beta = {config.kl_beta} needs ref_logprobs [N, L]; pass the reference "
