@@ -56,7 +56,6 @@ def generate(model, tokenizer, questions: List[str], n: int, config: TrainConfig
     is_eos = completion_ids == tokenizer.eos_token_id
     first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), completion_ids.shape[1])
     completion_mask = torch.arange(completion_ids.shape[1], device=device)[None] <= first_eos[:, None]
-    completion_mask &= torch.arange(completion_ids.shape[1], device=device)[None] < completion_ids.shape[1]
     texts = tokenizer.batch_decode(torch.where(completion_mask, completion_ids, tokenizer.pad_token_id),
                                    skip_special_tokens=True)
     return {
