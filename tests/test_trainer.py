@@ -79,6 +79,44 @@ def test_fused_and_logits_losses_agree(tiny_model_dir, tmp_path):
             assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-4, abs=1e-6)
 
 
+@pytest.mark.parametrize("fused_linear", [True, False])
+def test_loss_is_on_the_sampling_distribution(tiny_model_dir, fused_linear):
+    """Completions sampled at temperature T are scored under softmax(logits / T): the trainer's loss
+    and gradient equal the float64 reference on the model's logits divided by T."""
+    from gtpo_kernels import GTPOConfig
+    from gtpo_kernels.reference import reference_gtpo_loss
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    config = TrainConfig(model=tiny_model_dir, temperature=0.5, group_size=3, max_new_tokens=6,
+                         fused_linear=fused_linear)
+    torch.manual_seed(0)
+    batch = train_module.generate(model, tokenizer, ["1+2?", "3+4?"], 3, config, torch.device("cpu"))
+    advantages = torch.tensor([1.0, -0.5, -0.5, 0.7, 0.0, -0.7])
+    loss_config = GTPOConfig(preset="paper")
+
+    out = train_module.policy_loss(model, batch, slice(0, 6), advantages, loss_config, config, None, 1.0)
+    out.loss.backward()
+    got_grad = model.model.layers[0].mlp.up_proj.weight.grad.clone()
+    model.zero_grad()
+
+    input_ids, attention_mask, position_ids = train_module.forward_inputs(batch)
+    prompt_len = batch["prompt_ids"].shape[1]
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    ref = reference_gtpo_loss(logits[:, prompt_len - 1:-1].double() / 0.5, batch["completion_ids"],
+                              batch["completion_mask"], advantages.double(), group_size=3, config=loss_config,
+                              initial_entropy=1.0)
+    ref.loss.backward()
+    want_grad = model.model.layers[0].mlp.up_proj.weight.grad
+    assert out.loss.item() == pytest.approx(ref.loss.item(), rel=1e-5, abs=1e-7)
+    torch.testing.assert_close(got_grad, want_grad.to(got_grad.dtype), rtol=1e-4, atol=1e-7)
+    # ... and not the loss at T = 1, which the old code computed.
+    plain = reference_gtpo_loss(logits[:, prompt_len - 1:-1].double(), batch["completion_ids"],
+                                batch["completion_mask"], advantages.double(), group_size=3, config=loss_config,
+                                initial_entropy=1.0)
+    assert abs(plain.loss.item() - ref.loss.item()) > 1e-3
+
+
 def test_resume_continues_exactly(tiny_model_dir, tmp_path, monkeypatch):
     straight = tmp_path / "straight"
     train_module.run(tiny_config(tiny_model_dir, straight))
@@ -168,6 +206,13 @@ def test_held_out_split_is_disjoint():
     assert len(held_out) == 30 and not set(train["question"]) & set(held_out["question"])
 
 
+def test_seed_changes_training_problems_not_held_out():
+    train0, held0 = load_problems("arithmetic", seed=0, eval_size=30, train_size=200)
+    train1, held1 = load_problems("arithmetic", seed=1, eval_size=30, train_size=200)
+    assert held0["question"] == held1["question"]
+    assert train0["question"][:20] != train1["question"][:20]
+
+
 @pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
 def test_local_files_load(tmp_path, suffix):
     rows = {"question": [f"q{i}?" for i in range(20)], "answer": [f"work... #### {i},000" for i in range(20)]}
@@ -176,6 +221,9 @@ def test_local_files_load(tmp_path, suffix):
     ds.to_json(path) if suffix == ".jsonl" else ds.to_parquet(path)
     train, held_out = load_problems(str(path), seed=0, eval_size=5)
     assert len(train) == 15 and len(held_out) == 5
+    assert not set(train["question"]) & set(held_out["question"])
+    train1, held_out1 = load_problems(str(path), seed=1, eval_size=5)
+    assert held_out1["question"] == held_out["question"] and train1["question"] != train["question"]
     assert all(a.endswith("000") and "#" not in a for a in held_out["answer"])
 
 

@@ -28,10 +28,10 @@ class TrainConfig:
     prompts_per_step: int = 4  # B prompts per step
     group_size: int = 8  # G completions per prompt
     max_new_tokens: int = 48
-    temperature: float = 1.0
+    temperature: float = 1.0  # sampling temperature; the loss uses the same softmax(logits / T)
     num_iterations: int = 1  # updates per rollout batch; > 1 uses old log-probs and the ratio
     # Update
-    learning_rate: float = 3e-5
+    learning_rate: float = 1e-4
     warmup_steps: int = 2
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0

@@ -64,17 +64,24 @@ def _normalise(ds: Dataset, source: str) -> Dataset:
     return ds.map(lambda row: {"answer": gsm8k_final_answer(str(row["answer"]))})
 
 
+HELD_OUT_SEED = 10_000
+
+
 def load_problems(dataset: str, seed: int, eval_size: int, difficulty: int = 1,
                   train_size: int = 100_000) -> Tuple[Dataset, Dataset]:
-    """``(train, held_out)`` for a dataset name or a local file; no question appears in both."""
+    """``(train, held_out)`` for a dataset name or a local file; no question appears in both.
+
+    ``seed`` picks the training problems only: the held-out problems are the same for every seed, so
+    runs that differ only in their seed are scored on the same questions and their spread is the
+    spread of training, not of the test set."""
     if dataset == "arithmetic":
-        held_out = arithmetic_problems(eval_size, seed=10_000 + seed, difficulty=difficulty)
+        held_out = arithmetic_problems(eval_size, seed=HELD_OUT_SEED, difficulty=difficulty)
         seen = set(held_out["question"])
         train = arithmetic_problems(train_size, seed=seed, difficulty=difficulty)
         return train.filter(lambda row: row["question"] not in seen), held_out
     if dataset == "gsm8k":
         ds = load_dataset("openai/gsm8k", "main")
-        return _normalise(ds["train"], "gsm8k"), _normalise(ds["test"], "gsm8k").select(range(eval_size))
+        return _normalise(ds["train"], "gsm8k").shuffle(seed=seed), _normalise(ds["test"], "gsm8k").select(range(eval_size))
     path = Path(dataset)
     if not path.exists():
         raise ValueError(f"dataset {dataset!r} is neither 'arithmetic', 'gsm8k' nor an existing .jsonl/.parquet file")
@@ -84,5 +91,5 @@ def load_problems(dataset: str, seed: int, eval_size: int, difficulty: int = 1,
     ds = _normalise(load_dataset(kind, data_files=str(path), split="train"), dataset)
     if len(ds) <= eval_size:
         raise ValueError(f"{dataset}: {len(ds)} rows is not more than eval_size={eval_size}")
-    split = ds.train_test_split(test_size=eval_size, seed=seed)
-    return split["train"], split["test"]
+    split = ds.train_test_split(test_size=eval_size, seed=HELD_OUT_SEED)
+    return split["train"].shuffle(seed=seed), split["test"]

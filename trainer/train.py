@@ -78,12 +78,12 @@ def forward_inputs(batch):
 
 
 @torch.no_grad()
-def token_stats(model, batch):
-    """Per-token log-probs and entropies of the current policy (no grad): old log-probs and H_ini."""
+def token_stats(model, batch, temperature: float):
+    """Per-token log-probs and entropies of the sampling policy (no grad): old log-probs and H_ini."""
     input_ids, attention_mask, position_ids = forward_inputs(batch)
     prompt_len = batch["prompt_ids"].shape[1]
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-    return token_logprobs_and_entropy(logits[:, prompt_len - 1:-1].float(), batch["completion_ids"],
+    return token_logprobs_and_entropy(logits[:, prompt_len - 1:-1].float() / temperature, batch["completion_ids"],
                                       batch["completion_mask"])
 
 
@@ -95,13 +95,21 @@ def policy_loss(model, batch, rows: slice, advantages, loss_config: GTPOConfig, 
     prompt_len = part["prompt_ids"].shape[1]
     common = dict(group_size=config.group_size, config=loss_config, initial_entropy=initial_entropy,
                   old_logprobs=None if old_logprobs is None else old_logprobs[rows])
-    if config.fused_linear:  # never builds the [N, L, V] logits
+    # The completions were sampled from softmax(logits / T): the loss's log-probs, ratio and entropy are
+    # those of that distribution, so the update is on-policy whatever the temperature.
+    inv_t = 1.0 / config.temperature
+    if config.fused_linear:  # never builds the [N, L, V] logits; (h W^T + b) / T = (h / T) W^T + b / T
         hidden, weight, bias = causal_lm_hidden_states(model, input_ids, attention_mask, position_ids=position_ids)
-        return fused_linear_gtpo_loss(hidden[:, prompt_len - 1:-1], weight, part["completion_ids"],
-                                      part["completion_mask"], advantages[rows], lm_head_bias=bias, **common)
+        hidden = hidden[:, prompt_len - 1:-1]
+        if config.temperature != 1.0:
+            hidden, bias = hidden * inv_t, None if bias is None else bias * inv_t
+        return fused_linear_gtpo_loss(hidden, weight, part["completion_ids"], part["completion_mask"],
+                                      advantages[rows], lm_head_bias=bias, **common)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-    return gtpo_loss(logits[:, prompt_len - 1:-1], part["completion_ids"], part["completion_mask"],
-                     advantages[rows], **common)
+    logits = logits[:, prompt_len - 1:-1]
+    if config.temperature != 1.0:
+        logits = logits * inv_t
+    return gtpo_loss(logits, part["completion_ids"], part["completion_mask"], advantages[rows], **common)
 
 
 # ---------------------------------------------------------------------------------------------- evaluation
@@ -234,7 +242,7 @@ def run(config: TrainConfig) -> dict:
 
             old_logprobs = None
             if state["initial_entropy"] is None or config.num_iterations > 1:
-                logp, entropy = token_stats(model, batch)
+                logp, entropy = token_stats(model, batch, config.temperature)
                 if state["initial_entropy"] is None:  # the policy's entropy before any update
                     mask = batch["completion_mask"]
                     state["initial_entropy"] = float((entropy * mask).sum() / mask.sum().clamp(min=1))
