@@ -63,6 +63,7 @@ def test_a_few_steps_run_with_finite_losses(tiny_model_dir, tmp_path, algo):
     rows = train_rows(tmp_path)
     train = [r for r in rows if r["kind"] == "train"]
     assert len(train) == 4 and summary["steps"] == 4
+    assert summary["wall_minutes"] >= summary["minutes"] > 0
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in train)
     assert [r["kind"] for r in rows].count("eval") == 2  # before and after
     for name in ("checkpoint.pt", "training.png", "summary.json", "final/config.json", "config.json"):
@@ -300,5 +301,5 @@ def test_compare_runs_table(tmp_path):
     (tmp_path / "unfinished").mkdir()
     by_algo = load([str(p) for p in sorted(tmp_path.iterdir())])
     text = table(by_algo)
-    assert "| gtpo | 0,1 | accuracy | 0.400 | 0.550 | +0.150 | +0.100 +0.200 | 0.100 |" in text
-    assert "| grpo | 0 | accuracy | 0.400 | 0.400 | +0.000 | +0.000 | 0.000 |" in text
+    assert "| gtpo | 0,1 | accuracy | 0.400 | 0.550 | +0.150 | +0.100 +0.200 | 0.100 | yes |" in text
+    assert "| grpo | 0 | accuracy | 0.400 | 0.400 | +0.000 | +0.000 | 0.000 | no |" in text

@@ -29,7 +29,7 @@ def load(run_dirs: List[str]) -> Dict[str, List[dict]]:
 
 def table(by_algo: Dict[str, List[dict]]) -> str:
     lines = ["| algo | seeds | metric | before (mean) | after (mean) | gain (mean) | gain per seed | "
-             "spread of after across seeds |", "|---|---|---|---|---|---|---|---|"]
+             "spread of after across seeds | gain > spread |", "|---|---|---|---|---|---|---|---|---|"]
     for algo, runs in sorted(by_algo.items()):
         metrics = [k for k in runs[0]["after"]]
         for metric in metrics:
@@ -39,7 +39,7 @@ def table(by_algo: Dict[str, List[dict]]) -> str:
             mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
             lines.append(f"| {algo} | {','.join(str(r['seed']) for r in runs)} | {metric} | {mean(before):.3f} | "
                          f"{mean(after):.3f} | {mean(gains):+.3f} | {' '.join(f'{g:+.3f}' for g in gains)} | "
-                         f"{max(after) - min(after):.3f} |")
+                         f"{max(after) - min(after):.3f} | {'yes' if mean(gains) > max(after) - min(after) else 'no'} |")
     return "\n".join(lines)
 
 

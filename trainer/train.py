@@ -187,6 +187,7 @@ def seed_everything(seed: int) -> None:
 
 
 def run(config: TrainConfig) -> dict:
+    run_started = time.time()  # wall clock of the whole run: loading, evaluations and saving included
     out_dir = Path(config.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     metrics_path, checkpoint_path = out_dir / "metrics.jsonl", out_dir / "checkpoint.pt"
@@ -302,7 +303,8 @@ def run(config: TrainConfig) -> dict:
     tokenizer.save_pretrained(out_dir / "final")
     plot = plot_run(metrics_path, out_dir / "training.png", title=f"{config.algo} on {config.dataset}, seed {config.seed}")
     summary = {"algo": config.algo, "seed": config.seed, "steps": state["step"], "stopped_early": stopped_early,
-               "minutes": (time.time() - started) / 60, "before": state["before"], "after": after}
+               "minutes": (time.time() - started) / 60,
+               "wall_minutes": (time.time() - run_started) / 60, "before": state["before"], "after": after}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     print_summary(summary, metrics_path, plot)
     return summary
