@@ -6,7 +6,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from gtpo_kernels import GTPOConfig, fused_linear_gtpo_loss, gtpo_loss  # noqa: E402
-from gtpo_kernels.hf import causal_lm_hidden_states  # noqa: E402
+from gtpo_kernels.hf import causal_lm_hidden_states, grouped_completion_hidden_states  # noqa: E402
 
 
 def tiny_llama():
@@ -48,6 +48,64 @@ def test_fused_loss_on_a_model_matches_the_logits_loss():
     torch.testing.assert_close(fused.loss, plain.loss, rtol=1e-5, atol=1e-6)
     for g_fused, p in zip(fused_grads, model.parameters()):
         torch.testing.assert_close(g_fused, p.grad, rtol=1e-4, atol=1e-6)
+
+
+def grouped_batch(n_prompts=2, group=3, prompt=5, length=4):
+    torch.manual_seed(1)
+    prompt_ids = torch.randint(0, 67, (n_prompts, prompt))
+    prompt_mask = torch.ones_like(prompt_ids)
+    prompt_mask[0, :2] = 0  # left padding
+    completion_ids = torch.randint(0, 67, (n_prompts * group, length))
+    completion_mask = torch.ones_like(completion_ids, dtype=torch.bool)
+    completion_mask[1, 2:] = False  # ended early
+    completion_mask[4, 1:] = False  # one token
+    return prompt_ids, prompt_mask, completion_ids, completion_mask
+
+
+def test_grouped_hidden_states_equal_the_full_rows_in_value_and_gradient():
+    """Each prompt once, its cache shared by the group: same hidden states and the same parameter
+    gradient as running every [prompt, completion] row whole (float64, so differences are exact)."""
+    model = tiny_llama().double()
+    group = 3
+    prompt_ids, prompt_mask, completion_ids, completion_mask = grouped_batch(group=group)
+    prompt = prompt_ids.shape[1]
+    probe = torch.randn(completion_ids.shape[0], completion_ids.shape[1], 32, dtype=torch.float64)
+    probe = probe * completion_mask[..., None]  # positions after a completion's end are not used
+
+    hidden, weight, bias = grouped_completion_hidden_states(model, prompt_ids, prompt_mask, completion_ids,
+                                                            completion_mask, group)
+    assert weight is model.lm_head.weight and bias is None
+    (hidden * probe).sum().backward()
+    body = [p for name, p in model.named_parameters() if not name.startswith("lm_head")]  # lm_head: not used
+    grouped_grads = [p.grad.clone() for p in body]
+    model.zero_grad()
+
+    ids = torch.cat([prompt_ids.repeat_interleave(group, 0), completion_ids], 1)
+    attn = torch.cat([prompt_mask.repeat_interleave(group, 0), completion_mask.long()], 1)
+    full, _, _ = causal_lm_hidden_states(model, ids, attn, position_ids=(attn.cumsum(1) - 1).clamp(min=0))
+    full = full[:, prompt - 1:-1]
+    (full * probe).sum().backward()
+    mask = completion_mask
+    torch.testing.assert_close(hidden[mask], full[mask], rtol=1e-12, atol=1e-12)
+    # Gradients agree to ~1e-8 of their norm rather than 1e-15 (HF computes the rotary angles in
+    # float32 whatever the model's dtype, and the two paths sum the same terms in different orders).
+    # Not flowing into the prompt pass through the shared cache would be off by O(1): the prompt
+    # tokens' embedding rows get their whole gradient that way.
+    for g, p in zip(grouped_grads, body):
+        assert float((g - p.grad).norm() / p.grad.norm()) < 1e-6
+    assert any(g.abs().sum() > 0 for g in grouped_grads)
+
+
+def test_grouped_hidden_states_check_their_inputs():
+    model = tiny_llama()
+    prompt_ids, prompt_mask, completion_ids, completion_mask = grouped_batch()
+    with pytest.raises(ValueError, match="expected prompt_ids' 2 rows x group_size 2"):
+        grouped_completion_hidden_states(model, prompt_ids, prompt_mask, completion_ids, completion_mask, 2)
+    right_padded = prompt_mask.flip(1)
+    with pytest.raises(ValueError, match="left-padded"):
+        grouped_completion_hidden_states(model, prompt_ids, right_padded, completion_ids, completion_mask, 3)
+    with pytest.raises(ValueError, match="must have the shapes"):
+        grouped_completion_hidden_states(model, prompt_ids, prompt_mask[:, 1:], completion_ids, completion_mask, 3)
 
 
 def test_models_that_transform_logits_are_refused():
