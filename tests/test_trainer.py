@@ -202,6 +202,22 @@ def test_difficulty_grows_numbers_and_operations():
     assert any("boxes" in q for q in hard["question"]) and not any("boxes" in q for q in easy["question"])
 
 
+def test_one_shot_example_precedes_the_question_and_is_never_a_problem():
+    from trainer.data import ITEMS, NAMES
+    from trainer.rewards import EXAMPLE_ANSWER, EXAMPLE_QUESTION
+
+    with_example = train_module.chat("Q?", one_shot=True)
+    assert [m["role"] for m in with_example] == ["system", "user", "assistant", "user"]
+    assert with_example[-1]["content"] == "Q?" and with_example[2]["content"] == EXAMPLE_ANSWER
+    assert [m["role"] for m in train_module.chat("Q?", one_shot=False)] == ["system", "user"]
+    # The example earns full marks from the rewards it demonstrates...
+    assert correctness_reward([EXAMPLE_ANSWER], answer=["7"]) == [1.0]
+    assert format_reward([EXAMPLE_ANSWER]) == [0.5]
+    # ... and shares no name or item with the generator, so it is never a training or held-out problem.
+    assert not any(word in EXAMPLE_QUESTION.split() for word in NAMES + ITEMS)
+    assert parse_args(["--no-one-shot"]).one_shot is False
+
+
 def test_held_out_split_is_disjoint():
     train, held_out = load_problems("arithmetic", seed=0, eval_size=30, train_size=2000)
     assert len(held_out) == 30 and not set(train["question"]) & set(held_out["question"])

@@ -20,11 +20,12 @@ class TrainConfig:
     algo: str = "gtpo"  # "gtpo" (GTPOConfig preset "paper") or "grpo" (preset "grpo")
     preset: Optional[str] = None  # override the loss preset chosen by algo: "paper", "official", "grpo"
     dataset: str = "arithmetic"  # "arithmetic" (built-in generator), "gsm8k" (needs network), or a .jsonl/.parquet path
+    one_shot: bool = True  # show one worked example in the reward's layout before each question
     difficulty: int = 1  # arithmetic generator: 1 (one operation) to 4 (three operations, larger numbers)
     seed: int = 0
     output_dir: str = "runs/default"
     # Rollouts
-    steps: int = 24  # optimiser steps (one rollout batch each)
+    steps: int = 20  # optimiser steps (one rollout batch each)
     prompts_per_step: int = 4  # B prompts per step
     group_size: int = 8  # G completions per prompt
     max_new_tokens: int = 48
@@ -38,7 +39,7 @@ class TrainConfig:
     grad_accum_steps: int = 1  # micro-batches per update, each of whole prompt groups
     fused_linear: bool = True  # loss on final hidden states (no full logits); False: loss on model logits
     # Evaluation
-    eval_size: int = 96  # held-out problems (the same for every seed)
+    eval_size: int = 64  # held-out problems (the same for every seed)
     eval_every: int = 0  # steps between evaluations (0: only before and after training)
     eval_k: int = 4  # samples per problem for pass@k / maj@k (0: greedy accuracy only)
     # Checkpoints and limits

@@ -24,21 +24,28 @@ import torch
 from tqdm.auto import tqdm
 
 from gtpo_kernels import GTPOConfig, compute_advantages, fused_linear_gtpo_loss, gtpo_loss, token_logprobs_and_entropy
-from gtpo_kernels.hf import causal_lm_hidden_states
+from gtpo_kernels.hf import grouped_completion_hidden_states
 
 from .config import TrainConfig, parse_args
 from .data import load_problems
 from .model import load_model_and_tokenizer
 from .plots import plot_run
-from .rewards import DEFAULT_REWARDS, SYSTEM_PROMPT, answers_match, extract_answer, parse_number
+from .rewards import (DEFAULT_REWARDS, EXAMPLE_ANSWER, EXAMPLE_QUESTION, SYSTEM_PROMPT, answers_match, extract_answer,
+                      parse_number)
 
 
 # ---------------------------------------------------------------------------------------------- rollouts
 
-def encode_prompts(tokenizer, questions: List[str], device) -> Dict[str, torch.Tensor]:
-    texts = [tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM_PROMPT},
-                                            {"role": "user", "content": q}], tokenize=False,
-                                           add_generation_prompt=True) for q in questions]
+def chat(question: str, one_shot: bool) -> List[Dict[str, str]]:
+    """The conversation a question is asked in: the system prompt, optionally one worked example."""
+    example = [{"role": "user", "content": EXAMPLE_QUESTION},
+               {"role": "assistant", "content": EXAMPLE_ANSWER}] if one_shot else []
+    return [{"role": "system", "content": SYSTEM_PROMPT}, *example, {"role": "user", "content": question}]
+
+
+def encode_prompts(tokenizer, questions: List[str], device, one_shot: bool = True) -> Dict[str, torch.Tensor]:
+    texts = [tokenizer.apply_chat_template(chat(q, one_shot), tokenize=False, add_generation_prompt=True)
+             for q in questions]
     return tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
 
 
@@ -46,7 +53,7 @@ def encode_prompts(tokenizer, questions: List[str], device) -> Dict[str, torch.T
 def generate(model, tokenizer, questions: List[str], n: int, config: TrainConfig, device, greedy=False):
     """``n`` completions per question, rows of a question adjacent. Returns prompt ids/mask, completion
     ids/mask (the mask covers the completion up to and including its EOS) and the decoded texts."""
-    enc = encode_prompts(tokenizer, questions, device)
+    enc = encode_prompts(tokenizer, questions, device, config.one_shot)
     kwargs = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=config.temperature, top_p=1.0,
                                                        top_k=0)
     out = model.generate(**enc, max_new_tokens=config.max_new_tokens, num_return_sequences=n,
@@ -91,20 +98,23 @@ def policy_loss(model, batch, rows: slice, advantages, loss_config: GTPOConfig, 
                 old_logprobs, initial_entropy):
     """The GTPO loss of rows ``rows`` (whole prompt groups) of a rollout batch."""
     part = {k: v[rows] for k, v in batch.items() if isinstance(v, torch.Tensor)}
-    input_ids, attention_mask, position_ids = forward_inputs(part)
-    prompt_len = part["prompt_ids"].shape[1]
     common = dict(group_size=config.group_size, config=loss_config, initial_entropy=initial_entropy,
                   old_logprobs=None if old_logprobs is None else old_logprobs[rows])
     # The completions were sampled from softmax(logits / T): the loss's log-probs, ratio and entropy are
     # those of that distribution, so the update is on-policy whatever the temperature.
     inv_t = 1.0 / config.temperature
     if config.fused_linear:  # never builds the [N, L, V] logits; (h W^T + b) / T = (h / T) W^T + b / T
-        hidden, weight, bias = causal_lm_hidden_states(model, input_ids, attention_mask, position_ids=position_ids)
-        hidden = hidden[:, prompt_len - 1:-1]
+        # Each prompt runs once for its group: its key/value cache is shared by the G completions.
+        g = config.group_size
+        hidden, weight, bias = grouped_completion_hidden_states(
+            model, part["prompt_ids"][::g], part["prompt_mask"][::g], part["completion_ids"],
+            part["completion_mask"], g)
         if config.temperature != 1.0:
             hidden, bias = hidden * inv_t, None if bias is None else bias * inv_t
         return fused_linear_gtpo_loss(hidden, weight, part["completion_ids"], part["completion_mask"],
                                       advantages[rows], lm_head_bias=bias, **common)
+    input_ids, attention_mask, position_ids = forward_inputs(part)
+    prompt_len = part["prompt_ids"].shape[1]
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
     logits = logits[:, prompt_len - 1:-1]
     if config.temperature != 1.0:
