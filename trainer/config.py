@@ -32,7 +32,7 @@ class TrainConfig:
     temperature: float = 1.0  # sampling temperature; the loss uses the same softmax(logits / T)
     num_iterations: int = 1  # updates per rollout batch; > 1 uses old log-probs and the ratio
     # Update
-    learning_rate: float = 1e-4
+    learning_rate: float = 5e-5
     warmup_steps: int = 2
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
