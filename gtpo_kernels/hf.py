@@ -107,7 +107,7 @@ def grouped_completion_hidden_states(
                      position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0), use_cache=True)
     # transformers >= 5.2x names the cache ``cache``; earlier versions ``past_key_values``.
     cache_kw = "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
-    cache = getattr(prompt, "cache", None) or prompt.past_key_values
+    cache = prompt.cache if cache_kw == "cache" else prompt.past_key_values
     cache.batch_repeat_interleave(group_size)  # new tensors: gradients still reach the prompt pass
     prompt_mask = prompt_mask.repeat_interleave(group_size, 0)
     first = prompt_mask.sum(1, keepdim=True)  # position of the first completion token

@@ -84,13 +84,20 @@ def forward_inputs(batch):
     return input_ids, attention_mask, position_ids
 
 
-@torch.no_grad()
-def token_stats(model, batch, temperature: float):
-    """Per-token log-probs and entropies of the sampling policy (no grad): old log-probs and H_ini."""
+def completion_logits(model, batch, temperature: float) -> torch.Tensor:
+    """``[N, L, V]`` logits of the distribution the completions were sampled from, softmax(logits / T):
+    position ``t`` predicts ``completion_ids[:, t]``."""
     input_ids, attention_mask, position_ids = forward_inputs(batch)
     prompt_len = batch["prompt_ids"].shape[1]
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-    return token_logprobs_and_entropy(logits[:, prompt_len - 1:-1].float() / temperature, batch["completion_ids"],
+    logits = logits[:, prompt_len - 1:-1]
+    return logits if temperature == 1.0 else logits / temperature
+
+
+@torch.no_grad()
+def token_stats(model, batch, temperature: float):
+    """Per-token log-probs and entropies of the sampling policy (no grad): old log-probs and H_ini."""
+    return token_logprobs_and_entropy(completion_logits(model, batch, temperature).float(), batch["completion_ids"],
                                       batch["completion_mask"])
 
 
@@ -102,24 +109,19 @@ def policy_loss(model, batch, rows: slice, advantages, loss_config: GTPOConfig, 
                   old_logprobs=None if old_logprobs is None else old_logprobs[rows])
     # The completions were sampled from softmax(logits / T): the loss's log-probs, ratio and entropy are
     # those of that distribution, so the update is on-policy whatever the temperature.
-    inv_t = 1.0 / config.temperature
+    t = config.temperature
     if config.fused_linear:  # never builds the [N, L, V] logits; (h W^T + b) / T = (h / T) W^T + b / T
         # Each prompt runs once for its group: its key/value cache is shared by the G completions.
         g = config.group_size
         hidden, weight, bias = grouped_completion_hidden_states(
             model, part["prompt_ids"][::g], part["prompt_mask"][::g], part["completion_ids"],
             part["completion_mask"], g)
-        if config.temperature != 1.0:
-            hidden, bias = hidden * inv_t, None if bias is None else bias * inv_t
+        if t != 1.0:
+            hidden, bias = hidden / t, None if bias is None else bias / t
         return fused_linear_gtpo_loss(hidden, weight, part["completion_ids"], part["completion_mask"],
                                       advantages[rows], lm_head_bias=bias, **common)
-    input_ids, attention_mask, position_ids = forward_inputs(part)
-    prompt_len = part["prompt_ids"].shape[1]
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-    logits = logits[:, prompt_len - 1:-1]
-    if config.temperature != 1.0:
-        logits = logits * inv_t
-    return gtpo_loss(logits, part["completion_ids"], part["completion_mask"], advantages[rows], **common)
+    return gtpo_loss(completion_logits(model, part, t), part["completion_ids"], part["completion_mask"],
+                     advantages[rows], **common)
 
 
 # ---------------------------------------------------------------------------------------------- evaluation
