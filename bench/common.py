@@ -17,7 +17,28 @@ from typing import Callable, List, Optional
 
 import torch
 
+from gtpo_kernels import GTPOConfig
+from gtpo_kernels.backends.cpu_extension import extension_error
+from gtpo_kernels.backends.torch_backend import conflict_weights as torch_conflict_weights
+from gtpo_kernels.objective import loss_from_token_stats
+from gtpo_kernels.reference import token_logprobs_and_entropy
+
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def cpu_kernels_available() -> bool:
+    return extension_error() is None
+
+
+def plain_pytorch_gtpo_loss(logits, completion_ids, completion_mask, advantages, *, group_size: int,
+                            config: GTPOConfig, temperature: float = 1.0):
+    """The GTPO loss as a typical trainer writes it in PyTorch: ``log_softmax`` over the whole ``[N, L, V]``
+    logits and plain autograd through everything (the baseline of the benchmarks, eager and compiled)."""
+    valid = completion_mask.bool()
+    logp, entropy = token_logprobs_and_entropy(logits / temperature, torch.where(valid, completion_ids, 0))
+    lambda_, n_conflict = (torch_conflict_weights(completion_ids, valid, advantages, group_size, config.conflict_weight)
+                           if config.use_conflict_weights else (None, None))
+    return loss_from_token_stats(logp, entropy, valid, advantages, lambda_, n_conflict, config)
 
 
 def sync(device: torch.device) -> None:

@@ -19,9 +19,8 @@ from typing import Callable, Dict, List
 import torch
 
 from gtpo_kernels import GTPOConfig, fused_linear_gtpo_loss, gtpo_loss
-from gtpo_kernels._extension import cpu_extension_available
 
-from .common import Row, environment, markdown_table, measure_into, model_output, save
+from .common import Row, cpu_kernels_available, environment, markdown_table, measure_into, model_output, save
 from .logits import GROUP_SIZE, ROWS_PER_BATCH, make_batch
 
 
@@ -37,7 +36,7 @@ def implementations(device: torch.device, gpu_rows: bool) -> Dict[str, Callable]
                                                               backend=backend).loss
 
     impls = {"materialised-torch": materialised("torch"), "fused-torch": fused("torch")}
-    if device.type == "cpu" and cpu_extension_available():
+    if device.type == "cpu" and cpu_kernels_available():
         impls["fused-cpu"] = fused("cpu")
     if gpu_rows:
         impls["materialised-triton"] = materialised("triton")

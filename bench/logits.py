@@ -1,7 +1,8 @@
 """Benchmark of the GTPO loss on logits: gtpo_kernels' backends against reference PyTorch.
 
 Rows (forward, backward, forward+backward, peak memory beyond the inputs):
-  reference-eager    `reference_gtpo_loss`, plain autograd (what a typical trainer does)
+  reference-eager    `plain_pytorch_gtpo_loss`: log_softmax over the logits and plain autograd (what a
+                     typical trainer does)
   reference-compile  the same under `torch.compile`
   gtpo-torch         `gtpo_loss(backend="torch")`, chunked PyTorch
   gtpo-cpu           `gtpo_loss(backend="cpu")`, the C++ kernels (CPU only), and -inplace with
@@ -23,11 +24,9 @@ from typing import Callable, Dict, List
 import torch
 
 from gtpo_kernels import GTPOConfig, gtpo_loss
-from gtpo_kernels._extension import cpu_extension_available
-from gtpo_kernels.reference import reference_gtpo_loss
 
-from .common import (Row, copy_bandwidth_gbs, environment, markdown_table, measure_into, model_output,
-                     plot_time_vs_vocab, save)
+from .common import (Row, copy_bandwidth_gbs, cpu_kernels_available, environment, markdown_table, measure_into,
+                     model_output, plain_pytorch_gtpo_loss, plot_time_vs_vocab, save)
 
 GROUP_SIZE = 8
 ROWS_PER_BATCH = 16  # N = 2 prompts x 8 completions; L = T / N
@@ -50,16 +49,16 @@ def implementations(device: torch.device, with_compile: bool, triton_rows=None) 
     only (tests force them on to exercise the harness under the interpreter)."""
     config = GTPOConfig(preset="paper")
     impls: Dict[str, Callable] = {
-        "reference-eager": lambda x, ids, m, a: reference_gtpo_loss(
+        "reference-eager": lambda x, ids, m, a: plain_pytorch_gtpo_loss(
             x, ids, m, a, group_size=GROUP_SIZE, config=config).loss,
     }
     if with_compile:
-        compiled = torch.compile(reference_gtpo_loss)
+        compiled = torch.compile(plain_pytorch_gtpo_loss)
         impls["reference-compile"] = lambda x, ids, m, a: compiled(
             x, ids, m, a, group_size=GROUP_SIZE, config=config).loss
     impls["gtpo-torch"] = lambda x, ids, m, a: gtpo_loss(
         x, ids, m, a, group_size=GROUP_SIZE, config=config, backend="torch").loss
-    if device.type == "cpu" and cpu_extension_available():
+    if device.type == "cpu" and cpu_kernels_available():
         inplace_cpu = GTPOConfig(preset="paper", inplace_backward=True)
         impls["gtpo-cpu"] = lambda x, ids, m, a: gtpo_loss(
             x, ids, m, a, group_size=GROUP_SIZE, config=config, backend="cpu").loss

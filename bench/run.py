@@ -1,8 +1,10 @@
-"""Entry point: ``python -m bench [logits|fused_linear|cpu_kernels] [options]`` (``--help`` for each one's options)."""
+"""Entry point: ``python -m bench [logits|fused_linear|cpu_kernels|accuracy] [options]``
+(``--help`` for each one's options)."""
 
 import sys
 
-BENCHMARKS = {"logits": "bench.logits", "fused_linear": "bench.fused_linear", "cpu_kernels": "bench.cpu_kernels"}
+BENCHMARKS = {"logits": "bench.logits", "fused_linear": "bench.fused_linear", "cpu_kernels": "bench.cpu_kernels",
+              "accuracy": "bench.accuracy"}
 
 
 def main() -> None:

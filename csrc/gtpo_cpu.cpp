@@ -1,39 +1,45 @@
-// CPU kernels of gtpo_kernels: the same one-pass algorithm as the Triton kernels, with all cores
-// (at::parallel_for over tokens or completions) and SIMD (at::vec) in the inner loops.
+// CPU kernels of gtpo_kernels, registered as torch operators in the `gtpo_cpu` namespace:
 //
-//   token_stats_forward(logits [N, L, V], ids [N, L], valid [N, L]) -> (lse, logp, H)   float32 [N, L]
-//   token_stats_backward(logits, ids, valid, lse, H, grad_logp, grad_H, out [N, L, V])
-//       out = grad_logp (onehot(y) - p) + grad_H dH/dz, dH/dz = -p (log p + H); out may be logits
+//   token_stats_forward(logits [N, L, V], ids [N, L], valid [N, L], inv_temperature) -> (row_max, log_s, logp, H)
+//       float32 [N, L], the statistics of softmax(logits * inv_temperature); zeros where masked;
+//       lse = row_max * inv_temperature + log_s
+//   token_stats_backward(logits, ids, valid, row_max, log_s, logp, H, grad_logp, grad_H, inv_temperature, out)
+//       out = inv_temperature * (grad_logp (onehot(y) - p) + grad_H dH/du), dH/du = -p (log p + H),
+//       u = logits * inv_temperature; out may be logits itself (each element is read before written)
 //   conflict_weights(ids [N, L], lengths [N], advantages [N], group_size, weight) -> (lambda [N, L], n [N])
 //
 // logits: float32, bfloat16 or float16 with a contiguous last dimension (other strides are free).
-// Every token is handled by one thread from start to end, in a fixed order, so results are bitwise
-// the same whatever the number of threads.
+// Parallel over tokens (at::parallel_for), SIMD within a row (at::vec). Every token is handled by one
+// thread in a fixed order, so results are bitwise the same whatever the number of threads.
+//
+// The forward reads each logit from memory once: the row is walked in blocks of kBlock values that
+// stay in L1 between a max sweep and an exp sweep (an online softmax at block granularity). Each
+// block's sums are reduced across lanes and added to double-precision running totals, so rounding
+// does not grow with the vocabulary (a lane summing V / 16 terms one after another lost 5e-5 at
+// V = 151936).
+//
+// Built once per instruction set (CPU_CAPABILITY = DEFAULT, AVX2, AVX512; see
+// gtpo_kernels/backends/cpu_build.py); Python loads the one the machine supports.
 
-#include <torch/extension.h>
-
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
 
+#include <Python.h>
+
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// A row of logits as float: float32 rows are read in place, half-precision rows converted into buf.
-template <typename scalar_t>
-const float* row_as_float(const scalar_t* row, int64_t vocab, float* buf) {
-  at::vec::convert(row, buf, vocab);
-  return buf;
-}
-template <>
-const float* row_as_float<float>(const float* row, int64_t, float*) {
-  return row;
-}
+constexpr int64_t kBlock = 1024;  // values per block: 4 KiB of float32, well inside L1
 
 // Horizontal max / sum of a vector, lanes in a fixed order (deterministic).
 float lanes_max(const Vec& v) {
@@ -43,70 +49,150 @@ float lanes_max(const Vec& v) {
   for (int k = 1; k < Vec::size(); ++k) m = std::max(m, lanes[k]);
   return m;
 }
-float lanes_sum(const Vec& v) {
+double lanes_sum(const Vec& v) {
   float lanes[Vec::size()];
   v.store(lanes);
-  float s = 0.f;
+  double s = 0.0;
   for (int k = 0; k < Vec::size(); ++k) s += lanes[k];
   return s;
 }
 
+// A block of a row as float32: float32 rows are read in place, half precision converted into buf.
+template <typename scalar_t>
+const float* block_as_float(const scalar_t* src, int64_t n, float* buf) {
+  at::vec::convert(src, buf, n);
+  return buf;
+}
+template <>
+const float* block_as_float<float>(const float* src, int64_t, float*) {
+  return src;
+}
+
 struct RowStats {
-  float lse, entropy;
+  float entropy;
+  float shift;   // the max m of z (0 for an all -inf row)
+  double log_s;  // lse = shift * inv_t + log_s
 };
 
-// lse and entropy of one row: a max pass, then sum e and sum e (z - max) in one pass (e = exp(z - max)).
-RowStats row_stats(const float* z, int64_t vocab) {
-  const int64_t n_vec = vocab - vocab % Vec::size();
-  Vec vmax(kNegInf);
-  for (int64_t i = 0; i < n_vec; i += Vec::size()) vmax = at::vec::maximum(vmax, Vec::loadu(z + i));
-  float m = lanes_max(vmax);
-  for (int64_t i = n_vec; i < vocab; ++i) m = std::max(m, z[i]);
-  // All -inf: lse = -inf and a NaN entropy, which the caller's finiteness check reports.
-  const float shift = m == kNegInf ? 0.f : m;
-  const Vec vshift(shift), zero(0.f), neg_inf(kNegInf);
-  Vec vs(0.f), vw(0.f);
+// Sums of one block's values below the running max: s += e and w += e d, e = exp(d), d = (z - shift) * inv_t.
+// kTops: the block holds values equal to the max (e = 1 exactly), counted apart in `tops` because, added
+// to a lane's float sum, a 1 swamps the small terms, and s = 1 + delta is where a confident token's
+// log-prob lives. Other blocks take the cheaper loop. kScaled: T != 1.
+template <bool kTops, bool kScaled>
+void block_sums(const float* z, int64_t n, float shift, float inv_t, double& s, double& w, double& tops) {
+  const int64_t n_vec = n - n % Vec::size();
+  const Vec vshift(shift), vinv(inv_t), zero(0.f), one(1.f);
+  // e = 0 below ln(FLT_MIN) ~ -87.3; clamping d there keeps e d = 0 for banned tokens (z = -inf) instead
+  // of 0 * -inf = NaN (clamp_min lets a NaN through).
+  const Vec floor_d(-88.f);
+  Vec vs(0.f), vw(0.f), vtop(0.f);
   for (int64_t i = 0; i < n_vec; i += Vec::size()) {
-    const Vec zi = Vec::loadu(z + i);
-    const Vec d = zi - vshift;
-    const Vec e = d.exp();
-    vs = vs + e;
-    // Banned tokens (z = -inf) have e = 0; zero their d so that 0 * -inf does not make a NaN.
-    vw = vw + e * Vec::blendv(d, zero, zi == neg_inf);
+    Vec d = Vec::loadu(z + i) - vshift;
+    if (kScaled) d = d * vinv;
+    const Vec e = d.exp_u20();  // a few ulp; the sums' error stays below float32's spacing of log s
+    if (kTops) {
+      const Vec top = d == zero;
+      vtop = vtop + (top & one);
+      vs = vs + Vec::blendv(e, zero, top);
+    } else {
+      vs = vs + e;
+    }
+    vw = at::vec::fmadd(e, at::vec::clamp_min(d, floor_d), vw);
   }
-  float s = lanes_sum(vs);
-  float w = lanes_sum(vw);
-  for (int64_t i = n_vec; i < vocab; ++i) {
-    const float d = z[i] - shift;
+  double s_block = lanes_sum(vs), w_block = lanes_sum(vw), tops_block = kTops ? lanes_sum(vtop) : 0.0;
+  for (int64_t i = n_vec; i < n; ++i) {
+    const float d = (z[i] - shift) * inv_t;
+    if (kTops && d == 0.f) {
+      tops_block += 1.0;
+      continue;
+    }
     const float e = std::exp(d);
-    s += e;
-    w += z[i] == kNegInf ? 0.f : e * d;
+    s_block += e;
+    w_block += z[i] == kNegInf ? 0.0 : static_cast<double>(e) * d;
   }
-  const float log_s = std::log(s);
-  return {shift + log_s, log_s - w / s};
+  s += s_block;
+  w += w_block;
+  tops += tops_block;
 }
 
-// grad = -p (c + e (log p + H)) for every column, written to g (float).
-void row_grad(const float* z, int64_t vocab, float lse, float entropy, float c, float e, float* g) {
-  const int64_t n_vec = vocab - vocab % Vec::size();
-  const Vec vlse(lse), vc(c), ve(e), vh(entropy), zero(0.f), neg_inf(kNegInf);
-  for (int64_t i = 0; i < n_vec; i += Vec::size()) {
-    const Vec zi = Vec::loadu(z + i);
-    const Vec log_p = zi - vlse;
-    const Vec p = log_p.exp();
-    const Vec safe_log_p = Vec::blendv(log_p, zero, zi == neg_inf);
-    (zero - p * (vc + ve * (safe_log_p + vh))).store(g + i);
-  }
-  for (int64_t i = n_vec; i < vocab; ++i) {
-    const float log_p = z[i] - lse;
-    const float p = std::exp(log_p);
-    g[i] = -p * (c + e * ((z[i] == kNegInf ? 0.f : log_p) + entropy));
-  }
-}
-
+// log s and entropy of softmax(z * inv_t) for one row of `vocab` values, reading each value from memory
+// once: per block of kBlock values (in L1), a max sweep, then the sums. Differences to the max are taken
+// in z first (exact for nearby values), then scaled: scaling first would round twice.
 template <typename scalar_t>
-void store_row(const float* g, scalar_t* out, int64_t vocab) {
-  at::vec::convert(g, out, vocab);  // rounds to nearest even, like torch's .to()
+RowStats row_stats(const scalar_t* row, int64_t vocab, float inv_t, float* buf) {
+  // Running totals in double: s = tops + rest, w = sum e d, all relative to the running max m of z.
+  double rest = 0.0, w_total = 0.0, tops = 0.0;
+  float m = kNegInf;
+  const bool scaled = inv_t != 1.f;
+  for (int64_t b0 = 0; b0 < vocab; b0 += kBlock) {
+    const int64_t n = std::min(kBlock, vocab - b0);
+    const int64_t n_vec = n - n % Vec::size();
+    const float* z = block_as_float(row + b0, n, buf);
+    Vec vmax(kNegInf);
+    for (int64_t i = 0; i < n_vec; i += Vec::size()) vmax = at::vec::maximum(vmax, Vec::loadu(z + i));
+    float block_max = lanes_max(vmax);
+    for (int64_t i = n_vec; i < n; ++i) block_max = std::max(block_max, z[i]);
+    if (block_max > m || std::isnan(block_max)) {
+      // Rescale the totals from shift m to the new one: e -> e alpha, d -> d + delta; the old tops
+      // (e = 1) become alpha each.
+      if (m != kNegInf) {
+        const double delta = (static_cast<double>(m) - block_max) * inv_t;
+        const double alpha = std::exp(delta);
+        w_total = alpha * (w_total + delta * (rest + tops));
+        rest = alpha * (rest + tops);
+        tops = 0.0;
+      }
+      m = block_max;
+    }
+    // While everything seen is -inf (banned tokens) shift by 0, so that no -inf - -inf = NaN appears.
+    const float shift = m == kNegInf ? 0.f : m;
+    const bool has_tops = block_max == m;
+    if (has_tops && scaled) block_sums<true, true>(z, n, shift, inv_t, rest, w_total, tops);
+    else if (has_tops) block_sums<true, false>(z, n, shift, inv_t, rest, w_total, tops);
+    else if (scaled) block_sums<false, true>(z, n, shift, inv_t, rest, w_total, tops);
+    else block_sums<false, false>(z, n, shift, inv_t, rest, w_total, tops);
+  }
+  // An all -inf row gives log s = -inf and a NaN entropy, which the caller's finiteness check reports.
+  const double s_total = tops + rest;
+  const double log_s = std::log1p((tops - 1.0) + rest);
+  const float shift = m == kNegInf ? 0.f : m;
+  return {static_cast<float>(log_s - w_total / s_total), shift, log_s};
+}
+
+// One row of the gradient: g = -p (c + e (log p + H)) with log p = (z - m) * inv_t - log_s (near the max,
+// no cancellation against a large lse), plus c at the target, whose entry is computed from the forward's
+// log_p_target through expm1; c and e already carry the factor inv_t. Written to out (in place is safe:
+// blocks are read before they are written).
+template <typename scalar_t>
+void row_grad(const scalar_t* row, scalar_t* out, int64_t vocab, int64_t target, float log_p_target, float inv_t,
+              float row_max, float log_s, float entropy, float c, float e, float* zbuf, float* gbuf) {
+  constexpr bool is_float = std::is_same<scalar_t, float>::value;
+  const Vec vinv(inv_t), vmax(row_max), vlog_s(log_s), vc(c), ve(e), vh(entropy), zero(0.f), neg_inf(kNegInf);
+  for (int64_t b0 = 0; b0 < vocab; b0 += kBlock) {
+    const int64_t n = std::min(kBlock, vocab - b0);
+    const int64_t n_vec = n - n % Vec::size();
+    const float* z = block_as_float(row + b0, n, zbuf);
+    float* g = is_float ? reinterpret_cast<float*>(out + b0) : gbuf;
+    for (int64_t i = 0; i < n_vec; i += Vec::size()) {
+      const Vec zi = Vec::loadu(z + i);
+      const Vec log_p = (zi - vmax) * vinv - vlog_s;
+      const Vec p = log_p.exp_u20();
+      const Vec safe_log_p = Vec::blendv(log_p, zero, zi == neg_inf);
+      (zero - p * (vc + ve * (safe_log_p + vh))).store(g + i);
+    }
+    for (int64_t i = n_vec; i < n; ++i) {
+      const float log_p = (z[i] - row_max) * inv_t - log_s;
+      const float p = std::exp(log_p);
+      g[i] = -p * (c + e * ((z[i] == kNegInf ? 0.f : log_p) + entropy));
+    }
+    if (target >= b0 && target < b0 + n) {
+      // c (1 - p_y) - e p_y (log p_y + H), with 1 - p_y = -expm1(log p_y): the difference cancels
+      // catastrophically when the sampled token is confident.
+      const float log_p = log_p_target;
+      g[target - b0] = -c * std::expm1(log_p) - e * std::exp(log_p) * (log_p + entropy);
+    }
+    if (!is_float) at::vec::convert(g, out + b0, n);  // rounds to nearest even, like torch's .to()
+  }
 }
 
 void check_logits(const at::Tensor& logits, const char* name) {
@@ -118,71 +204,100 @@ void check_logits(const at::Tensor& logits, const char* name) {
               " must be float32, bfloat16 or float16, got ", t);
 }
 
-}  // namespace
+// Calls fn with a typed null pointer for the three logits dtypes (float64 is the torch backend's).
+template <typename Fn>
+void dispatch_logits(at::ScalarType t, Fn&& fn) {
+  switch (t) {
+    case at::kFloat: fn(static_cast<float*>(nullptr)); break;
+    case at::kBFloat16: fn(static_cast<at::BFloat16*>(nullptr)); break;
+    case at::kHalf: fn(static_cast<at::Half*>(nullptr)); break;
+    default: TORCH_CHECK(false, "unsupported logits dtype ", t);
+  }
+}
 
-std::vector<at::Tensor> token_stats_forward(const at::Tensor& logits, const at::Tensor& ids, const at::Tensor& valid) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_stats_forward(const at::Tensor& logits,
+                                                                               const at::Tensor& ids,
+                                                                               const at::Tensor& valid,
+                                                                               double inv_temperature) {
   check_logits(logits, "logits");
+  TORCH_CHECK(inv_temperature > 0 && std::isfinite(inv_temperature), "inv_temperature must be finite and > 0");
   const int64_t n_rows = logits.size(0), length = logits.size(1), vocab = logits.size(2);
   auto ids_c = ids.to(at::kLong).contiguous();
   auto valid_c = valid.to(at::kBool).contiguous();
   TORCH_CHECK(ids_c.numel() == n_rows * length && valid_c.numel() == n_rows * length, "ids and valid must be [N, L]");
   auto opts = logits.options().dtype(at::kFloat);
-  auto lse = at::zeros({n_rows, length}, opts);
+  auto row_max = at::zeros({n_rows, length}, opts);
+  auto log_s = at::zeros({n_rows, length}, opts);
   auto logp = at::zeros({n_rows, length}, opts);
   auto entropy = at::zeros({n_rows, length}, opts);
   const int64_t* ids_p = ids_c.data_ptr<int64_t>();
   const bool* valid_p = valid_c.data_ptr<bool>();
-  float* lse_p = lse.data_ptr<float>();
+  float* max_p = row_max.data_ptr<float>();
+  float* log_s_p = log_s.data_ptr<float>();
   float* logp_p = logp.data_ptr<float>();
   float* entropy_p = entropy.data_ptr<float>();
   const int64_t s0 = logits.stride(0), s1 = logits.stride(1);
+  const float inv_t = static_cast<float>(inv_temperature);
 
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "token_stats_forward", [&] {
-    const scalar_t* base = logits.data_ptr<scalar_t>();
+  dispatch_logits(logits.scalar_type(), [&](auto* tag) {
+    using scalar_t = std::remove_pointer_t<decltype(tag)>;
+    const scalar_t* base = static_cast<const scalar_t*>(logits.data_ptr());
     at::parallel_for(0, n_rows * length, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> buf(std::is_same<scalar_t, float>::value ? 0 : vocab);
+      std::vector<float> buf(std::is_same<scalar_t, float>::value ? 0 : kBlock);
       for (int64_t token = begin; token < end; ++token) {
         if (!valid_p[token]) continue;  // masked: zeros, logits never read
         const scalar_t* row = base + (token / length) * s0 + (token % length) * s1;
-        const float* z = row_as_float(row, vocab, buf.data());
-        const RowStats st = row_stats(z, vocab);
+        const RowStats st = row_stats(row, vocab, inv_t, buf.data());
         const int64_t y = ids_p[token];
-        lse_p[token] = st.lse;
+        max_p[token] = st.shift;
+        log_s_p[token] = static_cast<float>(st.log_s);
         entropy_p[token] = st.entropy;
-        // An out-of-vocabulary id (possible only with validation off) gives NaN, never a stray read.
-        logp_p[token] = (y >= 0 && y < vocab) ? z[y] - st.lse : std::numeric_limits<float>::quiet_NaN();
+        // (z_y - m) / T - log s, not z_y / T - lse: no cancellation against a large lse, so a confident token's
+        // log-prob keeps its relative precision. An out-of-vocabulary id (possible only with validation
+        // off) gives NaN, never a stray read.
+        logp_p[token] = (y >= 0 && y < vocab)
+                            ? static_cast<float>((static_cast<float>(row[y]) - st.shift) * inv_t - st.log_s)
+                            : std::numeric_limits<float>::quiet_NaN();
       }
     });
   });
-  return {lse, logp, entropy};
+  return {row_max, log_s, logp, entropy};
 }
 
 void token_stats_backward(const at::Tensor& logits, const at::Tensor& ids, const at::Tensor& valid,
-                          const at::Tensor& lse, const at::Tensor& entropy, const at::Tensor& grad_logp,
-                          const at::Tensor& grad_entropy, at::Tensor out) {
+                          const at::Tensor& row_max, const at::Tensor& log_s, const at::Tensor& logp,
+                          const at::Tensor& entropy, const at::Tensor& grad_logp,
+                          const at::Tensor& grad_entropy, double inv_temperature, at::Tensor out) {
   check_logits(logits, "logits");
   check_logits(out, "out");
   TORCH_CHECK(out.sizes() == logits.sizes() && out.scalar_type() == logits.scalar_type(),
               "out must match logits in shape and dtype");
+  TORCH_CHECK(inv_temperature > 0 && std::isfinite(inv_temperature), "inv_temperature must be finite and > 0");
   const int64_t n_rows = logits.size(0), length = logits.size(1), vocab = logits.size(2);
   auto ids_c = ids.to(at::kLong).contiguous();
   auto valid_c = valid.to(at::kBool).contiguous();
-  auto lse_c = lse.to(at::kFloat).contiguous();
+  auto max_c = row_max.to(at::kFloat).contiguous();
+  auto log_s_c = log_s.to(at::kFloat).contiguous();
   auto entropy_c = entropy.to(at::kFloat).contiguous();
+  auto logp_c = logp.to(at::kFloat).contiguous();
   auto c_c = grad_logp.to(at::kFloat).contiguous();
   auto e_c = grad_entropy.to(at::kFloat).contiguous();
   const int64_t* ids_p = ids_c.data_ptr<int64_t>();
   const bool* valid_p = valid_c.data_ptr<bool>();
-  const float *lse_p = lse_c.data_ptr<float>(), *entropy_p = entropy_c.data_ptr<float>();
+  const float *max_p = max_c.data_ptr<float>(), *log_s_p = log_s_c.data_ptr<float>();
+  const float* entropy_p = entropy_c.data_ptr<float>();
+  const float* logp_p = logp_c.data_ptr<float>();
   const float *c_p = c_c.data_ptr<float>(), *e_p = e_c.data_ptr<float>();
   const int64_t s0 = logits.stride(0), s1 = logits.stride(1), o0 = out.stride(0), o1 = out.stride(1);
+  const float inv_t = static_cast<float>(inv_temperature);
 
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "token_stats_backward", [&] {
-    const scalar_t* base = logits.data_ptr<scalar_t>();
-    scalar_t* out_base = out.data_ptr<scalar_t>();
+  dispatch_logits(logits.scalar_type(), [&](auto* tag) {
+    using scalar_t = std::remove_pointer_t<decltype(tag)>;
+    const scalar_t* base = static_cast<const scalar_t*>(logits.data_ptr());
+    scalar_t* out_base = static_cast<scalar_t*>(out.data_ptr());
     constexpr bool is_float = std::is_same<scalar_t, float>::value;
     at::parallel_for(0, n_rows * length, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> zbuf(is_float ? 0 : vocab), gbuf(is_float ? 0 : vocab);
+      std::vector<float> zbuf(is_float ? 0 : kBlock), gbuf(is_float ? 0 : kBlock);
       for (int64_t token = begin; token < end; ++token) {
         scalar_t* out_row = out_base + (token / length) * o0 + (token % length) * o1;
         if (!valid_p[token]) {  // masked: exact zeros, logits never read
@@ -190,22 +305,16 @@ void token_stats_backward(const at::Tensor& logits, const at::Tensor& ids, const
           continue;
         }
         const scalar_t* row = base + (token / length) * s0 + (token % length) * s1;
-        const float* z = row_as_float(row, vocab, zbuf.data());
-        // float32 writes straight to out (in place is safe: each element is read before it is
-        // written); half precision goes through a float row, then one rounding.
-        float* g = is_float ? reinterpret_cast<float*>(out_row) : gbuf.data();
-        const float c = c_p[token];
-        row_grad(z, vocab, lse_p[token], entropy_p[token], c, e_p[token], g);
         const int64_t y = ids_p[token];
-        if (y >= 0 && y < vocab) g[y] += c;
-        if (!is_float) store_row(g, out_row, vocab);
+        row_grad(row, out_row, vocab, (y >= 0 && y < vocab) ? y : int64_t(-1), logp_p[token], inv_t, max_p[token],
+                 log_s_p[token], entropy_p[token], c_p[token] * inv_t, e_p[token] * inv_t, zbuf.data(), gbuf.data());
       }
     });
   });
 }
 
-std::vector<at::Tensor> conflict_weights(const at::Tensor& ids, const at::Tensor& lengths, const at::Tensor& advantages,
-                                         int64_t group_size, double weight) {
+std::tuple<at::Tensor, at::Tensor> conflict_weights(const at::Tensor& ids, const at::Tensor& lengths,
+                                                    const at::Tensor& advantages, int64_t group_size, double weight) {
   TORCH_CHECK(ids.dim() == 2, "ids must be [N, L]");
   TORCH_CHECK(group_size > 0 && ids.size(0) % group_size == 0, "group_size must divide N");
   const int64_t n_rows = ids.size(0), length = ids.size(1);
@@ -257,9 +366,39 @@ std::vector<at::Tensor> conflict_weights(const at::Tensor& ids, const at::Tensor
   return {lambda, n_conflict};
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "gtpo_kernels CPU kernels (csrc/gtpo_cpu.cpp)";
-  m.def("token_stats_forward", &token_stats_forward, "per-token lse, logp, entropy");
-  m.def("token_stats_backward", &token_stats_backward, "gradient of logp and entropy w.r.t. the logits");
-  m.def("conflict_weights", &conflict_weights, "conflict-token weights and counts");
+}  // namespace
+
+TORCH_LIBRARY(gtpo_cpu, m) {
+  m.def("token_stats_forward(Tensor logits, Tensor ids, Tensor valid, float inv_temperature) "
+        "-> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("token_stats_backward(Tensor logits, Tensor ids, Tensor valid, Tensor row_max, Tensor log_s, Tensor logp, "
+        "Tensor entropy, Tensor grad_logp, Tensor grad_entropy, float inv_temperature, Tensor(a!) out) -> ()");
+  m.def("conflict_weights(Tensor ids, Tensor lengths, Tensor advantages, int group_size, float weight) -> (Tensor, Tensor)");
+  m.def("capability() -> str");
+}
+
+TORCH_LIBRARY_IMPL(gtpo_cpu, CPU, m) {
+  m.impl("token_stats_forward", &token_stats_forward);
+  m.impl("token_stats_backward", &token_stats_backward);
+  m.impl("conflict_weights", &conflict_weights);
+}
+
+TORCH_LIBRARY_IMPL(gtpo_cpu, CompositeExplicitAutograd, m) {
+  m.impl("capability", []() -> std::string {
+#if defined(CPU_CAPABILITY_AVX512)
+    return "avx512";
+#elif defined(CPU_CAPABILITY_AVX2)
+    return "avx2";
+#else
+    return "default";
+#endif
+  });
+}
+
+// Importable as a Python module (the ops register when the library loads); it defines nothing itself.
+#define GTPO_CONCAT_(a, b) a##b
+#define GTPO_CONCAT(a, b) GTPO_CONCAT_(a, b)
+PyMODINIT_FUNC GTPO_CONCAT(PyInit_, TORCH_EXTENSION_NAME)(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "gtpo_cpu", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
 }

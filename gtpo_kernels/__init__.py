@@ -1,13 +1,14 @@
 """gtpo_kernels: a fused, tested implementation of the GTPO loss for RL fine-tuning of LLMs."""
 
+from .advantages import compute_advantages
 from .config import GTPOConfig
-from .fused_linear import FusedLinearGTPOLoss, fused_linear_gtpo_loss
+from .conflict import conflict_weights
+from .fused_linear import FusedLinearGTPOLoss, fused_linear_gtpo_loss, fused_linear_token_logprobs_and_entropy
 from .loss import GTPOLoss, gtpo_loss
-from .token_stats import token_logprobs_and_entropy
-from .reference import compute_advantages, conflict_weights
 from .result import GTPOLossOutput, GTPOMetrics
+from .token_stats import token_logprobs_and_entropy
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "FusedLinearGTPOLoss",
@@ -18,6 +19,7 @@ __all__ = [
     "compute_advantages",
     "conflict_weights",
     "fused_linear_gtpo_loss",
+    "fused_linear_token_logprobs_and_entropy",
     "gtpo_loss",
     "token_logprobs_and_entropy",
 ]

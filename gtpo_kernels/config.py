@@ -1,21 +1,46 @@
-"""`GTPOConfig`: every knob of the GTPO loss, filled from a preset and validated on construction.
+"""`GTPOConfig`: every knob of the GTPO loss, filled from a preset, validated, immutable.
 
-A field left at ``None`` takes its value from the preset; any field given explicitly overrides the
-preset. See ``docs/method.md`` for what each knob does and ``../shared/SPEC.md`` for the definition.
+A preset fills only the knobs the user did not set: a knob left at its default (shown as ``PRESET``
+in the repr of the class, never of an instance) takes the preset's value, and any value given, ``None``
+included, wins. The config is frozen, so it is validated once and cannot drift afterwards; change it
+with ``config.replace(**changes)`` (or ``dataclasses.replace``), which re-resolves the preset: for example
+``GTPOConfig(entropy_coef=0.05).replace(preset="grpo")`` is the ``grpo`` preset with ``entropy_coef=0.05``.
+
+See ``docs/method.md`` for what each knob does and ``../shared/SPEC.md`` for the definition.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
-from typing import Optional
+from dataclasses import dataclass, field, fields
+from typing import Any, FrozenSet, Optional, Tuple
 
 PRESETS = ("paper", "official", "grpo")
 REDUCTIONS = ("sequence_mean", "sum", "token_mean", "dr_grpo")
 ENTROPY_MODES = ("advantage_shift", "penalty")
 
+
+class _FromPreset:
+    """Default of the knobs a preset fills: "not given by the user"."""
+
+    _instance = None
+
+    def __new__(cls):
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "PRESET"
+
+    def __reduce__(self):
+        return (_FromPreset, ())
+
+
+PRESET: Any = _FromPreset()
+
 # Per-preset values of the knobs that depend on the preset (SPEC.md, "Presets").
-# `entropy_threshold=None` means "no entropy filter"; `clip_eps_*=None` means "no clipping".
+# `entropy_threshold=None`: no entropy filter. `clip_eps_*=None`: that side of the clip is open.
 _PRESET_VALUES = {
     "paper": dict(
         normalize_advantages_by_std=False,
@@ -51,9 +76,14 @@ _PRESET_VALUES = {
         clip_eps_high=0.2,
     ),
 }
+PRESET_FIELDS = tuple(_PRESET_VALUES["paper"])
 
 
-@dataclass
+def _same(a, b) -> bool:
+    return type(a) is type(b) and a == b
+
+
+@dataclass(frozen=True)
 class GTPOConfig:
     """Configuration of the GTPO loss.
 
@@ -63,8 +93,7 @@ class GTPOConfig:
         normalize_advantages_by_std: how a trainer turns rewards into advantages
             (``compute_advantages(..., normalize_std=...)``); the loss itself takes advantages.
         entropy_threshold: ``tau``. Completions whose mean token entropy exceeds it get no policy
-            update (``delta_i = 0``). ``None`` takes the preset's value (no filter for ``"grpo"``);
-            ``float("inf")`` switches a preset's filter off.
+            update (``delta_i = 0``). ``None`` or ``float("inf")``: no filter.
         entropy_gate: if true and ``initial_entropy`` is passed to the loss and exceeds ``tau``,
             the filter is off (the policy starts too uncertain for the threshold to mean anything).
         entropy_coef: ``gamma``, the weight of the completion entropy, either subtracted from the
@@ -72,19 +101,28 @@ class GTPOConfig:
         entropy_mode: ``"advantage_shift"`` (``A~ = delta (A - gamma Hbar)``, ``Hbar`` detached) or
             ``"penalty"`` (``A~ = delta A`` and ``+gamma H[i,t]`` per token, with gradient, which is
             ``+gamma Hbar_i`` per completion under the sequence mean).
-        use_conflict_weights: apply the conflict-token weights ``lambda`` (else ``lambda = 1``).
+        use_conflict_weights: apply the conflict-token weights ``lambda`` (else ``lambda = 1``, and the
+            losses ignore a ``conflict`` argument).
         conflict_weight: ``W``, the weight of a conflict token in a positive completion.
         divide_by_conflict_count: divide each completion's loss by ``n_i = max(1, max(|cf|, |cr|))``
             (the official code's behaviour).
         loss_reduction: ``"sequence_mean"`` (mean over completions of the per-completion token mean),
             ``"sum"`` (sum over completions), ``"token_mean"`` (sum over tokens / number of tokens)
-            or ``"dr_grpo"`` (sum over tokens / (N * L)).
-        clip_eps_low, clip_eps_high: PPO clipping range ``[1 - eps_low, 1 + eps_high]``;
-            ``None`` for both disables clipping. Giving one sets the other to the same value.
+            or ``"dr_grpo"`` (sum over tokens / (N * max_completion_length), or (N * L) without it).
+        clip_eps_low, clip_eps_high: PPO clipping range ``[1 - eps_low, 1 + eps_high]``. ``None`` (or
+            ``inf``) leaves that side open; both ``None`` switches clipping off, in every preset. A side
+            not given takes the preset's value, or, for presets without clipping, the given side's
+            value (``clip_eps_low=0.2`` alone clips symmetrically).
         kl_beta: ``beta``, weight of the k3 KL estimate against ``ref_logprobs`` (0 disables the
             term; the KL is still reported in the metrics when reference log-probs are given).
-        chunk_size: tokens per chunk for the ``"torch"`` backend (``None``: chosen so that one
-            chunk's float32 logits take at most 4 MiB on the CPU, 64 MiB on a GPU).
+        max_completion_length: the generation cap. When set, ``dr_grpo`` divides by
+            ``num_sequences * max_completion_length`` (TRL's and Liger's convention), so the loss does
+            not depend on how much padding a batch happens to carry.
+        max_chunk_bytes: the one memory knob: bytes of float32 logits that one chunk of work may hold,
+            in every path (the ``"torch"`` backend's token chunks, the fused ``hidden @ lm_head`` chunks
+            and its statistics function). ``None``: 4 MiB on the CPU for the torch backend's elementwise
+            passes, and 256 MiB for the fused path's GEMMs on the CPU or 1 GiB on a GPU (bounded by
+            free memory).
         inplace_backward: write the gradient of the logits into the logits' own storage during
             backward, saving one ``[N, L, V]`` buffer. The logits' values are destroyed; autograd
             raises an error if another node still needs them (see README).
@@ -93,67 +131,82 @@ class GTPOConfig:
     """
 
     preset: str = "paper"
-    normalize_advantages_by_std: Optional[bool] = None
-    entropy_threshold: Optional[float] = None
-    entropy_gate: Optional[bool] = None
-    entropy_coef: Optional[float] = None
+    normalize_advantages_by_std: Optional[bool] = PRESET
+    entropy_threshold: Optional[float] = PRESET
+    entropy_gate: Optional[bool] = PRESET
+    entropy_coef: Optional[float] = PRESET
     entropy_mode: str = "advantage_shift"
-    use_conflict_weights: Optional[bool] = None
+    use_conflict_weights: Optional[bool] = PRESET
     conflict_weight: float = 2.0
-    divide_by_conflict_count: Optional[bool] = None
-    loss_reduction: Optional[str] = None
-    clip_eps_low: Optional[float] = None
-    clip_eps_high: Optional[float] = None
+    divide_by_conflict_count: Optional[bool] = PRESET
+    loss_reduction: Optional[str] = PRESET
+    clip_eps_low: Optional[float] = PRESET
+    clip_eps_high: Optional[float] = PRESET
     kl_beta: float = 0.0
-    chunk_size: Optional[int] = None
+    max_completion_length: Optional[int] = None
+    max_chunk_bytes: Optional[int] = None
     inplace_backward: bool = False
     validate_inputs: bool = True
+    # (knobs the user set, values filled in for the others) of the config this one was copied from by
+    # `dataclasses.replace`: lets the copy tell filled-in values from the user's own.
+    _origin: Optional[Tuple[FrozenSet[str], Tuple[Tuple[str, Any], ...]]] = field(
+        default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
             raise ValueError(f"GTPOConfig: preset must be one of {PRESETS}, got {self.preset!r}")
-        # `None` means "take the preset's value", so a preset's entropy filter is switched off with
-        # entropy_threshold=float("inf") (no completion's entropy exceeds it), not with None.
-        clip_given = self.clip_eps_low is not None or self.clip_eps_high is not None
-        for name, value in _PRESET_VALUES[self.preset].items():
-            if name in ("clip_eps_low", "clip_eps_high") and clip_given:
-                continue
-            if getattr(self, name) is None:
-                setattr(self, name, value)
-        if clip_given:
-            if self.clip_eps_low is None:
-                self.clip_eps_low = self.clip_eps_high
-            if self.clip_eps_high is None:
-                self.clip_eps_high = self.clip_eps_low
+        given = {name for name in PRESET_FIELDS if getattr(self, name) is not PRESET}
+        if self._origin is not None:
+            old_given, old_filled = self._origin[0], dict(self._origin[1])
+            for name in list(given):
+                # A value equal to what was filled in for the user (never set by them) was copied by
+                # `replace`, not chosen: the (new) preset fills it again.
+                if name not in old_given and _same(getattr(self, name), old_filled.get(name, PRESET)):
+                    given.discard(name)
+        preset = _PRESET_VALUES[self.preset]
+        for name in PRESET_FIELDS:
+            if name not in given:
+                object.__setattr__(self, name, preset[name])
+        low_given, high_given = "clip_eps_low" in given, "clip_eps_high" in given
+        if low_given != high_given and preset["clip_eps_low"] is None:
+            # A preset without clipping: one side given means symmetric clipping.
+            one = self.clip_eps_low if low_given else self.clip_eps_high
+            object.__setattr__(self, "clip_eps_high" if low_given else "clip_eps_low", one)
+        filled = tuple((name, getattr(self, name)) for name in PRESET_FIELDS if name not in given)
+        object.__setattr__(self, "_origin", (frozenset(given), filled))
         self._validate()
 
     def _validate(self) -> None:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"GTPOConfig: {name} {why} (got {getattr(self, name)!r})")
 
+        def is_number(x) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)
+
         tau = self.entropy_threshold
-        if tau is not None and not (isinstance(tau, (int, float)) and tau > 0 and not math.isnan(tau)):
-            raise bad("entropy_threshold", "must be a positive number (float('inf') disables the filter)")
-        if not (isinstance(self.entropy_coef, (int, float)) and math.isfinite(self.entropy_coef)
-                and self.entropy_coef >= 0):
+        if tau is not None and not (is_number(tau) and tau > 0):
+            raise bad("entropy_threshold", "must be a positive number, or None / float('inf') for no filter")
+        if not (is_number(self.entropy_coef) and math.isfinite(self.entropy_coef) and self.entropy_coef >= 0):
             raise bad("entropy_coef", "must be a finite number >= 0")
         if self.entropy_mode not in ENTROPY_MODES:
             raise bad("entropy_mode", f"must be one of {ENTROPY_MODES}")
-        if not (isinstance(self.conflict_weight, (int, float)) and math.isfinite(self.conflict_weight)
-                and self.conflict_weight > 0):
+        if not (is_number(self.conflict_weight) and math.isfinite(self.conflict_weight) and self.conflict_weight > 0):
             raise bad("conflict_weight", "must be a finite number > 0 (use use_conflict_weights=False for 1)")
         if self.loss_reduction not in REDUCTIONS:
             raise bad("loss_reduction", f"must be one of {REDUCTIONS}")
-        for name in ("clip_eps_low", "clip_eps_high"):
-            eps = getattr(self, name)
-            if eps is not None and not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0):
-                raise bad(name, "must be a finite number >= 0, or None for no clipping")
-        if self.clip_eps_low is not None and self.clip_eps_low >= 1:
-            raise bad("clip_eps_low", "must be < 1 so that the lower clip bound 1 - eps_low stays positive")
-        if not (isinstance(self.kl_beta, (int, float)) and math.isfinite(self.kl_beta) and self.kl_beta >= 0):
+        if self.clip_eps_low is not None and not (
+                is_number(self.clip_eps_low) and self.clip_eps_low >= 0
+                and (self.clip_eps_low < 1 or math.isinf(self.clip_eps_low))):
+            raise bad("clip_eps_low", "must be a number in [0, 1) (the lower clip bound 1 - eps_low stays "
+                                      "positive), or None / float('inf') to leave the lower side open")
+        if self.clip_eps_high is not None and not (is_number(self.clip_eps_high) and self.clip_eps_high >= 0):
+            raise bad("clip_eps_high", "must be a number >= 0, or None / float('inf') to leave the upper side open")
+        if not (is_number(self.kl_beta) and math.isfinite(self.kl_beta) and self.kl_beta >= 0):
             raise bad("kl_beta", "must be a finite number >= 0")
-        if self.chunk_size is not None and not (isinstance(self.chunk_size, int) and self.chunk_size > 0):
-            raise bad("chunk_size", "must be a positive int, or None to choose automatically")
+        for name in ("max_completion_length", "max_chunk_bytes"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+                raise bad(name, "must be a positive int, or None")
         for name in ("normalize_advantages_by_std", "entropy_gate", "use_conflict_weights",
                      "divide_by_conflict_count", "inplace_backward", "validate_inputs"):
             if not isinstance(getattr(self, name), bool):
@@ -161,14 +214,39 @@ class GTPOConfig:
 
     @property
     def clipping(self) -> bool:
-        return self.clip_eps_low is not None
+        """Whether any side of the ratio is clipped."""
+        return any(eps is not None and math.isfinite(eps) for eps in (self.clip_eps_low, self.clip_eps_high))
+
+    @property
+    def clip_bounds(self) -> Tuple[float, float]:
+        """``(1 - eps_low, 1 + eps_high)``, ``-inf`` / ``inf`` for an open side."""
+        low = -math.inf if self.clip_eps_low is None or math.isinf(self.clip_eps_low) else 1.0 - self.clip_eps_low
+        high = math.inf if self.clip_eps_high is None else 1.0 + self.clip_eps_high
+        return low, high
+
+    @property
+    def entropy_filter(self) -> bool:
+        """Whether a finite entropy threshold is set (the gate may still switch it off per call)."""
+        return self.entropy_threshold is not None and math.isfinite(self.entropy_threshold)
+
+    def replace(self, **changes) -> "GTPOConfig":
+        """A copy with ``changes``; knobs the user never set follow the (possibly new) preset."""
+        known = {f.name for f in fields(self) if f.name != "_origin"}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise ValueError(f"GTPOConfig.replace: unknown field(s) {unknown}; known fields are {sorted(known)}")
+        given = self._origin[0]
+        values = {name: getattr(self, name) for name in known if name not in PRESET_FIELDS or name in given}
+        values.update(changes)
+        return GTPOConfig(**values)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Every knob's resolved value (``GTPOConfig.from_dict`` gives an equal config back)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "_origin"}
 
     @classmethod
     def from_dict(cls, values: dict) -> "GTPOConfig":
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls) if f.name != "_origin"}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"GTPOConfig: unknown field(s) {unknown}; known fields are {sorted(known)}")

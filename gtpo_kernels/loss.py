@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Tuple
 
 import torch
 from torch import nn
 
 from . import validation
+from .backends import Backend, resolve_backend
 from .config import GTPOConfig
-from .reference import conflict_weights, gtpo_loss_from_token_stats
+from .conflict import compute_conflict_weights
+from .objective import loss_from_token_stats
 from .result import GTPOLossOutput
-from .token_stats import resolve_backend, token_stats
+from .token_stats import token_stats
+
+Conflict = Tuple[torch.Tensor, torch.Tensor]
+
 
 def gtpo_loss(
     logits: torch.Tensor,
@@ -19,63 +25,87 @@ def gtpo_loss(
     completion_mask: torch.Tensor,
     advantages: torch.Tensor,
     *,
-    group_size: int,
+    group_size: Optional[int] = None,
     config: Optional[GTPOConfig] = None,
     old_logprobs: Optional[torch.Tensor] = None,
     ref_logprobs: Optional[torch.Tensor] = None,
     initial_entropy: Optional[float] = None,
+    conflict: Optional[Conflict] = None,
+    num_sequences=None,
+    num_tokens=None,
+    temperature: float = 1.0,
     backend: str = "auto",
 ) -> GTPOLossOutput:
     """The GTPO loss of a batch of completions, from the policy's logits.
 
     Args:
-        logits: ``[N, L, V]``, ``N = B * G`` completions with the rows of a prompt group contiguous;
-            ``logits[i, t]`` predicts ``completion_ids[i, t]`` (already shifted by the caller).
-            float16, bfloat16, float32 or float64; statistics accumulate in float32 (float64 for
+        logits: ``[N, L, V]``; ``logits[i, t]`` predicts ``completion_ids[i, t]`` (already shifted by the
+            caller). float16, bfloat16, float32 or float64; statistics accumulate in float32 (float64 for
             float64 input). ``-inf`` entries (banned tokens) are allowed.
-        completion_ids: ``[N, L]`` integer token ids; values at masked positions are ignored.
+        completion_ids: ``[N, L]`` integer ids; values at masked positions are ignored.
         completion_mask: ``[N, L]`` bool or 0/1, a contiguous prefix of ones per row (EOS included).
         advantages: ``[N]`` float, e.g. from `compute_advantages`.
-        group_size: ``G``, completions per prompt; must divide ``N``.
+        group_size: ``G``, completions per prompt, with the rows of a group contiguous: needed only to
+            compute the conflict weights here, from whole groups. May be ``None`` when ``conflict`` is
+            given or the config does not use conflict weights.
         config: `GTPOConfig` (default: the ``"paper"`` preset).
         old_logprobs: ``[N, L]`` log-probs of the sampling policy, for off-policy updates
             (``num_iterations > 1``); without them the ratio is ``exp(logp - logp.detach())``.
         ref_logprobs: ``[N, L]`` reference-model log-probs, for the KL term and metric.
         initial_entropy: the policy's mean token entropy at the first step, for the entropy gate.
+        conflict: ``(lambda_ [N, L], n_conflict [N])`` from `conflict_weights` on whole groups, sliced like
+            these rows: for calls that hold part of a group. Ignored when the config does not use
+            conflict weights.
+        num_sequences, num_tokens: the whole optimisation batch's number of completions and of unmasked
+            tokens (every rank and micro-batch), ints or 0-d tensors: the denominators of
+            ``sequence_mean``/``dr_grpo`` and of ``token_mean`` (defaults: this call's own). With them the
+            losses and gradients of calls over any partition of the batch's rows add up to the whole
+            batch's.
+        temperature: the sampling temperature ``T``: every statistic is that of ``softmax(logits / T)``,
+            computed inside the kernels (no scaled copy); the gradient is with respect to ``logits``.
         backend: ``"auto"`` (Triton for CUDA tensors, the C++ kernels for CPU tensors), ``"triton"``
             (fused kernels; on CPU tensors only under ``TRITON_INTERPRET=1``), ``"cpu"`` (C++ kernels)
             or ``"torch"`` (chunked plain PyTorch).
 
     Returns:
         `GTPOLossOutput` with ``.loss`` (0-d, differentiable w.r.t. ``logits``) and ``.metrics``
-        (`GTPOMetrics`, detached). A batch with every position masked gives a zero loss and zero
-        gradients.
+        (`GTPOMetrics` of this call's rows, detached; merge calls with `GTPOMetrics.merge`). A batch with
+        every position masked gives a zero loss and zero gradients.
     """
     validation.check_logits(logits)
-    config, valid, initial_entropy = prepare_loss_inputs(
+    inputs = prepare_loss_inputs(
         logits, completion_ids, completion_mask, advantages, group_size, config, old_logprobs, ref_logprobs,
-        initial_entropy, vocab_size=logits.shape[-1], what="logits [N, L, V]")
-    backend = resolve_backend(backend, logits.device)
-
-    logp, entropy = token_stats(backend, logits, completion_ids, valid, chunk_size=config.chunk_size,
-                                inplace=config.inplace_backward)
+        initial_entropy, conflict, num_sequences, num_tokens, temperature, vocab_size=logits.shape[-1],
+        what="logits [N, L, V]")
+    config = inputs.config
+    backend_ = resolve_backend(backend, logits.device)
+    logp, entropy = token_stats(backend_, logits, completion_ids, inputs.valid, temperature=inputs.temperature,
+                                max_chunk_bytes=config.max_chunk_bytes, inplace=config.inplace_backward)
     if config.validate_inputs:
-        validation.check_token_stats_finite(logp, entropy, valid)
-    lambda_, n_conflict = batch_conflict_weights(config, backend, completion_ids, valid, advantages, group_size,
-                                                 logp.dtype)
-    return gtpo_loss_from_token_stats(
-        logp, entropy, valid, advantages.detach(), lambda_, n_conflict, config,
-        old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, initial_entropy=initial_entropy,
-    )
+        validation.check_token_stats_finite(logp, entropy, inputs.valid)
+    lambda_, n_conflict = loss_conflict_weights(config, backend_, completion_ids, inputs.valid, advantages,
+                                                group_size, conflict)
+    return loss_from_token_stats(
+        logp, entropy, inputs.valid, advantages, lambda_, n_conflict, config, old_logprobs=old_logprobs,
+        ref_logprobs=ref_logprobs, initial_entropy=inputs.initial_entropy, num_sequences=num_sequences,
+        num_tokens=num_tokens)
+
+
+@dataclass
+class LossInputs:
+    config: GTPOConfig
+    valid: torch.Tensor  # [N, L] bool
+    initial_entropy: Optional[float]
+    temperature: float
 
 
 def prepare_loss_inputs(source, completion_ids, completion_mask, advantages, group_size, config, old_logprobs,
-                        ref_logprobs, initial_entropy, vocab_size: int, what: str):
+                        ref_logprobs, initial_entropy, conflict, num_sequences, num_tokens, temperature,
+                        vocab_size: int, what: str) -> LossInputs:
     """Checks the inputs shared by every GTPO loss entry point.
 
     ``source`` is the ``[N, L, *]`` tensor the loss reads (logits or hidden states), named ``what`` in
     errors; ids at unmasked positions must lie in ``[0, vocab_size)``.
-    Returns ``(config, valid [N, L] bool, initial_entropy float|None)``.
     """
     config = config or GTPOConfig()
     if not isinstance(config, GTPOConfig):
@@ -84,30 +114,39 @@ def prepare_loss_inputs(source, completion_ids, completion_mask, advantages, gro
     if tuple(source.shape[:2]) != shape:
         raise ValueError(f"{what} = {tuple(source.shape)} and completion_ids [N, L] = {shape} disagree on N "
                          f"or L; position t of row i must predict completion_ids[i, t]")
+    sync = config.validate_inputs
+    needs_groups = config.use_conflict_weights and conflict is None
+    if needs_groups and group_size is None:
+        raise ValueError("the config uses conflict weights, which compare the completions of a group: pass "
+                         "group_size=G with whole groups, or conflict=conflict_weights(ids, mask, advantages, G) "
+                         "computed on whole groups and sliced like these rows (or set use_conflict_weights=False)")
+    if group_size is not None and not needs_groups:
+        validation.check_group_size(group_size, None)
+        group_size = None  # unused: not required to divide a slice's rows
     valid, initial_entropy = validation.check_loss_inputs(
         source, completion_ids, completion_mask, advantages, group_size, old_logprobs, ref_logprobs,
-        initial_entropy, sync=config.validate_inputs,
-        vocab_size=vocab_size,
-    )
+        initial_entropy, sync=sync, vocab_size=vocab_size)
+    if config.use_conflict_weights and conflict is not None:
+        validation.check_conflict(conflict, shape, source, what.split(" ")[0], sync)
     if config.kl_beta and ref_logprobs is None:
         raise ValueError(f"config.kl_beta = {config.kl_beta} needs ref_logprobs [N, L]; pass the reference "
                          f"model's log-probs or set kl_beta=0")
-    return config, valid, initial_entropy
+    validation.check_count("num_sequences", num_sequences, shape[0], sync,
+                           "the number of completions in the whole optimisation batch")
+    validation.check_count("num_tokens", num_tokens, valid.sum() if sync else 0, sync,
+                           "the number of unmasked tokens in the whole optimisation batch")
+    return LossInputs(config, valid, initial_entropy, validation.check_temperature(temperature))
 
 
-def batch_conflict_weights(config: GTPOConfig, backend: str, completion_ids, valid, advantages, group_size,
-                           dtype: torch.dtype):
-    """``(lambda_ [N, L], n_conflict [N])`` for the whole batch, or ones/zeros when disabled."""
-    n_rows, length = completion_ids.shape
+def loss_conflict_weights(config: GTPOConfig, backend: Backend, completion_ids, valid, advantages, group_size,
+                          conflict: Optional[Conflict]):
+    """``(lambda_, n_conflict)`` for the loss: the given slice, computed from whole groups, or ``(None, None)``
+    when the config does not use conflict weights."""
     if not config.use_conflict_weights:
-        return (torch.ones((n_rows, length), dtype=dtype, device=valid.device),
-                torch.zeros(n_rows, dtype=torch.long, device=valid.device))
-    weights_fn = conflict_weights
-    if backend == "triton" and dtype == torch.float32:
-        from .ops.conflict_weights_triton import conflict_weights_triton as weights_fn
-    elif backend == "cpu" and dtype == torch.float32:
-        from .ops.token_stats_cpu import conflict_weights_cpu as weights_fn
-    return weights_fn(completion_ids, valid, advantages.detach().to(dtype), group_size, config.conflict_weight)
+        return None, None
+    if conflict is not None:
+        return conflict
+    return compute_conflict_weights(backend, completion_ids, valid, advantages, group_size, config.conflict_weight)
 
 
 class GTPOLoss(nn.Module):
@@ -118,13 +157,10 @@ class GTPOLoss(nn.Module):
         self.config = config or GTPOConfig()
         self.backend = backend
 
-    def forward(self, logits, completion_ids, completion_mask, advantages, *, group_size, old_logprobs=None,
-                ref_logprobs=None, initial_entropy=None) -> GTPOLossOutput:
-        return gtpo_loss(
-            logits, completion_ids, completion_mask, advantages, group_size=group_size, config=self.config,
-            old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, initial_entropy=initial_entropy,
-            backend=self.backend,
-        )
+    def forward(self, logits, completion_ids, completion_mask, advantages, **kwargs) -> GTPOLossOutput:
+        """Every keyword of `gtpo_loss` except ``config`` and ``backend``, which the module holds."""
+        return gtpo_loss(logits, completion_ids, completion_mask, advantages, config=self.config,
+                         backend=self.backend, **kwargs)
 
     def extra_repr(self) -> str:
         return f"preset={self.config.preset!r}, backend={self.backend!r}"

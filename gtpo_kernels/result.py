@@ -1,37 +1,67 @@
-"""What `gtpo_loss` returns: the differentiable loss and detached metrics."""
+"""What the losses return: the differentiable loss and detached metrics that merge across calls."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import NamedTuple, Optional
+from typing import List, NamedTuple, Optional, Sequence
 
 import torch
+
+# Each averaged metric and the count it is averaged over: merging several calls weights each call's
+# mean by its count, which is exact (the whole batch's mean is the count-weighted mean of the parts').
+_AVERAGED_OVER = {
+    "entropy": "num_tokens",
+    "filtered_fraction": "num_nonempty",
+    "signal_fraction": "num_nonempty",
+    "amplified_fraction": "num_tokens",
+    "skipped_fraction": "num_tokens",
+    "ratio_mean": "num_tokens",
+    "clip_fraction": "num_tokens",
+    "kl": "num_tokens",
+}
+_COUNTS = ("num_tokens", "num_sequences", "num_nonempty")
+# Layout of `GTPOMetrics.to_sums()`: every mean times its count, then the counts, then "has kl".
+_SUM_LAYOUT = tuple(_AVERAGED_OVER) + _COUNTS + ("has_kl",)
 
 
 @dataclass
 class GTPOMetrics:
-    """Detached diagnostics of one loss evaluation (0-d tensors unless a shape is given).
+    """Detached diagnostics of one loss call (0-d tensors unless a shape is given).
 
     Attributes:
         entropy: mean token entropy over unmasked tokens (nats).
-        completion_entropy: ``Hbar [N]``, each completion's mean token entropy.
+        completion_entropy: ``Hbar [N]``, each completion's mean token entropy (``None`` after
+            `from_sums`: per-row values do not survive an all-reduce).
         filtered_fraction: fraction of non-empty completions dropped by the entropy filter.
+        signal_fraction: fraction of non-empty completions whose loss has a gradient: some unmasked token
+            with a non-zero per-token advantage ``lambda * A~``, or an entropy penalty or KL term. 0 means
+            the call's gradient is exactly zero (every completion filtered, or every advantage 0).
         amplified_fraction: fraction of unmasked tokens with ``lambda > 1`` (conflicts, positive).
         skipped_fraction: fraction of unmasked tokens with ``lambda = 0`` (conflicts, negative).
         ratio_mean: mean importance ratio ``exp(logp - logp_old)`` over unmasked tokens.
         clip_fraction: fraction of unmasked tokens whose update was clipped (0 without clipping).
         kl: mean k3 estimate of KL(policy || reference) over unmasked tokens, or ``None`` without
             ``ref_logprobs``.
+        num_tokens, num_sequences, num_nonempty: this call's unmasked tokens, completions and non-empty
+            completions (float64 0-d tensors): the weights that merge calls exactly.
+
+    Merging: ``GTPOMetrics.merge([m1, m2, ...])`` gives the metrics of the union of the calls' rows (as if
+    one call had seen them all). Across processes, all-reduce (sum) ``m.to_sums()`` and rebuild with
+    ``GTPOMetrics.from_sums(total)``.
     """
 
     entropy: torch.Tensor
-    completion_entropy: torch.Tensor
+    completion_entropy: Optional[torch.Tensor]
     filtered_fraction: torch.Tensor
     amplified_fraction: torch.Tensor
     skipped_fraction: torch.Tensor
     ratio_mean: torch.Tensor
     clip_fraction: torch.Tensor
     kl: Optional[torch.Tensor] = None
+    signal_fraction: Optional[torch.Tensor] = None
+    num_tokens: Optional[torch.Tensor] = None
+    num_sequences: Optional[torch.Tensor] = None
+    num_nonempty: Optional[torch.Tensor] = None
 
     def to_dict(self) -> dict:
         """Scalar metrics as Python floats (one device sync); ``completion_entropy`` is averaged."""
@@ -42,6 +72,54 @@ class GTPOMetrics:
                 continue
             out[f.name] = float(value.float().mean()) if value.numel() else 0.0
         return out
+
+    def to_sums(self) -> torch.Tensor:
+        """A float64 vector of sums and counts; the elementwise sum of several calls' vectors (for
+        example ``torch.distributed.all_reduce``) is the vector of their union (see `from_sums`)."""
+        device = self.entropy.device
+        values = []
+        for name in _SUM_LAYOUT:
+            if name == "has_kl":
+                values.append(torch.tensor(1.0 if self.kl is not None else 0.0, dtype=torch.float64, device=device))
+            elif name in _COUNTS:
+                values.append(getattr(self, name).to(torch.float64))
+            else:
+                mean = getattr(self, name)
+                weight = getattr(self, _AVERAGED_OVER[name]).to(torch.float64)
+                values.append(torch.zeros((), dtype=torch.float64, device=device) if mean is None
+                              else mean.detach().to(torch.float64) * weight)
+        return torch.stack(values)
+
+    @classmethod
+    def from_sums(cls, sums: torch.Tensor, parts: Optional[int] = None) -> "GTPOMetrics":
+        """The metrics of the union of the calls whose `to_sums` vectors were added into ``sums``.
+
+        ``kl`` is kept when every part had it (``parts``: how many vectors were added; by default it is
+        kept when any part had it)."""
+        if sums.shape != (len(_SUM_LAYOUT),):
+            raise ValueError(f"GTPOMetrics.from_sums: expected a vector of {len(_SUM_LAYOUT)} sums from to_sums(), "
+                             f"got shape {tuple(sums.shape)}")
+        named = dict(zip(_SUM_LAYOUT, sums.unbind()))
+        has_kl = bool(named["has_kl"] > 0) if parts is None else bool(named["has_kl"] >= parts)
+        values = {name: named[name] for name in _COUNTS}
+        for name, count in _AVERAGED_OVER.items():
+            values[name] = named[name] / named[count].clamp(min=1)
+        if not has_kl:
+            values["kl"] = None
+        return cls(completion_entropy=None, **values)
+
+    @classmethod
+    def merge(cls, parts: Sequence["GTPOMetrics"]) -> "GTPOMetrics":
+        """The metrics of several calls' rows taken together, exactly (count-weighted means);
+        ``completion_entropy`` is the concatenation, in the order given."""
+        parts = list(parts)
+        if not parts:
+            raise ValueError("GTPOMetrics.merge: nothing to merge")
+        merged = cls.from_sums(torch.stack([p.to_sums().to(parts[0].entropy.device) for p in parts]).sum(0),
+                               parts=len(parts))
+        rows: List[torch.Tensor] = [p.completion_entropy for p in parts]
+        merged.completion_entropy = None if any(r is None for r in rows) else torch.cat(rows)
+        return merged
 
 
 class GTPOLossOutput(NamedTuple):

@@ -1,85 +1,90 @@
-"""Backend choice and dispatch for the vocabulary-sized work, and the public no-grad forward.
+"""Per-token log-prob and entropy with a closed-form backward: the only vocabulary-sized work.
 
-A backend maps ``logits [N, L, V]`` to per-token ``(logp, H)`` (float32, float64 for float64
-logits) with a closed-form backward; everything after that is ``O(N L)`` and shared.
+`TokenStats` wraps any backend's kernels for autograd; `token_logprobs_and_entropy` is the public
+no-grad forward (old and reference log-probs, the initial entropy).
+
+``inplace=True`` passes the logits themselves as the backward's output buffer: the gradient replaces the
+logits, saving an ``[N, L, V]`` buffer. Their version counter is then bumped, so any other autograd node
+that saved the same tensor and runs later raises "modified by an inplace operation" rather than reading
+gradients as logits.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
+import functools
 from typing import Optional, Tuple
 
 import torch
 
 from . import validation
-from ._extension import cpu_extension_available
-from .ops.function import TokenStats
-
-BACKENDS = ("auto", "torch", "triton", "cpu")
+from .backends import Backend, kernels_for, resolve_backend
 
 
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+def first_derivative_only(backward):
+    """Marks a custom ``backward`` as not differentiable. Like ``torch.autograd.function.once_differentiable``,
+    a second derivative through it raises instead of silently treating the gradient as a constant, but
+    always: the stock decorator lets the gradient through as a constant when the incoming gradient does not
+    require grad (``loss = logp.sum()``, the fused loss), which gives a wrong second derivative."""
+    message = (b"trying to differentiate twice a gtpo_kernels loss: its backward is closed-form and "
+               b"once_differentiable (second derivatives: use gtpo_kernels.reference on float64 logits)")
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        with torch.no_grad():
+            outputs = backward(ctx, *grads)
+        if not torch.is_grad_enabled():
+            return outputs
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        flags = [isinstance(o, torch.Tensor) for o in outputs]
+        tensors = [o.detach().requires_grad_() for o, is_tensor in zip(outputs, flags) if is_tensor]
+        guarded = torch._C._functions.DelayedError(message, len(tensors))(*tensors)
+        guarded = iter((guarded,) if isinstance(guarded, torch.Tensor) else guarded)
+        return tuple(next(guarded) if is_tensor else o for o, is_tensor in zip(outputs, flags))
+
+    return wrapper
 
 
-def triton_interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+class TokenStats(torch.autograd.Function):
+    """``(logits [N, L, V], ids, valid, kernels, temperature, max_chunk_bytes, inplace) -> (logp, H)``, each
+    ``[N, L]``, of ``softmax(logits / temperature)``.
+
+    The backward is the closed form of SPEC.md and is not itself differentiable: a second derivative
+    through it raises an error instead of returning a wrong one."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, kernels: Backend,
+                temperature: float, max_chunk_bytes: Optional[int], inplace: bool):
+        if logits.stride(-1) != 1:
+            logits = logits.contiguous()  # the kernels stream rows of V; strided rows are copied once
+        row_max, log_s, logp, entropy = kernels.forward(logits, ids, valid, temperature, max_chunk_bytes)
+        ctx.save_for_backward(logits, ids, valid, row_max, log_s, logp, entropy)
+        ctx.kernels, ctx.temperature, ctx.max_chunk_bytes, ctx.inplace = kernels, temperature, max_chunk_bytes, inplace
+        return logp, entropy
+
+    @staticmethod
+    @first_derivative_only
+    def backward(ctx, grad_logp: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor]):
+        logits, ids, valid, row_max, log_s, logp, entropy = ctx.saved_tensors
+        grad_logp = torch.zeros_like(logp) if grad_logp is None else grad_logp
+        grad_entropy = torch.zeros_like(logp) if grad_entropy is None else grad_entropy
+        out = logits if ctx.inplace else torch.empty_like(logits, memory_format=torch.contiguous_format)
+        ctx.kernels.backward(logits, ids, valid, row_max, log_s, logp, entropy, grad_logp, grad_entropy, out,
+                             ctx.temperature, ctx.max_chunk_bytes)
+        if ctx.inplace:
+            torch.autograd.graph.increment_version(logits)
+        return out, None, None, None, None, None, None
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """The concrete backend for tensors on ``device``: ``"auto"`` takes Triton for CUDA tensors, the
-    C++ kernels for CPU tensors, and the chunked PyTorch path when those are unavailable."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        if device.type == "cuda":
-            return "triton" if triton_available() else "torch"
-        if device.type == "cpu" and cpu_extension_available():
-            return "cpu"
-        return "torch"
-    if backend == "cpu" and device.type != "cpu":
-        raise ValueError(f"backend='cpu' needs CPU tensors, got tensors on {device}; use backend='auto'")
-    if backend == "triton":
-        if not triton_available():
-            raise ValueError("backend='triton' needs the triton package: pip install triton (Linux), "
-                             "or use backend='torch'")
-        if device.type != "cuda" and not triton_interpreted():
-            raise ValueError(f"backend='triton' needs CUDA tensors, got tensors on {device}; use "
-                             f"backend='torch' (or set TRITON_INTERPRET=1 before importing triton to run "
-                             f"the kernels on the CPU, slowly, for testing)")
-    return backend
-
-
-def token_stats(
-    backend: str, logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, *,
-    chunk_size: Optional[int] = None, inplace: bool = False,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+def token_stats(backend: Backend, logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, *,
+                temperature: float = 1.0, max_chunk_bytes: Optional[int] = None,
+                inplace: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(logp, H)`` ``[N, L]`` from a resolved backend; differentiable w.r.t. ``logits``."""
     if inplace and logits.requires_grad and logits.is_leaf:
         raise ValueError("inplace_backward=True would write the gradient over a leaf tensor that is its own "
                          "parameter (logits.grad would alias logits); use it on logits computed by the "
                          "model, or set inplace_backward=False")
-    kernels = kernels_for(backend, logits.dtype)
-    return TokenStats.apply(logits, ids, valid, kernels, chunk_size, inplace)
-
-
-def kernels_for(backend: str, dtype: torch.dtype):
-    """The module holding a resolved backend's ``forward``/``backward`` (see `ops.function`)."""
-    if backend == "triton" and dtype != torch.float64:
-        from .ops import token_stats_triton
-
-        return token_stats_triton
-    if backend == "cpu" and dtype != torch.float64:
-        from .ops import token_stats_cpu
-
-        return token_stats_cpu
-    if backend in ("torch", "triton", "cpu"):
-        # float64 (the oracle's dtype) stays exact in the torch path; the kernels accumulate in float32.
-        from .ops import token_stats_torch
-
-        return token_stats_torch
-    raise AssertionError(f"unresolved backend {backend!r}")
+    return TokenStats.apply(logits, ids, valid, kernels_for(backend, logits.dtype), float(temperature),
+                            max_chunk_bytes, inplace)
 
 
 def token_logprobs_and_entropy(
@@ -87,6 +92,7 @@ def token_logprobs_and_entropy(
     completion_ids: torch.Tensor,
     completion_mask: Optional[torch.Tensor] = None,
     *,
+    temperature: float = 1.0,
     backend: str = "auto",
     validate: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -96,6 +102,8 @@ def token_logprobs_and_entropy(
         logits: ``[N, L, V]``.
         completion_ids: ``[N, L]`` integer ids.
         completion_mask: ``[N, L]`` prefix mask; masked positions return 0 (default: all unmasked).
+        temperature: the statistics are those of ``softmax(logits / temperature)``, computed inside the
+            kernels (no scaled copy of the logits).
 
     Returns:
         ``(logp, H)``, each ``[N, L]`` float32 (float64 for float64 logits), one pass over the logits.
@@ -105,16 +113,17 @@ def token_logprobs_and_entropy(
     if tuple(logits.shape[:2]) != shape:
         raise ValueError(f"logits [N, L, V] = {tuple(logits.shape)} and completion_ids [N, L] = {shape} "
                          f"disagree on N or L")
+    temperature = validation.check_temperature(temperature)
+    validation.check_same_device(logits=logits, completion_ids=completion_ids, completion_mask=completion_mask)
     if completion_mask is None:
         valid = torch.ones(shape, dtype=torch.bool, device=logits.device)
     else:
-        validation.check_same_device(logits=logits, completion_mask=completion_mask)
         valid = validation.check_mask(completion_mask, shape, sync=validate)
-    validation.check_same_device(logits=logits, completion_ids=completion_ids)
     if validate:
         validation.check_ids_in_vocab(completion_ids, valid, logits.shape[-1])
     with torch.no_grad():
-        logp, entropy = token_stats(resolve_backend(backend, logits.device), logits, completion_ids, valid)
+        logp, entropy = token_stats(resolve_backend(backend, logits.device), logits, completion_ids, valid,
+                                    temperature=temperature)
     if validate:
         validation.check_token_stats_finite(logp, entropy, valid)
     return logp, entropy

@@ -24,12 +24,59 @@ def check_float(name: str, tensor: torch.Tensor, shape: tuple, what: str) -> Non
         _fail(f"{name} must have shape {what} = {tuple(shape)}, got {tuple(tensor.shape)}")
 
 
-def check_group_size(group_size, n_rows: int) -> None:
+def check_group_size(group_size, n_rows: Optional[int]) -> None:
+    """``group_size`` is a positive int dividing ``n_rows`` (``n_rows=None``: the type only)."""
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         _fail(f"group_size must be a positive int (completions per prompt), got {group_size!r}")
-    if n_rows % group_size:
+    if n_rows is not None and n_rows % group_size:
         _fail(f"group_size ({group_size}) must divide the number of completions N = {n_rows}; "
-              f"pass whole groups (rows b*G .. b*G+G-1 are one prompt's completions)")
+              f"pass whole groups (rows b*G .. b*G+G-1 are one prompt's completions), or, for a slice of a "
+              f"batch that cuts through groups, pass conflict=conflict_weights(...) computed on whole groups")
+
+
+def check_temperature(temperature) -> float:
+    if isinstance(temperature, torch.Tensor) and temperature.numel() == 1:
+        temperature = float(temperature)
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+            math.isfinite(temperature) and temperature > 0):
+        _fail(f"temperature must be a finite number > 0 (the sampling temperature), got {temperature!r}")
+    return float(temperature)
+
+
+def check_conflict(conflict, shape: tuple, anchor: torch.Tensor, anchor_name: str, sync: bool) -> None:
+    """``conflict = (lambda_ [N, L] float, n_conflict [N] integer)``, as `conflict_weights` returns."""
+    if not (isinstance(conflict, (tuple, list)) and len(conflict) == 2
+            and all(isinstance(t, torch.Tensor) for t in conflict)):
+        _fail(f"conflict must be the pair (lambda_ [N, L], n_conflict [N]) returned by conflict_weights(...), "
+              f"got {type(conflict).__name__}")
+    lambda_, n_conflict = conflict
+    check_float("conflict[0] (lambda_)", lambda_, shape, "[N, L]")
+    if n_conflict.is_floating_point() or n_conflict.dtype == torch.bool or tuple(n_conflict.shape) != shape[:1]:
+        _fail(f"conflict[1] (n_conflict) must be an integer tensor of shape [N] = {shape[:1]}, got "
+              f"{n_conflict.dtype} {tuple(n_conflict.shape)}")
+    check_same_device(**{anchor_name: anchor, "conflict[0]": lambda_, "conflict[1]": n_conflict})
+    if sync and not bool((torch.isfinite(lambda_) & (lambda_ >= 0)).all()):
+        _fail("conflict[0] (lambda_) must be finite and >= 0; pass what conflict_weights(...) returned, sliced "
+              "like the rows")
+
+
+def check_count(name: str, value, at_least, sync: bool, what: str) -> None:
+    """A whole-batch count: an int or a 0-d tensor, at least this call's own count."""
+    if value is None:
+        return
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
+            _fail(f"{name} must be a number or a one-element tensor ({what}), got a {value.dtype} tensor of "
+                  f"shape {tuple(value.shape)}")
+        if not sync:
+            return
+        value = float(value)
+    elif isinstance(value, bool) or not isinstance(value, (int, float)):
+        _fail(f"{name} must be a number ({what}), got {value!r}")
+    at_least = float(at_least)
+    if not (math.isfinite(value) and value >= at_least and value > 0):
+        _fail(f"{name} = {value!r} is less than this call's own count ({at_least:g}): it must be {what}, "
+              f"summed over every rank and micro-batch")
 
 
 def check_mask(completion_mask: torch.Tensor, shape: tuple, sync: bool) -> torch.Tensor:
@@ -96,10 +143,12 @@ def check_initial_entropy(initial_entropy) -> Optional[float]:
 
 def check_loss_inputs(logits, completion_ids, completion_mask, advantages, group_size, old_logprobs,
                       ref_logprobs, initial_entropy, sync: bool, vocab_size: Optional[int] = None):
-    """Checks everything `gtpo_loss` takes except the logits' own shape, given as ``logits=[N, L, *]``.
+    """Checks everything `gtpo_loss` takes except the logits' own shape, given as ``logits=[N, L, *]``,
+    and the conflict and count arguments (`check_conflict`, `check_count`).
 
-    Returns ``(valid [N, L] bool, initial_entropy float|None)``.
-    ``sync=False`` skips the checks that read tensor values (mask pattern, id range, NaN advantages).
+    ``group_size`` may be ``None`` (checked only when given). Returns
+    ``(valid [N, L] bool, initial_entropy float|None)``. ``sync=False`` skips the checks that read tensor
+    values (mask pattern, id range, NaN advantages).
     """
     shape = check_ids(completion_ids)
     n_rows = shape[0]
@@ -112,7 +161,8 @@ def check_loss_inputs(logits, completion_ids, completion_mask, advantages, group
     if sync and not bool(torch.isfinite(advantages).all()):
         _fail("advantages must be finite, got NaN or inf; check the rewards (a group with std 0 and "
               "normalize_std=True needs eps > 0)")
-    check_group_size(group_size, n_rows)
+    if group_size is not None:
+        check_group_size(group_size, n_rows)
     if old_logprobs is not None:
         check_float("old_logprobs", old_logprobs, shape, "[N, L]")
     if ref_logprobs is not None:

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import os
+import weakref
+from typing import Optional
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from gtpo_kernels import GTPOLossOutput, GTPOMetrics
+from gtpo_kernels.reference import reference_loss_from_token_stats
 
 # GTPO_TEST_CUDA=1 (on a GPU machine) runs the Triton backend on CUDA tensors, compiled;
 # otherwise it runs on CPU tensors under the interpreter (tests/conftest.py).
@@ -21,6 +26,11 @@ def to_cpu(out: GTPOLossOutput) -> GTPOLossOutput:
     m = {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in vars(out.metrics).items()}
     return GTPOLossOutput(out.loss.detach().cpu(), GTPOMetrics(**m))
 
+
+def tiny_chunks(vocab: int, tokens: int = 3) -> int:
+    """A ``max_chunk_bytes`` that makes the torch backend work through ``tokens`` tokens at a time."""
+    return 4 * vocab * tokens
+
 # Relative error bars against the float64 reference (DEVELOPERS.md, "Standards").
 RTOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
@@ -30,9 +40,91 @@ RTOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.f
 FP32_ABS_FLOOR = 1e-6
 
 
+# Without a term scale, per-entry comparisons allow, besides rtol * |expected|, rtol times this fraction of
+# the largest entry of the same row (last dimension).
+ENTRY_FLOOR = 1e-2
+
+
+def assert_close_per_entry(actual: torch.Tensor, expected: torch.Tensor, rtol: float, what: str = "",
+                           scale: Optional[torch.Tensor] = None, floor: float = ENTRY_FLOOR,
+                           atol: float = 0.0) -> None:
+    """Every entry: |actual - expected| <= rtol * (|expected| + scale) + atol (float64 comparison).
+
+    ``scale``: per entry, the size of the terms the entry is a sum of (`logits_gradient_scale`): an entry
+    whose terms nearly cancel cannot be more precise than the terms. Without it, ``floor`` times the
+    largest entry of the same row."""
+    actual = torch.as_tensor(actual).double()
+    expected = torch.as_tensor(expected).double()
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert torch.isfinite(actual).all(), f"{what}: non-finite values"
+    if not expected.numel():
+        return
+    if scale is None:
+        scale = floor * (expected.abs().amax(dim=-1, keepdim=True) if expected.dim() else expected.abs())
+    bound = rtol * (expected.abs() + scale.double()) + atol
+    excess = (actual - expected).abs() - bound
+    worst = int(excess.argmax())
+    assert excess.max() <= 0, (
+        f"{what}: entry {tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), expected.shape))} is "
+        f"{float(actual.reshape(-1)[worst]):.6e}, expected {float(expected.reshape(-1)[worst]):.6e}, allowed "
+        f"+-{float(bound.reshape(-1)[worst]):.1e} (rtol {rtol:.0e})")
+
+
+def token_coefficients(logits: torch.Tensor, completion_ids, completion_mask, advantages, *, config,
+                       temperature: float = 1.0, **kwargs):
+    """From the float64 oracle: ``(c, e, log_p)``, the gradient of the loss w.r.t. each token's log-prob and
+    entropy ``[N, L]`` and the log-softmax ``[N, L, V]`` of ``logits / T``."""
+    valid = completion_mask.bool()
+    safe = torch.where(valid, completion_ids, 0)
+    log_p = torch.log_softmax(logits.double() / temperature, dim=-1)
+    p = log_p.exp()
+    logp = log_p.gather(-1, safe[..., None]).squeeze(-1)
+    entropy = -(p * log_p.masked_fill(p == 0, 0.0)).sum(-1)
+    lp, h = logp.detach().requires_grad_(), entropy.detach().requires_grad_()
+    loss = reference_loss_from_token_stats(lp, h, completion_ids, valid, advantages.double(), config=config,
+                                           **{k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point()
+                                                  else v) for k, v in kwargs.items()}).loss
+    c, e = (torch.zeros_like(lp) if g is None else g
+            for g in torch.autograd.grad(loss, (lp, h), allow_unused=True))
+    return c, e, log_p
+
+
+def loss_scale(logits: torch.Tensor, completion_ids, completion_mask, advantages, **kwargs) -> float:
+    """The size of the terms the loss sums, ``sum |c| + |e| H`` over tokens: a loss that is a difference of
+    larger terms cannot be more precise than they are."""
+    c, e, log_p = token_coefficients(logits, completion_ids, completion_mask, advantages, **kwargs)
+    p = log_p.exp()
+    entropy = -(p * log_p.masked_fill(p == 0, 0.0)).sum(-1)
+    return float((c.abs() + e.abs() * entropy).sum())
+
+
+def logits_gradient_scale(logits: torch.Tensor, completion_ids, completion_mask, advantages, *, config,
+                          temperature: float = 1.0, **kwargs) -> torch.Tensor:
+    """``[N, L, V]``: the size of the terms of each entry of d loss / d logits, from the float64 oracle.
+
+    The entry is ``(c (onehot - p) + e dH/du) / T`` with ``c, e`` the gradient of the loss w.r.t. the token's
+    log-prob and entropy: off the target the terms are ``p_v |c|`` and ``p_v |e| |log p_v + H|`` (bounded by
+    ``p_v |e| (|log p_v| + H)``), at the target ``|c| (1 - p_y)`` and ``p_y |e| |log p_y + H|``."""
+    c, e, log_p = token_coefficients(logits, completion_ids, completion_mask, advantages, config=config,
+                                     temperature=temperature, **kwargs)
+    valid = completion_mask.bool()
+    safe = torch.where(valid, completion_ids, 0)
+    p = log_p.exp()
+    finite_log_p = log_p.masked_fill(p == 0, 0.0)
+    entropy = -(p * finite_log_p).sum(-1, keepdim=True)
+    logp = finite_log_p.gather(-1, safe[..., None])
+    c, e = c[..., None].abs(), e[..., None].abs()
+    scale = p * (c + e * (finite_log_p.abs() + entropy))
+    p_y = p.gather(-1, safe[..., None])
+    at_target = c * (1 - p_y) + e * p_y * (logp + entropy).abs()
+    scale = scale.scatter(-1, safe[..., None], at_target)
+    return scale * valid[..., None] / temperature
+
+
 def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, what: str = "",
                      atol: float = 0.0) -> None:
-    """max |actual - expected| <= rtol * max(|expected|, tiny) + atol; both compared in float64."""
+    """max |actual - expected| <= rtol * max(|expected|, tiny) + atol; both compared in float64. For
+    scalars and vectors of like magnitude; gradients use `assert_close_per_entry`."""
     actual = torch.as_tensor(actual).double()
     expected = torch.as_tensor(expected).double()
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
@@ -71,3 +163,38 @@ def random_batch(n_groups, group_size, length, vocab, *, dtype=torch.float32, se
         rewards = torch.randint(0, 3, (n,), generator=g).double()
     advantages = (rewards.view(-1, group_size) - rewards.view(-1, group_size).mean(1, keepdim=True)).view(-1)
     return logits.to(dtype), ids, mask, advantages.to(torch.float32 if dtype != torch.float64 else dtype)
+
+
+class PeakTensorMemory(TorchDispatchMode):
+    """Bytes of tensor storage created inside the ``with`` block and alive at once, at the peak.
+
+    Every op's outputs are counted once per new storage (outputs that share an input's storage, such as
+    views and in-place results, are not new) and uncounted when the storage is freed. ``largest`` is the
+    largest single new storage. Exact and deterministic, unlike the resident set."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = self.largest = 0
+        self._tracked = set()
+
+    def _free(self, key, nbytes):
+        self._tracked.discard(key)
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            storage = t.untyped_storage()
+            key = id(storage)
+            if key in inputs or key in self._tracked or storage.nbytes() == 0:
+                continue
+            self._tracked.add(key)
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+            self.largest = max(self.largest, storage.nbytes())
+            weakref.finalize(storage, self._free, key, storage.nbytes())
+        return out

@@ -200,13 +200,23 @@ def test_all_masked_batch_gives_zero_loss_and_zero_grad(batch, preset):
         assert math.isfinite(value)
 
 
-def test_chunk_size_does_not_change_results(batch):
+def test_chunk_budget_does_not_change_results(batch, monkeypatch):
+    from gtpo_kernels.backends import torch_backend
+
     logits, ids, mask, adv = batch
+    blocks = []
+    real = torch_backend._chunk_stats
+    monkeypatch.setattr(torch_backend, "_chunk_stats", lambda z, *a: blocks.append(z.shape[0]) or real(z, *a))
     results = []
-    for chunk in (None, 1, 3, 7, 1000):
+    for tokens in (None, 1, 3, 7, 1000):
+        budget = None if tokens is None else 4 * 11 * tokens  # float32 bytes of `tokens` tokens at V = 11
         x = logits.clone().requires_grad_()
-        out = call(x, ids, mask, adv, config=GTPOConfig(chunk_size=chunk, entropy_mode="penalty"))
+        blocks.clear()
+        out = call(x, ids, mask, adv, config=GTPOConfig(max_chunk_bytes=budget, entropy_mode="penalty"),
+                   backend="torch")
         out.loss.backward()
+        # The torch backend really walked chunks of at most that many tokens.
+        assert max(blocks) <= (tokens or 30) and (tokens is None or tokens >= 30 or len(blocks) > 1)
         results.append((out.loss, x.grad))
     for loss, grad in results[1:]:
         torch.testing.assert_close(loss, results[0][0], rtol=1e-6, atol=1e-7)
@@ -235,14 +245,18 @@ def test_module_matches_function(batch):
 def test_metrics_to_dict(batch):
     logits, ids, mask, adv = batch
     d = call(logits, ids, mask, adv).metrics.to_dict()
-    assert set(d) == {"entropy", "completion_entropy", "filtered_fraction", "amplified_fraction",
-                      "skipped_fraction", "ratio_mean", "clip_fraction"}
+    assert set(d) == {"entropy", "completion_entropy", "filtered_fraction", "signal_fraction", "amplified_fraction",
+                      "skipped_fraction", "ratio_mean", "clip_fraction", "num_tokens", "num_sequences",
+                      "num_nonempty"}
     assert all(isinstance(v, float) for v in d.values())
+    assert d["num_tokens"] == float(mask.sum()) and d["num_sequences"] == 6.0
 
 
 def test_public_names():
-    for name in ("gtpo_loss", "GTPOLoss", "GTPOConfig", "compute_advantages", "conflict_weights"):
-        assert hasattr(gtpo_kernels, name)
+    for name in ("gtpo_loss", "GTPOLoss", "GTPOConfig", "compute_advantages", "conflict_weights",
+                 "fused_linear_gtpo_loss", "fused_linear_token_logprobs_and_entropy", "token_logprobs_and_entropy",
+                 "GTPOMetrics"):
+        assert hasattr(gtpo_kernels, name) and name in gtpo_kernels.__all__
 
 
 # ---- advantages ------------------------------------------------------------------------------------
@@ -250,7 +264,7 @@ def test_public_names():
 def test_compute_advantages_errors():
     with pytest.raises(ValueError, match="group_size"):
         compute_advantages(torch.ones(6), 4)
-    with pytest.raises(ValueError, match=r"1-D \[N\]"):
+    with pytest.raises(ValueError, match=r"1-D tensor \[N\]"):
         compute_advantages(torch.ones(2, 3), 3)
 
 
@@ -258,46 +272,7 @@ def test_compute_advantages_single_completion_groups():
     assert compute_advantages(torch.tensor([3.0, 1.0]), 1, normalize_std=True).tolist() == [0.0, 0.0]
 
 
-# ---- config ----------------------------------------------------------------------------------------
-
-def test_presets_fill_knobs():
-    paper, official, grpo = (GTPOConfig(preset=p) for p in ("paper", "official", "grpo"))
-    assert paper.entropy_threshold == pytest.approx(math.log(2)) and paper.entropy_gate
-    assert official.entropy_threshold == 0.7 and not official.entropy_gate
-    assert official.divide_by_conflict_count and official.loss_reduction == "sum"
-    assert grpo.entropy_threshold is None and not grpo.use_conflict_weights
-    assert grpo.clip_eps_low == grpo.clip_eps_high == 0.2 and grpo.normalize_advantages_by_std
-    assert not paper.clipping and grpo.clipping
-
-
-def test_overrides_win_over_the_preset():
-    c = GTPOConfig(preset="official", entropy_threshold=0.5, loss_reduction="token_mean", clip_eps_high=0.28)
-    assert c.entropy_threshold == 0.5 and c.loss_reduction == "token_mean"
-    assert c.clip_eps_low == c.clip_eps_high == 0.28
-    assert GTPOConfig.from_dict(c.to_dict()) == c
-
-
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(preset="ppo"), "preset must be one of"),
-    (dict(entropy_threshold=-1.0), "entropy_threshold must be a positive number"),
-    (dict(entropy_coef=-0.1), "entropy_coef must be a finite number >= 0"),
-    (dict(entropy_mode="bonus"), "entropy_mode must be one of"),
-    (dict(conflict_weight=0.0), "conflict_weight must be"),
-    (dict(loss_reduction="mean"), "loss_reduction must be one of"),
-    (dict(clip_eps_low=1.5), "clip_eps_low must be < 1"),
-    (dict(clip_eps_high=float("nan")), "clip_eps_(low|high) must be a finite number"),
-    (dict(kl_beta=-1.0), "kl_beta must be"),
-    (dict(chunk_size=0), "chunk_size must be a positive int"),
-    (dict(entropy_gate="yes"), "entropy_gate must be True or False"),
-])
-def test_config_validation(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        GTPOConfig(**kwargs)
-
-
-def test_config_from_dict_rejects_unknown_fields():
-    with pytest.raises(ValueError, match="unknown field"):
-        GTPOConfig.from_dict({"preset": "paper", "beta": 0.1})
+# ---- config: tests/test_config.py ------------------------------------------------------------------
 
 
 def test_infinite_threshold_switches_the_filter_off(batch):

@@ -1,20 +1,21 @@
-"""The C++ CPU kernels (``backend="cpu"``): built, exact, deterministic, and a clean fallback.
+"""The C++ CPU kernels (``backend="cpu"``): built, exact, deterministic, portable, and a clean fallback.
 
 The parity suite (test_parity.py, test_fused_linear.py, the in-place tests in test_triton.py) runs
 this backend against the float64 reference like every other; this file holds what is CPU-specific.
 """
 
 import os
+import subprocess
+import sys
 import warnings
 
 import pytest
 import torch
 
-from gtpo_kernels import GTPOConfig, conflict_weights, gtpo_loss
-from gtpo_kernels import _extension
-from gtpo_kernels.ops import token_stats_cpu, token_stats_torch
-from gtpo_kernels.ops.token_stats_cpu import conflict_weights_cpu
-from gtpo_kernels.token_stats import resolve_backend
+from gtpo_kernels import GTPOConfig, gtpo_loss
+from gtpo_kernels import backends
+from gtpo_kernels.backends import cpu_backend, cpu_extension, resolve_backend, torch_backend
+from gtpo_kernels.reference import reference_conflict_weights
 
 from .helpers import random_batch
 
@@ -23,8 +24,10 @@ def test_extension_is_built():
     # CI installs with a compiler; a missing extension would silently demote "auto" to the slow path.
     if os.environ.get("GTPO_ALLOW_NO_EXTENSION") == "1":
         pytest.skip("GTPO_ALLOW_NO_EXTENSION=1")
-    assert _extension.cpu_extension_available()
-    assert resolve_backend("auto", torch.device("cpu")) == "cpu"
+    assert cpu_extension.extension_error() is None
+    assert resolve_backend("auto", torch.device("cpu")).name == "cpu"
+    # The variant loaded is the one this machine supports (or the one asked for).
+    assert torch.ops.gtpo_cpu.capability() == cpu_extension.wanted_variant()
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -36,9 +39,9 @@ def test_conflict_weights_bit_for_bit(seed):
     lengths = torch.randint(0, length + 1, (n,), generator=g)
     mask = torch.arange(length)[None] < lengths[:, None]
     adv = torch.randint(-1, 2, (n,), generator=g).float() * torch.rand(n, generator=g)
-    lam, cnt = conflict_weights_cpu(ids, mask, adv, group, 2.0 + seed % 2)
-    lam_ref, cnt_ref = conflict_weights(ids, mask, adv, group, 2.0 + seed % 2)
-    assert torch.equal(lam, lam_ref) and torch.equal(cnt, cnt_ref)
+    lam, cnt = cpu_backend.conflict_weights(ids, mask, adv, group, 2.0 + seed % 2)
+    lam_ref, cnt_ref = reference_conflict_weights(ids, mask, adv, group, 2.0 + seed % 2)
+    assert torch.equal(lam, lam_ref.float()) and torch.equal(cnt, cnt_ref)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -66,31 +69,58 @@ def test_deterministic_across_runs_and_thread_counts(dtype):
 def test_gradient_rounding_matches_torch_backend(dtype):
     # Both backends compute the gradient in float32 and round once to the logits' dtype (to nearest).
     logits, ids, mask, _ = random_batch(2, 3, 4, 777, dtype=dtype, seed=4)
-    lse, logp, entropy = token_stats_torch.forward(logits, ids, mask)
+    stats = torch_backend.forward(logits, ids, mask)
     g = torch.Generator().manual_seed(5)
     c, e = torch.randn(6, 4, generator=g), torch.randn(6, 4, generator=g)
 
-    out_cpu = token_stats_cpu.backward(logits, ids, mask, lse, entropy, c, e, torch.empty_like(logits))
-    out_torch = token_stats_torch.backward(logits, ids, mask, lse, entropy, c, e, torch.empty_like(logits))
+    out_cpu = cpu_backend.backward(logits, ids, mask, *stats, c, e, torch.empty_like(logits))
+    out_torch = torch_backend.backward(logits, ids, mask, *stats, c, e, torch.empty_like(logits))
     torch.testing.assert_close(out_cpu.float(), out_torch.float(), rtol=0, atol=float(torch.finfo(dtype).eps) * 4)
 
 
 def test_unavailable_extension_warns_once_and_auto_falls_back(monkeypatch):
-    monkeypatch.setattr(_extension, "_load", lambda: (None, "no compiler (test)"))
-    _extension.cpu_extension_available.cache_clear()
+    monkeypatch.setattr(cpu_extension, "_load", lambda: (None, "no compiler (test)"))
+    backends._warn_fallback.cache_clear()
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            assert resolve_backend("auto", torch.device("cpu")) == "torch"
-            assert resolve_backend("auto", torch.device("cpu")) == "torch"
-        messages = [str(w.message) for w in caught if "C++ CPU kernels are unavailable" in str(w.message)]
+            assert resolve_backend("auto", torch.device("cpu")).name == "torch"
+            assert resolve_backend("auto", torch.device("cpu")).name == "torch"
+        messages = [str(w.message) for w in caught if "uses the slower 'torch' backend" in str(w.message)]
         assert len(messages) == 1 and "no compiler (test)" in messages[0]
         with pytest.raises(RuntimeError, match="backend='cpu' is unavailable: no compiler"):
-            _extension.load_cpu_extension()
+            cpu_extension.load_cpu_extension()
+        with pytest.raises(ValueError, match="backend='cpu' is unavailable: no compiler"):
+            resolve_backend("cpu", torch.device("cpu"))
     finally:
-        _extension.cpu_extension_available.cache_clear()
+        backends._warn_fallback.cache_clear()
 
 
 def test_cpu_backend_needs_cpu_tensors():
     with pytest.raises(ValueError, match="backend='cpu' needs CPU tensors"):
         resolve_backend("cpu", torch.device("meta"))
+
+
+def test_forced_capability_must_be_supported(monkeypatch):
+    monkeypatch.setenv("GTPO_CPU_CAPABILITY", "sse9")
+    with pytest.raises(ValueError, match="GTPO_CPU_CAPABILITY must be one of"):
+        cpu_extension.wanted_variant()
+    monkeypatch.setenv("GTPO_CPU_CAPABILITY", "default")
+    assert cpu_extension.wanted_variant() == "default"
+
+
+@pytest.mark.skipif(os.environ.get("GTPO_CPU_CAPABILITY") is not None, reason="already running a forced variant")
+@pytest.mark.parametrize("variant", ["default", "avx2"])
+def test_cpu_suite_passes_with_a_lower_variant(variant):
+    """The portable builds: the CPU tests again in a process that loads the baseline (or AVX2) variant."""
+    supported = cpu_extension.supported_variant()
+    order = ("avx512", "avx2", "default")
+    if order.index(variant) < order.index(supported):
+        pytest.skip(f"this CPU does not support {variant}")
+    env = dict(os.environ, GTPO_CPU_CAPABILITY=variant)
+    tests = ["tests/test_cpu_backend.py", "tests/test_parity.py::test_configs_and_dtypes",
+             "tests/test_parity.py::test_vocab_sizes", "tests/test_accuracy.py"]
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "cpu", *tests],
+                          env=env, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout

@@ -1,15 +1,28 @@
-"""`fused_linear_gtpo_loss` against the float64 reference applied to ``hidden @ W.T + b``."""
+"""`fused_linear_gtpo_loss` and `fused_linear_token_logprobs_and_entropy` against the float64 reference
+applied to ``hidden @ W.T + b``."""
+
+import dataclasses
 
 import pytest
 import torch
 
-from gtpo_kernels import FusedLinearGTPOLoss, GTPOConfig, fused_linear_gtpo_loss, gtpo_loss
-from gtpo_kernels.fused_linear import chunk_rows_for
-from gtpo_kernels.reference import reference_gtpo_loss, token_logprobs_and_entropy
+from gtpo_kernels import (FusedLinearGTPOLoss, GTPOConfig, fused_linear_gtpo_loss,
+                          fused_linear_token_logprobs_and_entropy, gtpo_loss, token_logprobs_and_entropy)
+from gtpo_kernels.backends import registered
+from gtpo_kernels.fused_linear import _chunks, chunk_tokens_for
+from gtpo_kernels.reference import reference_gtpo_loss
+from gtpo_kernels.reference import token_logprobs_and_entropy as reference_token_stats
 
-from .helpers import RTOL, assert_rel_close, device_for
+from .helpers import (RTOL, PeakTensorMemory, assert_close_per_entry, assert_rel_close, device_for,
+                      logits_gradient_scale, loss_scale)
 
 G = 2
+BACKENDS = list(registered())
+
+
+def budget(tokens, vocab=37):
+    """A ``max_chunk_bytes`` of ``tokens`` tokens' float32 logits."""
+    return 4 * vocab * tokens
 
 
 def make(n_groups=3, length=5, hidden=16, vocab=37, seed=0, bias=True, min_len=1):
@@ -27,31 +40,90 @@ def make(n_groups=3, length=5, hidden=16, vocab=37, seed=0, bias=True, min_len=1
     return h, w, b, ids, mask, adv
 
 
-def reference(h, w, b, ids, mask, adv, config, logits_dtype=None, **kw):
+def record_logits(monkeypatch, hidden: torch.Tensor) -> dict:
+    """Records, by flat token index, the logits the fused path computes (a dict filled during the call):
+    the oracle can then take the very values the path's GEMMs produced (their rounding depends on the
+    chunk's shape) and compare only the loss's own arithmetic."""
+    from gtpo_kernels import fused_linear
+
+    rows = hidden.detach().reshape(-1, hidden.shape[-1]).float()
+    lookup = {row.numpy().tobytes(): i for i, row in enumerate(rows)}
+    seen = {}
+    real = fused_linear._logits
+
+    def spy(h, w, b):
+        out = real(h, w, b)
+        for k in range(h.shape[0]):
+            seen.setdefault(lookup[h[k].float().numpy().tobytes()], out[k].detach().clone())
+        return out
+
+    monkeypatch.setattr(fused_linear, "_logits", spy)
+    return seen
+
+
+def as_computed(seen: dict, h, w, b, dtype) -> torch.Tensor:
+    """``[N, L, V]`` float64 logits: the recorded values where the fused path computed them, elsewhere (masked
+    positions) the exact product rounded to ``dtype``."""
+    logits = (h.double() @ w.double().T + (0 if b is None else b.double())).to(dtype).double()
+    flat = logits.view(-1, logits.shape[-1])
+    for index, value in seen.items():
+        flat[index] = value.double()
+    return logits
+
+
+def reference(h, w, b, ids, mask, adv, config, logits_dtype=None, temperature=1.0, logits_values=None, **kw):
     """float64 oracle: gradients w.r.t. hidden, weight and bias by plain autograd.
 
-    With ``logits_dtype`` (bf16 runs) the logits' values are rounded to that dtype, as any bf16 model's
-    logits are, while their gradient flows unrounded: the oracle of a bf16 forward, not of exact maths.
+    With ``logits_values`` (`as_computed`) or ``logits_dtype`` (the exact product rounded to it) the logits take
+    those values while their gradient flows unrounded: the oracle of that forward, so that what is compared
+    is the loss's own arithmetic, not the rounding of its inputs (callers round hidden and weight the same way).
     """
     fresh = lambda t: t.detach().double().clone().requires_grad_()  # noqa: E731 (never the caller's tensor)
     h64, w64 = fresh(h), fresh(w)
     b64 = None if b is None else fresh(b)
     logits = h64 @ w64.T + (0 if b64 is None else b64)
-    if logits_dtype is not None:
+    if logits_values is not None:
+        logits = logits + (logits_values - logits).detach()
+    elif logits_dtype is not None:
         logits = logits + (logits.to(logits_dtype).double() - logits).detach()
-    out = reference_gtpo_loss(logits, ids, mask, adv.double(), group_size=G, config=config,
+    out = reference_gtpo_loss(logits, ids, mask, adv.double(), group_size=G, config=config, temperature=temperature,
                               **{k: v.double() for k, v in kw.items()})
     out.loss.backward()
     return out, h64.grad, w64.grad, None if b64 is None else b64.grad
 
 
-def fused(h, w, b, ids, mask, adv, config, backend, dtype, chunk_size=None, freeze_weight=False, **kw):
+def assert_loss_close(got, expected, h, w, b, ids, mask, adv, config, rtol, temperature=1.0, **kw):
+    """Relative to the loss or, when it is a difference of larger terms, to the terms' size."""
+    logits = h.double() @ w.double().T + (0 if b is None else b.double())
+    scale = loss_scale(logits, ids, mask, adv, config=config, temperature=temperature, group_size=G, **kw)
+    assert_rel_close(got, expected, rtol, "loss", atol=rtol * scale)
+
+
+def gradient_scales(h, w, b, ids, mask, adv, config, temperature=1.0, **kw):
+    """Per entry of d_hidden, d_W, d_b: the size of the terms it sums (`logits_gradient_scale` of each logit,
+    carried through the products with absolute values), the natural unit of its rounding error."""
+    h, w = h.double(), w.double()
+    logits = h @ w.T + (0 if b is None else b.double())
+    scale = logits_gradient_scale(logits, ids, mask, adv, config=config, temperature=temperature, group_size=G, **kw)
+    return scale @ w.abs(), scale.flatten(0, 1).T @ h.abs().flatten(0, 1), scale.sum(dim=(0, 1))
+
+
+def assert_linear_grads(got, expected, scales, rtol):
+    for g, e, s, what in zip(got, expected, scales, ("d_hidden", "d_weight", "d_bias")):
+        if e is not None:
+            assert_close_per_entry(g.cpu(), e, rtol, what, scale=s)
+
+
+def fused(h, w, b, ids, mask, adv, config, backend, dtype, chunk_tokens=None, freeze_weight=False, temperature=1.0,
+          **kw):
     dev = device_for(backend)
     hx = h.to(dtype).to(dev).requires_grad_()
     wx = w.to(dtype).to(dev).requires_grad_(not freeze_weight)
     bx = None if b is None else b.to(dtype).to(dev).requires_grad_()
+    if chunk_tokens is not None:
+        config = dataclasses.replace(config, max_chunk_bytes=budget(chunk_tokens, w.shape[0]))
     out = fused_linear_gtpo_loss(hx, wx, ids.to(dev), mask.to(dev), adv.to(dev), group_size=G, lm_head_bias=bx,
-                                 config=config, chunk_size=chunk_size, backend=backend,
+                                 config=config, backend=backend, temperature=temperature,
                                  **{k: v.to(dev) for k, v in kw.items()})
     out.loss.backward()
     return out, hx.grad, wx.grad, None if bx is None else bx.grad
@@ -76,43 +148,45 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("name", list(CONFIGS))
-@pytest.mark.parametrize("chunk_size", [1, 2, 3, None])  # 1 and 3 split groups of 2; 2 aligns; None: one chunk
-def test_against_float64_reference(backend, dtype, name, chunk_size):
+# Token budgets: 2 splits most completions (the two-pass path), 7 packs one or two whole completions
+# (splitting groups), None is one chunk.
+@pytest.mark.parametrize("chunk_tokens", [2, 7, None])
+def test_against_float64_reference(backend, dtype, name, chunk_tokens, monkeypatch):
     config = CONFIGS[name]
     h, w, b, ids, mask, adv = make(seed=list(CONFIGS).index(name))
     # Sharpen the logits so that the entropy filter keeps some completions.
     w = w * 3
     kw = off_policy_kwargs(h, w, b, ids, mask, config)
-    ref, dh_ref, dw_ref, db_ref = reference(h, w, b, ids, mask, adv, config, **kw)
-    out, dh, dw, db = fused(h, w, b, ids, mask, adv, config, backend, dtype, chunk_size, **kw)
-    # bf16 rounds hidden, weight and logits; the reference sees the same rounded values.
-    if dtype == torch.bfloat16:
-        ref, dh_ref, dw_ref, db_ref = reference(h.to(dtype), w.to(dtype), b.to(dtype), ids, mask, adv, config,
-                                                logits_dtype=dtype, **kw)
+    seen = record_logits(monkeypatch, h.to(dtype))
+    out, dh, dw, db = fused(h, w, b, ids, mask, adv, config, backend, dtype, chunk_tokens, **kw)
+    # The inputs are rounded to dtype and the logits are the values the path computed; the reference sees them.
+    h, w, b = h.to(dtype), w.to(dtype), b.to(dtype)
+    ref, dh_ref, dw_ref, db_ref = reference(h, w, b, ids, mask, adv, config,
+                                            logits_values=as_computed(seen, h, w, b, dtype), **kw)
     rtol = RTOL[dtype]
     assert dh.dtype == dw.dtype == db.dtype == dtype
-    assert_rel_close(out.loss.detach().cpu(), ref.loss.detach(), rtol, "loss")
-    assert_rel_close(dh.cpu(), dh_ref, rtol, "d_hidden")
-    assert_rel_close(dw.cpu(), dw_ref, rtol, "d_weight")
-    assert_rel_close(db.cpu(), db_ref, rtol, "d_bias")
+    assert_loss_close(out.loss.detach().cpu(), ref.loss.detach(), h, w, b, ids, mask, adv, config, rtol, **kw)
+    # Per entry, relative to the size of the terms each entry sums.
+    assert_linear_grads((dh, dw, db), (dh_ref, dw_ref, db_ref), gradient_scales(h, w, b, ids, mask, adv, config, **kw),
+                        rtol)
     for metric in ("entropy", "completion_entropy", "ratio_mean"):
         assert_rel_close(getattr(out.metrics, metric).cpu(), getattr(ref.metrics, metric), rtol, metric)
     for metric in ("filtered_fraction", "amplified_fraction", "skipped_fraction", "clip_fraction"):
         assert float(getattr(out.metrics, metric)) == pytest.approx(float(getattr(ref.metrics, metric)), abs=1e-6)
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_agrees_with_gtpo_loss_on_materialised_logits(backend):
     h, w, b, ids, mask, adv = make(seed=5)
     config = GTPOConfig(preset="official")
     dev = device_for(backend)
     h, w, b, ids, mask, adv = (t.float().to(dev) if t.is_floating_point() else t.to(dev) for t in (h, w, b, ids, mask, adv))
     hx, wx = h.clone().requires_grad_(), w.clone().requires_grad_()
-    out = fused_linear_gtpo_loss(hx, wx, ids, mask, adv, group_size=G, lm_head_bias=b, config=config,
-                                 chunk_size=1, backend=backend)
+    out = fused_linear_gtpo_loss(hx, wx, ids, mask, adv, group_size=G, lm_head_bias=b,
+                                 config=dataclasses.replace(config, max_chunk_bytes=budget(3)), backend=backend)
     out.loss.backward()
     hy, wy = h.clone().requires_grad_(), w.clone().requires_grad_()
     plain = gtpo_loss(hy @ wy.T + b, ids, mask, adv, group_size=G, config=config, backend=backend)
@@ -122,12 +196,12 @@ def test_agrees_with_gtpo_loss_on_materialised_logits(backend):
     torch.testing.assert_close(wx.grad, wy.grad, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_frozen_weight_skips_weight_gradient(backend):
     h, w, b, ids, mask, adv = make(seed=6, bias=False)
     config = GTPOConfig()
     _, dh_ref, _, _ = reference(h, w, b, ids, mask, adv, config)
-    out, dh, dw, _ = fused(h, w, b, ids, mask, adv, config, backend, torch.float32, chunk_size=2, freeze_weight=True)
+    out, dh, dw, _ = fused(h, w, b, ids, mask, adv, config, backend, torch.float32, chunk_tokens=4, freeze_weight=True)
     assert dw is None
     assert_rel_close(dh.cpu(), dh_ref, RTOL[torch.float32], "d_hidden")
 
@@ -141,7 +215,7 @@ def test_hidden_without_grad_gives_weight_gradient_only():
     assert_rel_close(wx.grad, dw_ref, RTOL[torch.float32], "d_weight")
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_all_masked_gives_zero_loss_and_gradients(backend):
     h, w, b, ids, mask, adv = make(seed=8)
     out, dh, dw, db = fused(h, w, b, ids, torch.zeros_like(mask), adv, GTPOConfig(), backend, torch.float32)
@@ -173,18 +247,25 @@ def test_autocast_runs_products_in_bf16():
 
 def test_module_wrapper():
     h, w, b, ids, mask, adv = make(seed=12)
-    module = FusedLinearGTPOLoss(GTPOConfig(preset="official"), chunk_size=2, backend="torch")
+    config = GTPOConfig(preset="official", max_chunk_bytes=budget(4))
+    module = FusedLinearGTPOLoss(config, backend="torch")
     a = module(h.float(), w.float(), ids, mask, adv, group_size=G, lm_head_bias=b.float()).loss
     c = fused_linear_gtpo_loss(h.float(), w.float(), ids, mask, adv, group_size=G, lm_head_bias=b.float(),
-                               config=GTPOConfig(preset="official"), chunk_size=2, backend="torch").loss
+                               config=config, backend="torch").loss
     assert torch.equal(a, c)
     assert "official" in repr(module)
 
 
-def test_chunk_rows_from_the_memory_budget():
-    # 4 bytes * L * V per completion: 256 MiB holds 16 completions of L = 1024, V = 4096.
-    assert chunk_rows_for(1024, 4096, 256 * 2**20) == 16
-    assert chunk_rows_for(4096, 151936, 256 * 2**20) == 1  # longer than the budget: one at a time
+def test_chunks_from_the_memory_budget():
+    # 4 bytes * V per token: 256 MiB holds 16384 tokens at V = 4096, 441 at V = 151936.
+    assert chunk_tokens_for(4096, torch.device("cpu"), 256 * 2**20) == 16384
+    assert chunk_tokens_for(151936, torch.device("cpu"), 256 * 2**20) == 441
+    assert chunk_tokens_for(151936, torch.device("cpu"), 1) == 1  # at least one token
+    # Row lengths 3, 0, 5, 2, 9 (offsets below) with a budget of 5 tokens: whole rows packed while they
+    # fit; the 9-token row alone (split into pieces later).
+    assert _chunks([0, 3, 3, 8, 10, 19], 5) == [(0, 2), (2, 3), (3, 4), (4, 5)]
+    assert _chunks([0, 2, 4, 6], 5) == [(0, 2), (2, 3)]
+    assert _chunks([0, 0, 0], 5) == [(0, 2)]
 
 
 def test_errors_name_the_argument():
@@ -202,8 +283,10 @@ def test_errors_name_the_argument():
         fused_linear_gtpo_loss(h, w, ids, mask, adv, group_size=G, lm_head_bias=torch.zeros(5))
     with pytest.raises(ValueError, match="group_size"):
         fused_linear_gtpo_loss(h, w, ids, mask, adv, group_size=4)
-    with pytest.raises(ValueError, match="chunk_size must be a positive int"):
-        fused_linear_gtpo_loss(h, w, ids, mask, adv, group_size=G, chunk_size=0)
+    with pytest.raises(ValueError, match="temperature must be a finite number > 0"):
+        fused_linear_gtpo_loss(h, w, ids, mask, adv, group_size=G, temperature=0.0)
+    with pytest.raises(TypeError, match="chunk_size"):
+        fused_linear_gtpo_loss(h, w, ids, mask, adv, group_size=G, chunk_size=2)  # the budget is in the config
     with pytest.raises(ValueError, match="disagree on N or L"):
         fused_linear_gtpo_loss(h[:, :3], w, ids, mask, adv, group_size=G)
 
@@ -221,3 +304,81 @@ def test_non_contiguous_hidden_states():
     _, dh_ref, _, _ = reference(h, w, None, ids, mask, adv, GTPOConfig())
     assert_rel_close(full.grad[:, 2:-1], dh_ref, RTOL[torch.float32], "d_hidden")
     assert (full.grad[:, :2] == 0).all() and (full.grad[:, -1] == 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_temperature(backend):
+    h, w, b, ids, mask, adv = make(seed=15)
+    config = GTPOConfig(preset="paper", entropy_mode="penalty")
+    ref, dh_ref, dw_ref, db_ref = reference(h.float(), w.float() * 3, b.float(), ids, mask, adv, config,
+                                            logits_dtype=torch.float32, temperature=0.7)
+    out, dh, dw, db = fused(h, w * 3, b, ids, mask, adv, config, backend, torch.float32, chunk_tokens=5,
+                            temperature=0.7)
+    assert_rel_close(out.loss.detach().cpu(), ref.loss.detach(), RTOL[torch.float32], "loss")
+    assert_linear_grads((dh, dw, db), (dh_ref, dw_ref, db_ref),
+                        gradient_scales(h, w * 3, b, ids, mask, adv, config, temperature=0.7), RTOL[torch.float32])
+
+
+def test_one_long_completion_through_a_small_budget(monkeypatch):
+    """A completion of 8192 tokens with a 4 MiB budget (512 tokens of V = 2048): split into 16 pieces,
+    statistics first, then the gradient piece by piece; equal to the unchunked float64 reference, and the
+    tensors alive at once stay within a few budgets (the full float32 logits would be 64 MiB)."""
+    from gtpo_kernels import fused_linear
+
+    g = torch.Generator().manual_seed(21)
+    length, hidden, vocab = 8192, 16, 2048
+    h = torch.randn(2, length, hidden, generator=g, dtype=torch.float64)
+    w = torch.randn(vocab, hidden, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, vocab, (2, length), generator=g)
+    mask = torch.zeros(2, length, dtype=torch.bool)
+    mask[0] = True          # the long one
+    mask[1, :100] = True    # and a short one beside it
+    adv = torch.tensor([0.5, -0.5])
+    config = GTPOConfig(preset="official", max_chunk_bytes=4 * 2**20)
+    gemms = []
+    real_logits = fused_linear._logits
+    monkeypatch.setattr(fused_linear, "_logits", lambda *a: gemms.append(a[0].shape[0]) or real_logits(*a))
+
+    hx, wx = h.float().requires_grad_(), w.float().requires_grad_()
+    with PeakTensorMemory() as memory:
+        out = fused_linear_gtpo_loss(hx, wx, ids, mask, adv, group_size=G, config=config, backend="cpu"
+                                     if "cpu" in BACKENDS else "torch")
+        out.loss.backward()
+    budget_bytes = 4 * 2**20
+    full_logits = 2 * length * vocab * 4
+    inputs_sized = (hx.numel() + wx.numel()) * 4 * 3  # the gradients and the float32 accumulator of d_W
+    assert memory.peak <= 3 * budget_bytes + inputs_sized, (memory.peak, budget_bytes)
+    assert memory.peak < full_logits / 4
+    # 16 pieces of the long completion twice (statistics, then gradient), the short one once.
+    assert sorted(gemms).count(512) == 32 and 100 in gemms
+
+    ref, dh_ref, dw_ref, _ = reference(h.float(), w.float(), None, ids, mask, adv, config, logits_dtype=torch.float32)
+    assert_rel_close(out.loss.detach(), ref.loss.detach(), RTOL[torch.float32], "loss")
+    assert_linear_grads((hx.grad, wx.grad), (dh_ref, dw_ref), gradient_scales(h, w, None, ids, mask, adv, config),
+                        RTOL[torch.float32])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_hidden_state_statistics(backend, dtype):
+    """`fused_linear_token_logprobs_and_entropy` equals `token_logprobs_and_entropy(hidden @ W.T + b, T)` and never
+    creates a tensor as large as the logits."""
+    h, w, b, ids, mask, _ = make(n_groups=4, length=9, vocab=300, seed=16)
+    dev = device_for(backend)
+    h, w, b = (t.to(dtype).to(dev) for t in (h, w * 2, b))
+    ids, mask = ids.to(dev), mask.to(dev)
+    with PeakTensorMemory() as memory:
+        logp, entropy = fused_linear_token_logprobs_and_entropy(h, w, ids, mask, lm_head_bias=b, temperature=0.7,
+                                                                backend=backend, max_chunk_bytes=4 * 300 * 5)
+    logits = (h.double() @ w.double().T + b.double()).to(dtype)  # the logits a bf16 model would produce
+    expected_logp, expected_entropy = reference_token_stats(logits.double().cpu() / 0.7, torch.where(mask, ids, 0).cpu())
+    assert logp.dtype == torch.float32 and not logp.requires_grad
+    valid = mask.cpu()
+    # bf16: the GEMM's own rounding differs from the rounded float64 product's: 1e-2.
+    assert_rel_close(logp.cpu()[valid], expected_logp[valid], RTOL[dtype], "logp")
+    assert_rel_close(entropy.cpu()[valid], expected_entropy[valid], RTOL[dtype], "entropy")
+    assert (logp.cpu()[~valid] == 0).all() and (entropy.cpu()[~valid] == 0).all()
+    assert memory.largest < logits.numel() * 4 / 4  # chunks of 5 tokens, not [N, L, V]
+    same_logp, _ = token_logprobs_and_entropy(logits, ids, mask, temperature=0.7, backend=backend)
+    if dtype == torch.float32:
+        assert_rel_close(logp.cpu(), same_logp.cpu(), 1e-5, "against token_logprobs_and_entropy")

@@ -39,13 +39,13 @@ def check(config, logits, ids, mask, adv, **kwargs):
 @pytest.mark.parametrize("preset", ["paper", "official", "grpo"])
 def test_presets(preset):
     logits, ids, mask, adv, logp = inputs()
-    check(GTPOConfig(preset=preset, chunk_size=5, entropy_coef=0.0), logits, ids, mask, adv, old_logprobs=logp)
+    check(GTPOConfig(preset=preset, max_chunk_bytes=4 * 7 * 5, entropy_coef=0.0), logits, ids, mask, adv, old_logprobs=logp)
 
 
 @pytest.mark.parametrize("preset", ["paper", "official"])
 def test_detached_entropy_shift(preset):
     logits, ids, mask, adv, _ = inputs(seed=6)
-    config = GTPOConfig(preset=preset, chunk_size=3)
+    config = GTPOConfig(preset=preset, max_chunk_bytes=4 * 7 * 3)
     out = gtpo_loss(logits, ids, mask, adv, group_size=G, config=config, backend="torch")
     expected = reference_gtpo_loss(logits, ids, mask, adv, group_size=G, config=config)
     assert float(out.metrics.filtered_fraction) < 1
@@ -79,7 +79,7 @@ def test_with_clipping_active():
 @pytest.mark.parametrize("preset", ["paper", "official"])
 def test_entropy_penalty_variant(preset):
     logits, ids, mask, adv, logp = inputs(seed=3)
-    check(GTPOConfig(preset=preset, entropy_mode="penalty", chunk_size=2), logits, ids, mask, adv,
+    check(GTPOConfig(preset=preset, entropy_mode="penalty", max_chunk_bytes=4 * 7 * 2), logits, ids, mask, adv,
           old_logprobs=logp)
 
 

@@ -1,20 +1,25 @@
 """Every backend against the float64 reference: loss, metrics and gradients.
 
 The reference sees the same input values upcast to float64 (``logits.double()``), so the only
-differences are the backend's own arithmetic. Error bars (relative to the largest reference value):
-fp32 1e-5, bf16/fp16 1e-2; gradients of half-precision logits are returned in that dtype.
-Later backends join by being added to ``BACKENDS``.
+differences are the backend's own arithmetic. Error bars: fp32 1e-5, bf16/fp16 1e-2, relative to each
+gradient entry (with a floor of 1e-3 of the largest, see `assert_close_per_entry`) and to the loss and
+metrics; gradients of half-precision logits are returned in that dtype. Every registered backend runs
+("triton" interpreted on CPU tensors, tests/conftest.py); the torch backend is made to chunk.
 """
+
+import dataclasses
 
 import pytest
 import torch
 
 from gtpo_kernels import GTPOConfig, gtpo_loss
+from gtpo_kernels.backends import registered
 from gtpo_kernels.reference import reference_gtpo_loss, token_logprobs_and_entropy
 
-from .helpers import RTOL, assert_rel_close, device_for, random_batch, to_cpu
+from .helpers import (RTOL, assert_close_per_entry, assert_rel_close, device_for, logits_gradient_scale, random_batch,
+                      tiny_chunks, to_cpu)
 
-BACKENDS = ["torch", "cpu", "triton"]  # "triton" runs interpreted on CPU tensors (tests/conftest.py)
+BACKENDS = list(registered())
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 CONFIGS = {
@@ -29,9 +34,11 @@ CONFIGS = {
 
 
 def compare(backend, dtype, config, logits, ids, mask, adv, group_size, *, off_policy=False,
-            initial_entropy=None):
+            initial_entropy=None, temperature=1.0):
     valid = mask.bool()
-    logp64, _ = token_logprobs_and_entropy(logits.double(), torch.where(valid, ids, 0))
+    # Chunks of 3 tokens: the torch backend walks several chunks that cut through rows (others ignore it).
+    config = dataclasses.replace(config, max_chunk_bytes=tiny_chunks(logits.shape[-1]))
+    logp64, _ = token_logprobs_and_entropy(logits.double() / temperature, torch.where(valid, ids, 0))
     kwargs = {}
     if off_policy or config.clipping:
         g = torch.Generator().manual_seed(123)
@@ -43,26 +50,31 @@ def compare(backend, dtype, config, logits, ids, mask, adv, group_size, *, off_p
     dev = device_for(backend)
     x = logits.detach().clone().to(dev).requires_grad_()
     out = gtpo_loss(x, ids.to(dev), mask.to(dev), adv.to(dev), group_size=group_size, config=config,
-                    backend=backend, initial_entropy=initial_entropy, **{k: v.to(dev) for k, v in kwargs.items()})
+                    backend=backend, initial_entropy=initial_entropy, temperature=temperature,
+                    **{k: v.to(dev) for k, v in kwargs.items()})
     out.loss.backward()
     out = to_cpu(out)
     grad = x.grad.cpu()
 
     x64 = logits.detach().double().requires_grad_()
     ref = reference_gtpo_loss(x64, ids, mask, adv.double(), group_size=group_size, config=config,
-                              initial_entropy=initial_entropy,
+                              initial_entropy=initial_entropy, temperature=temperature,
                               **{k: v.double() for k, v in kwargs.items()})
     ref.loss.backward()
 
     rtol = RTOL[dtype]
     assert grad.dtype == dtype
     assert_rel_close(out.loss.detach(), ref.loss.detach(), rtol, "loss")
-    assert_rel_close(grad, x64.grad, rtol, "grad")
+    # Per entry, relative to the terms it is made of; float16 gradients below 6e-5 are subnormal, spaced
+    # 2^-24 apart: that spacing is their resolution.
+    scale = logits_gradient_scale(logits, ids, mask, adv, config=config, temperature=temperature,
+                                  group_size=group_size, initial_entropy=initial_entropy, **kwargs)
+    assert_close_per_entry(grad, x64.grad, rtol, "grad", scale=scale, atol=2.0**-24 if dtype == torch.float16 else 0.0)
     m, r = out.metrics, ref.metrics
     for name in ("entropy", "completion_entropy", "ratio_mean"):
         assert_rel_close(getattr(m, name), getattr(r, name), rtol, name)
     # Discrete metrics agree exactly unless an entropy sits on the threshold (not in these draws).
-    for name in ("filtered_fraction", "amplified_fraction", "skipped_fraction", "clip_fraction"):
+    for name in ("filtered_fraction", "signal_fraction", "amplified_fraction", "skipped_fraction", "clip_fraction"):
         assert float(getattr(m, name)) == pytest.approx(float(getattr(r, name)), abs=1e-6), name
     if r.kl is not None:
         assert_rel_close(m.kl, r.kl, rtol, "kl")
@@ -125,3 +137,16 @@ def test_extreme_logits_and_banned_tokens(backend, dtype):
 def test_initial_entropy_gate(backend):
     logits, ids, mask, adv = random_batch(2, 3, 5, 23, dtype=torch.float32, seed=5)
     compare(backend, torch.float32, CONFIGS["paper"], logits, ids, mask, adv, 3, initial_entropy=5.0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("temperature", [0.5, 0.7, 1.3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_temperature(backend, temperature, dtype):
+    # The statistics are those of softmax(logits / T), inside the kernels; the gradient is w.r.t. logits.
+    logits, ids, mask, adv = random_batch(2, 4, 6, 37, dtype=dtype, seed=11)
+    out = compare(backend, dtype, CONFIGS["clip+kl"], logits, ids, mask, adv, 4, off_policy=True,
+                  temperature=temperature)
+    at_one = gtpo_loss(logits.to(device_for(backend)), ids.to(device_for(backend)), mask.to(device_for(backend)),
+                       adv.to(device_for(backend)), group_size=4, backend=backend)
+    assert not torch.allclose(out.metrics.entropy, at_one.metrics.entropy.cpu())  # T really changed something

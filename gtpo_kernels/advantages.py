@@ -1,0 +1,38 @@
+"""Group-relative advantages from rewards (SPEC.md, "Advantages")."""
+
+from __future__ import annotations
+
+import torch
+
+
+def compute_advantages(
+    rewards: torch.Tensor, group_size: int, normalize_std: bool = False, eps: float = 1e-4
+) -> torch.Tensor:
+    """Group-relative advantages.
+
+    Args:
+        rewards: ``[N]`` with ``N = B * G``, rows of a group contiguous.
+        group_size: ``G``.
+        normalize_std: divide by the group's (unbiased) standard deviation plus ``eps``
+            (standard GRPO). A group of one has advantage 0 either way.
+
+    Returns:
+        ``[N]`` advantages, ``A_i = R_i - mean_group(R)`` (optionally ``/ (std + eps)``).
+    """
+    if not isinstance(rewards, torch.Tensor) or rewards.dim() != 1:
+        raise ValueError(f"compute_advantages: rewards must be a 1-D tensor [N], got "
+                         f"{tuple(rewards.shape) if isinstance(rewards, torch.Tensor) else type(rewards).__name__}")
+    if not rewards.is_floating_point():
+        rewards = rewards.to(torch.float32)
+    if (isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1
+            or rewards.numel() % group_size):
+        raise ValueError(
+            f"compute_advantages: group_size ({group_size!r}) must be a positive int dividing the "
+            f"number of rewards ({rewards.numel()})"
+        )
+    grouped = rewards.view(-1, group_size)
+    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    if normalize_std:
+        std = grouped.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(centred)
+        centred = centred / (std + eps)
+    return centred.reshape(-1)

@@ -1,0 +1,49 @@
+"""`Backend`: what a backend of the vocabulary-sized work declares (see the registry in ``__init__``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Tuple
+
+import torch
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One backend: its kernels and where they run.
+
+    The kernels, over ``logits [N, L, V]`` and ``ids, valid [N, L]`` (``valid`` a bool prefix mask), for
+    the distribution ``softmax(logits / temperature)``:
+
+        forward(logits, ids, valid, temperature, max_chunk_bytes) -> (row_max, log_s, logp, H)
+            each [N, L] float32 (float64 for float64 logits), zeros where masked: row_max is the largest
+            logit, log_s = log sum_v exp((z_v - row_max) / T) (so lse = row_max / T + log_s)
+        backward(logits, ids, valid, row_max, log_s, logp, H, grad_logp, grad_H, out, temperature,
+                 max_chunk_bytes) -> out
+            writes d/dlogits of (sum grad_logp * logp + grad_H * H) into out ([N, L, V], last dimension
+            contiguous, may be logits itself), exact zeros where masked. log p_v = (z_v - row_max) / T - log_s
+            keeps its precision near the max (z_v / T - lse would cancel), and the forward's logp gives the
+            target's entry grad_logp (1 - p_y) as -grad_logp expm1(logp), without cancellation
+        conflict_weights(ids, valid, advantages, group_size, weight) -> (lambda [N, L], n_conflict [N])
+            float32 weights (float64 for float64 advantages), int64 counts
+
+    Attributes:
+        name: what ``backend=`` takes.
+        description: one line for the README's table and error messages.
+        devices: device types whose tensors the kernels take (``None``: any).
+        auto_devices: device types for which ``backend="auto"`` picks this backend (first in registry
+            order among the available ones).
+        logits_dtypes: logits dtypes the token-statistics kernels take; other dtypes (float64, the
+            oracle's) go to the ``"torch"`` backend.
+        unavailable: ``device -> None`` when the backend can run on tensors of that device, else the reason.
+    """
+
+    name: str
+    description: str
+    devices: Optional[Tuple[str, ...]]
+    auto_devices: Tuple[str, ...]
+    logits_dtypes: Tuple[torch.dtype, ...]
+    forward: Callable
+    backward: Callable
+    conflict_weights: Callable
+    unavailable: Callable[[torch.device], Optional[str]]

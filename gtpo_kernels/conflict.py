@@ -1,0 +1,59 @@
+"""`conflict_weights`: the conflict-token weights of whole prompt groups (SPEC.md, "Conflict tokens").
+
+They compare all completions of a group, so a trainer that cuts groups across ranks or micro-batches
+computes them once, on whole groups (at rollout time), and hands each loss call its rows' slice through
+the losses' ``conflict=`` argument.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+from . import validation
+from .backends import get_backend, resolve_backend
+
+
+def conflict_weights(
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    advantages: torch.Tensor,
+    group_size: int,
+    weight: float = 2.0,
+    *,
+    backend: str = "auto",
+    validate: bool = True,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Conflict-token weights ``lambda = lambda_f * lambda_r`` and conflict counts.
+
+    Args:
+        completion_ids: ``[N, L]`` integer ids (values at masked positions are ignored).
+        completion_mask: ``[N, L]``, a contiguous prefix of ones per row.
+        advantages: ``[N]`` raw advantages; only their signs matter.
+        group_size: ``G``; rows ``b*G .. b*G+G-1`` are one group (whole groups only).
+        weight: ``W``, the weight of a conflict token in a positive completion (``config.conflict_weight``).
+        backend: where to compute them (``"auto"``: the backend of the tensors' device).
+
+    Returns:
+        ``(lambda_ [N, L], n_conflict [N])``: ``lambda_`` is ``W`` or ``W^2`` on conflict tokens of positive
+        completions, 0 on conflict tokens of negative ones and 1 elsewhere (padding and zero-advantage
+        rows included), float32 (float64 for float64 advantages); ``n_conflict`` (int64) is
+        ``max(|cf_i|, |cr_i|)``, the lengths of the forward and reverse conflict runs, 0 for rows with
+        zero advantage. Pass the pair to `gtpo_loss` / `fused_linear_gtpo_loss` as ``conflict=``, sliced
+        like the rows.
+    """
+    shape = validation.check_ids(completion_ids)
+    validation.check_same_device(completion_ids=completion_ids, completion_mask=completion_mask, advantages=advantages)
+    valid = validation.check_mask(completion_mask, shape, sync=validate)
+    validation.check_float("advantages", advantages, (shape[0],), "[N]")
+    validation.check_group_size(group_size, shape[0])
+    return compute_conflict_weights(resolve_backend(backend, completion_ids.device), completion_ids, valid,
+                                    advantages, group_size, weight)
+
+
+def compute_conflict_weights(backend, completion_ids, valid, advantages, group_size: int, weight: float):
+    """Unchecked: ``valid`` a bool prefix mask; float64 advantages keep float64 weights (torch backend)."""
+    if advantages.dtype == torch.float64:
+        backend = get_backend("torch")
+    return backend.conflict_weights(completion_ids, valid, advantages.detach(), group_size, weight)

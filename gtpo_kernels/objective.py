@@ -1,0 +1,174 @@
+"""The per-completion step of the GTPO loss: from per-token statistics to the loss and its metrics.
+
+Everything here is ``O(N L)``: the vocabulary-sized work (per-token log-prob and entropy) is done by a
+backend before this step, and its gradient with respect to ``logp`` and ``H`` is what the backends'
+backward turns into the gradient of the logits. Every entry point (`gtpo_loss`, the fused
+``hidden @ lm_head`` loss) runs this one function; `reference.py` is an independent float64 oracle for it.
+
+All terms are per completion or per token except the reductions' denominators, which are taken from
+``num_sequences`` / ``num_tokens`` when given: a call then returns its rows' exact share of the loss of
+the whole optimisation batch, so calls over any partition of the rows add up to the whole batch's loss
+and gradient (SPEC.md, "Batches split across calls").
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from .config import GTPOConfig
+from .result import GTPOLossOutput, GTPOMetrics
+
+Count = Union[int, float, torch.Tensor]
+
+
+class _K3(torch.autograd.Function):
+    """``k3(d) = e^d - d - 1`` (``d = ref - logp``) as ``expm1(d) - d``, with the gradient ``expm1(d)``: the
+    plain formula's gradient ``e^d - 1`` cancels when the policy is close to the reference."""
+
+    @staticmethod
+    def forward(ctx, d):
+        ctx.save_for_backward(d)
+        return torch.expm1(d) - d
+
+    @staticmethod
+    def backward(ctx, grad):
+        d, = ctx.saved_tensors
+        return grad * torch.expm1(d)
+
+
+def entropy_filter_on(config: GTPOConfig, initial_entropy: Optional[float]) -> bool:
+    """The filter is on when a finite threshold is set, unless gated off by a too-high initial entropy."""
+    if not config.entropy_filter:
+        return False
+    if config.entropy_gate and initial_entropy is not None:
+        return not float(initial_entropy) > config.entropy_threshold
+    return True
+
+
+def loss_from_token_stats(
+    token_logprobs: torch.Tensor,
+    token_entropy: torch.Tensor,
+    valid: torch.Tensor,
+    advantages: torch.Tensor,
+    lambda_: Optional[torch.Tensor],
+    n_conflict: Optional[torch.Tensor],
+    config: GTPOConfig,
+    *,
+    old_logprobs: Optional[torch.Tensor] = None,
+    ref_logprobs: Optional[torch.Tensor] = None,
+    initial_entropy: Optional[float] = None,
+    num_sequences: Optional[Count] = None,
+    num_tokens: Optional[Count] = None,
+) -> GTPOLossOutput:
+    """The GTPO loss from per-token log-probs and entropies.
+
+    Args:
+        token_logprobs, token_entropy: ``[N, L]`` float32/float64, differentiable; values at masked
+            positions are never used (they may hold anything, even NaN).
+        valid: ``[N, L]`` bool, a prefix of ones per row.
+        advantages: ``[N]``.
+        lambda_, n_conflict: ``[N, L]`` conflict weights and ``[N]`` conflict counts (`conflict_weights`),
+            or ``None`` when the config does not use them.
+        num_sequences, num_tokens: the whole batch's completions and unmasked tokens (defaults: this
+            call's), as ints or 0-d tensors (tensors keep the call free of host synchronisation).
+
+    Returns:
+        `GTPOLossOutput`; the metrics describe this call's rows only (merge them with
+        `GTPOMetrics.merge`).
+    """
+    dtype = token_logprobs.dtype
+    device = token_logprobs.device
+    mask = valid.to(dtype)
+    zero = torch.zeros((), dtype=dtype, device=device)
+    n_rows, n_positions = valid.shape
+    lengths = mask.sum(dim=1)
+    call_tokens = mask.sum()
+
+    logp = torch.where(valid, token_logprobs, zero)
+    entropy = torch.where(valid, token_entropy, zero)
+
+    # Entropy filter and shaping. Hbar is detached: it selects and shifts, it is not optimised.
+    completion_entropy = (entropy.detach() * mask).sum(dim=1) / lengths.clamp(min=1)
+    if entropy_filter_on(config, initial_entropy):
+        keep = (completion_entropy <= config.entropy_threshold).to(dtype)
+    else:
+        keep = torch.ones_like(completion_entropy)
+    advantages = advantages.detach().to(dtype)
+    if config.entropy_mode == "advantage_shift":
+        shaped = keep * (advantages - config.entropy_coef * completion_entropy)
+    else:
+        shaped = keep * advantages
+    token_advantage = shaped[:, None] if lambda_ is None else lambda_.to(dtype) * shaped[:, None]
+    token_advantage = token_advantage.expand(n_rows, n_positions)
+
+    # Importance ratio; on-policy it is 1 in value and carries the gradient of logp.
+    old = logp.detach() if old_logprobs is None else torch.where(valid, old_logprobs.to(dtype), zero)
+    ratio = torch.exp(logp - old)
+    unclipped = ratio * token_advantage
+    if config.clipping:
+        low, high = config.clip_bounds
+        clipped = torch.clamp(ratio, low, high) * token_advantage
+        per_token = -torch.minimum(unclipped, clipped)
+        was_clipped = ((ratio < low) & (token_advantage < 0)) | ((ratio > high) & (token_advantage > 0))
+    else:
+        per_token = -unclipped
+        was_clipped = None
+
+    penalty = config.entropy_mode == "penalty" and config.entropy_coef > 0
+    if penalty:
+        per_token = per_token + config.entropy_coef * entropy
+
+    kl = None
+    if ref_logprobs is not None:
+        kl_per_token = _K3.apply(torch.where(valid, ref_logprobs.to(dtype), zero) - logp)  # k3, >= 0
+        if config.kl_beta:
+            per_token = per_token + config.kl_beta * kl_per_token
+        kl = (kl_per_token.detach() * mask).sum() / call_tokens.clamp(min=1)
+
+    per_token = torch.where(valid, per_token, zero)
+    if config.divide_by_conflict_count and n_conflict is not None:
+        per_token = per_token / n_conflict.clamp(min=1).to(dtype)[:, None]
+
+    sequences = n_rows if num_sequences is None else num_sequences
+    if config.loss_reduction in ("sequence_mean", "sum"):
+        loss = (per_token.sum(dim=1) / lengths.clamp(min=1)).sum()
+        if config.loss_reduction == "sequence_mean":
+            loss = loss / sequences
+    elif config.loss_reduction == "token_mean":
+        if num_tokens is None or isinstance(num_tokens, torch.Tensor):
+            tokens = call_tokens if num_tokens is None else num_tokens.to(dtype)
+            loss = per_token.sum() / tokens.clamp(min=1)
+        else:
+            loss = per_token.sum() / max(1, num_tokens)
+    else:  # dr_grpo
+        positions = config.max_completion_length or n_positions
+        loss = per_token.sum() / (sequences * positions)
+
+    def token_fraction(flags: Optional[torch.Tensor]) -> torch.Tensor:
+        if flags is None:
+            return zero
+        return (flags & valid).sum().to(dtype) / call_tokens.clamp(min=1)
+
+    non_empty = lengths > 0
+    n_non_empty = non_empty.sum()
+    has_signal = ((token_advantage != 0) & valid).any(dim=1)
+    if penalty or (config.kl_beta and ref_logprobs is not None):
+        has_signal = torch.ones_like(has_signal)
+    count = dict(dtype=torch.float64, device=device)
+    metrics = GTPOMetrics(
+        entropy=(completion_entropy * lengths).sum() / call_tokens.clamp(min=1),
+        completion_entropy=completion_entropy,
+        filtered_fraction=((1 - keep) * non_empty).sum() / n_non_empty.clamp(min=1),
+        signal_fraction=(has_signal & non_empty).sum().to(dtype) / n_non_empty.clamp(min=1),
+        amplified_fraction=token_fraction(None if lambda_ is None else lambda_ > 1),
+        skipped_fraction=token_fraction(None if lambda_ is None else lambda_ == 0),
+        ratio_mean=(ratio.detach() * mask).sum() / call_tokens.clamp(min=1),
+        clip_fraction=token_fraction(was_clipped),
+        kl=kl,
+        num_tokens=call_tokens.detach().to(**count),
+        num_sequences=torch.full((), n_rows, **count),
+        num_nonempty=n_non_empty.to(**count),
+    )
+    return GTPOLossOutput(loss, metrics)

@@ -1,0 +1,114 @@
+"""`GTPOConfig`: presets fill only what the user did not set, the config cannot drift or mix presets, and
+every knob is validated with an error that names it."""
+
+import dataclasses
+import math
+
+import pytest
+
+from gtpo_kernels import GTPOConfig
+
+
+def test_presets_fill_knobs():
+    paper, official, grpo = (GTPOConfig(preset=p) for p in ("paper", "official", "grpo"))
+    assert paper.entropy_threshold == pytest.approx(math.log(2)) and paper.entropy_gate
+    assert official.entropy_threshold == 0.7 and not official.entropy_gate
+    assert official.divide_by_conflict_count and official.loss_reduction == "sum"
+    assert grpo.entropy_threshold is None and not grpo.use_conflict_weights
+    assert grpo.clip_eps_low == grpo.clip_eps_high == 0.2 and grpo.normalize_advantages_by_std
+    assert not paper.clipping and grpo.clipping
+
+
+def test_overrides_win_over_the_preset():
+    c = GTPOConfig(preset="official", entropy_threshold=0.5, loss_reduction="token_mean")
+    assert c.entropy_threshold == 0.5 and c.loss_reduction == "token_mean"
+    assert c.divide_by_conflict_count  # the rest still from the preset
+    assert GTPOConfig.from_dict(c.to_dict()) == c
+
+
+def test_clipping_can_be_switched_off_in_every_preset():
+    for preset in ("paper", "official", "grpo"):
+        c = GTPOConfig(preset=preset, clip_eps_low=None, clip_eps_high=None)
+        assert not c.clipping and c.clip_eps_low is None and c.clip_eps_high is None
+
+
+def test_one_clip_side():
+    # A preset that clips keeps its other side (DAPO's clip-higher on top of GRPO).
+    c = GTPOConfig(preset="grpo", clip_eps_high=0.28)
+    assert (c.clip_eps_low, c.clip_eps_high) == (0.2, 0.28)
+    # A preset without clipping: one side given clips symmetrically.
+    c = GTPOConfig(preset="paper", clip_eps_low=0.2)
+    assert (c.clip_eps_low, c.clip_eps_high) == (0.2, 0.2)
+    # An infinite side is open: clip_eps_high=inf clips only below.
+    c = GTPOConfig(preset="grpo", clip_eps_high=math.inf)
+    assert c.clipping and c.clip_bounds == (0.8, math.inf)
+    c = GTPOConfig(preset="grpo", clip_eps_low=math.inf)
+    assert c.clip_bounds == (-math.inf, 1.2)
+
+
+def test_errors_name_the_right_clip_field():
+    with pytest.raises(ValueError, match="clip_eps_high must be a number >= 0"):
+        GTPOConfig(preset="grpo", clip_eps_high=-0.1)
+    with pytest.raises(ValueError, match=r"clip_eps_low must be a number in \[0, 1\)"):
+        GTPOConfig(preset="grpo", clip_eps_low=1.5)
+    with pytest.raises(ValueError, match="clip_eps_high"):
+        GTPOConfig(preset="grpo", clip_eps_high=float("nan"))
+
+
+def test_replace_re_resolves_the_preset():
+    base = GTPOConfig(entropy_coef=0.05)  # paper, one knob set by the user
+    for grpo in (dataclasses.replace(base, preset="grpo"), base.replace(preset="grpo")):
+        # The user's knob survives; every other knob follows the new preset (no paper leftovers).
+        assert grpo.entropy_coef == 0.05
+        assert grpo == GTPOConfig(preset="grpo", entropy_coef=0.05)
+    assert dataclasses.replace(GTPOConfig(), preset="grpo") == GTPOConfig(preset="grpo")
+    # A symmetric clip filled in from one side follows that side when it changes.
+    c = GTPOConfig(clip_eps_low=0.2)
+    assert dataclasses.replace(c, clip_eps_low=0.1).clip_eps_high == 0.1
+
+
+def test_replace_validates():
+    with pytest.raises(ValueError, match="kl_beta must be"):
+        dataclasses.replace(GTPOConfig(), kl_beta=-1.0)
+    with pytest.raises(ValueError, match="unknown field"):
+        GTPOConfig().replace(beta=0.1)
+
+
+def test_config_is_frozen():
+    c = GTPOConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.kl_beta = -1.0  # would skip validation
+
+
+def test_infinite_threshold_and_none_switch_the_filter_off():
+    assert not GTPOConfig(entropy_threshold=math.inf).entropy_filter
+    assert not GTPOConfig(entropy_threshold=None).entropy_filter
+    assert GTPOConfig().entropy_filter
+
+
+def test_one_chunk_budget_knob():
+    assert GTPOConfig(max_chunk_bytes=4 * 2**20).max_chunk_bytes == 4 * 2**20
+    with pytest.raises(TypeError):
+        GTPOConfig(chunk_size=3)  # replaced by max_chunk_bytes (bytes of float32 logits)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(preset="ppo"), "preset must be one of"),
+    (dict(entropy_threshold=-1.0), "entropy_threshold must be a positive number"),
+    (dict(entropy_coef=-0.1), "entropy_coef must be a finite number >= 0"),
+    (dict(entropy_mode="bonus"), "entropy_mode must be one of"),
+    (dict(conflict_weight=0.0), "conflict_weight must be"),
+    (dict(loss_reduction="mean"), "loss_reduction must be one of"),
+    (dict(kl_beta=-1.0), "kl_beta must be"),
+    (dict(max_chunk_bytes=0), "max_chunk_bytes must be a positive int"),
+    (dict(max_completion_length=2.5), "max_completion_length must be a positive int"),
+    (dict(entropy_gate="yes"), "entropy_gate must be True or False"),
+])
+def test_config_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GTPOConfig(**kwargs)
+
+
+def test_config_from_dict_rejects_unknown_fields():
+    with pytest.raises(ValueError, match="unknown field"):
+        GTPOConfig.from_dict({"preset": "paper", "beta": 0.1})

@@ -1,0 +1,133 @@
+"""How the package hangs together: an import graph without cycles, backends that never import upward,
+an oracle nothing on the hot path imports, second derivatives refused rather than wrong, and per-token
+statistics that do not depend on the batch a token sits in."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gtpo_kernels import GTPOConfig, fused_linear_gtpo_loss, gtpo_loss
+from gtpo_kernels.backends import get_backend, registered
+
+from .helpers import device_for, random_batch
+
+PACKAGE = Path(__file__).resolve().parents[1] / "gtpo_kernels"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph():
+    """``module -> {modules of the package it imports}`` (any level of the file, lazy imports included)."""
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = package
+                for _ in range(node.level - 1):
+                    base = base.rpartition(".")[0]
+                stem = node.module if node.level == 0 else ".".join(x for x in (base, node.module) if x)
+                # `from pkg import mod` imports the module; `from pkg import name` imports pkg itself.
+                targets = [f"{stem}.{alias.name}" if f"{stem}.{alias.name}" in modules else stem
+                           for alias in node.names]
+            edges |= {t for t in targets if t in modules and t != name}
+        graph[name] = edges
+    return graph
+
+
+def test_import_graph_has_no_cycles():
+    graph = import_graph()
+    state = {}
+
+    def visit(node, path):
+        if state.get(node) == "done":
+            return
+        assert state.get(node) != "open", f"import cycle: {' -> '.join(path + [node])}"
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            visit(nxt, path + [node])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        visit(node, [])
+
+
+def test_backends_never_import_upward():
+    for name, edges in import_graph().items():
+        if name.startswith("gtpo_kernels.backends"):
+            upward = [e for e in edges if not e.startswith("gtpo_kernels.backends")]
+            assert not upward, f"{name} imports {upward}: backend modules import only their own package"
+
+
+def test_the_oracle_is_off_the_hot_path():
+    importers = [name for name, edges in import_graph().items() if "gtpo_kernels.reference" in edges]
+    assert importers == [], importers
+    code = ("import sys, torch, gtpo_kernels as g; "
+            "x = torch.randn(2, 3, 5, requires_grad=True); ids = torch.zeros(2, 3, dtype=torch.long); "
+            "g.gtpo_loss(x, ids, torch.ones(2, 3), torch.tensor([1., -1.]), group_size=2).loss.backward(); "
+            "assert 'gtpo_kernels.reference' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_new_backend_is_one_module_and_one_registry_line():
+    text = (PACKAGE / "backends" / "__init__.py").read_text()
+    for name in registered():
+        assert get_backend(name).name == name
+        assert f'"{name}": "{name}_backend"' in text
+
+
+@pytest.mark.parametrize("backend", registered())
+def test_double_backward_is_refused(backend):
+    logits, ids, mask, adv = random_batch(2, 2, 4, 9, seed=1)
+    x = logits.to(device_for(backend)).requires_grad_()
+    loss = gtpo_loss(x * 1, ids.to(x.device), mask.to(x.device), adv.to(x.device), group_size=2,
+                     config=GTPOConfig(entropy_mode="penalty"), backend=backend).loss
+    grad, = torch.autograd.grad(loss, x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        grad.pow(2).sum().backward()
+
+
+def test_double_backward_is_refused_by_the_fused_loss():
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(4, 3, 5, generator=g, requires_grad=True)
+    weight = torch.randn(11, 5, generator=g, requires_grad=True)
+    ids = torch.randint(0, 11, (4, 3), generator=g)
+    loss = fused_linear_gtpo_loss(hidden, weight, ids, torch.ones(4, 3), torch.tensor([1.0, -1.0, 0.5, -0.5]),
+                                  group_size=2, backend="torch").loss
+    grad, = torch.autograd.grad(loss, hidden, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        grad.pow(2).sum().backward()
+
+
+@pytest.mark.parametrize("backend", [b for b in registered() if b != "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_statistics_do_not_depend_on_the_batch(backend, dtype):
+    """A token's log-prob and entropy are bitwise the same whatever batch, row or position it sits in."""
+    logits, ids, mask, _ = random_batch(3, 3, 5, 301, dtype=dtype, seed=4)
+    kernels = get_backend(backend)
+    dev = device_for(backend)
+    logits, ids, mask = logits.to(dev), ids.to(dev), mask.to(dev)
+    everything = torch.ones_like(mask)
+    _, _, logp, entropy = kernels.forward(logits, ids, everything, 0.7, None)
+    # Row 4 alone, and row 4's positions moved to the front of another batch shape.
+    _, _, logp_one, entropy_one = kernels.forward(logits[4:5], ids[4:5], everything[4:5], 0.7, None)
+    assert torch.equal(logp_one[0], logp[4]) and torch.equal(entropy_one[0], entropy[4])
+    shuffled = logits[[4, 0, 2]][:, [3, 1]]
+    _, _, logp_s, entropy_s = kernels.forward(shuffled.contiguous(), ids[[4, 0, 2]][:, [3, 1]],
+                                              everything[:3, :2], 0.7, None)
+    assert torch.equal(logp_s[0], logp[4, [3, 1]]) and torch.equal(entropy_s[0], entropy[4, [3, 1]])
+    # Neighbours masked or not: the same.
+    _, _, logp_m, _ = kernels.forward(logits, ids, mask, 0.7, None)
+    assert torch.equal(logp_m[mask], logp[mask])
