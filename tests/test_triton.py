@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from gtpo_kernels import GTPOConfig, gtpo_loss, token_logprobs_and_entropy
 from gtpo_kernels.backends import registered, resolve_backend
 from gtpo_kernels.backends.triton_conflict_weights import conflict_weights_triton
+from gtpo_kernels.backends.triton_interpreter import triton_interpreted
 from gtpo_kernels.reference import reference_conflict_weights, reference_gtpo_loss
 from gtpo_kernels.reference import token_logprobs_and_entropy as reference_token_stats
 
@@ -196,3 +197,17 @@ def test_property_examples_are_mostly_non_degenerate():
     if _PROPERTY_DRAWS["total"] == 0:
         pytest.skip("run together with test_property_random_shapes_and_masks")
     assert _PROPERTY_DRAWS["with_gradient"] >= 0.8 * _PROPERTY_DRAWS["total"], _PROPERTY_DRAWS
+
+
+@pytest.mark.skipif(not triton_interpreted(), reason="the kernels run compiled")
+def test_interpreter_index_fix_is_installed():
+    """triton 3.6's interpreter with numpy >= 2.4 fails every kernel that loops over a runtime bound unless
+    its __index__ is patched (checked by hand against triton 3.6.0 + numpy 2.4.6: all kernel tests pass)."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    if not hasattr(interpreter, "_patch_lang_tensor"):
+        pytest.skip("this triton's interpreter has no _patch_lang_tensor")
+    assert interpreter._patch_lang_tensor._gtpo_index_fix
+    # What the fix relies on: .item() takes the one-element 1-D arrays that int() refuses on numpy >= 2.4.
+    assert int(np.array([7]).item()) == 7

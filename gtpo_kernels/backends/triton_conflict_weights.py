@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import triton_interpreter  # noqa: F401 (the interpreter fix, when interpreted)
+
 
 @triton.jit
 def _conflict_weights_kernel(

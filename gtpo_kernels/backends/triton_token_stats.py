@@ -24,21 +24,11 @@ bounded by a tensor.
 
 from __future__ import annotations
 
-import math
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
-
-
-def triton_interpreted() -> bool:
-    """Whether Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
+from .triton_interpreter import triton_interpreted
 
 @triton.jit
 def _log1p(x):
