@@ -37,43 +37,41 @@ if os.environ.get("GTPO_NO_EXTENSION", "0") == "0":
         ]
 
         class OptionalBuildExtension(BuildExtension):
-            """Builds every variant; a failing one is reported, not fatal."""
+            """Builds every variant; a failing one is reported (with the compiler's message), not fatal."""
 
-            def _error_file(self):
-                target = self.get_ext_fullpath(ext_modules[0].name)
-                return os.path.join(os.path.dirname(target), "_cpu_build_error.txt")
+            def _error_files(self):
+                """Next to the built extensions, and in the source package (editable installs read it there)."""
+                targets = {os.path.dirname(self.get_ext_fullpath(ext_modules[0].name)),
+                           os.path.join(_HERE, "gtpo_kernels", "backends")}
+                for target in targets:
+                    os.makedirs(target, exist_ok=True)
+                return [os.path.join(target, "_cpu_build_error.txt") for target in sorted(targets)]
 
             def run(self):
-                error_file = self._error_file()
-                if os.path.exists(error_file):
-                    os.remove(error_file)
+                for path in self._error_files():
+                    if os.path.exists(path):
+                        os.remove(path)
                 super().run()
 
             def build_extension(self, ext):
-                captured = []
-                spawn = self.compiler.spawn
-
-                def spawn_capturing(cmd, **kwargs):
-                    # Run the compiler ourselves so that its message survives pip's quiet mode.
-                    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                    if proc.stdout:
-                        captured.append(proc.stdout)
-                        print(proc.stdout, file=sys.stderr)
-                    if proc.returncode:
-                        raise RuntimeError(f"command failed with exit code {proc.returncode}: {' '.join(cmd)}")
-
-                self.compiler.spawn = spawn_capturing
                 try:
                     super().build_extension(ext)
                 except Exception as exc:  # noqa: BLE001 (any compiler failure: install without this variant)
-                    message = (f"gtpo_kernels: WARNING: building the C++ CPU kernels ({ext.name}) failed: {exc}\n"
-                               + "".join(captured)[-4000:])
+                    detail, cause = str(exc), exc
+                    while cause is not None and not getattr(cause, "cmd", None):
+                        cause = cause.__cause__ or cause.__context__
+                    if cause is not None:  # the failed compiler call: run it again to keep its message
+                        proc = subprocess.run(cause.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                        errors = [line for line in proc.stdout.splitlines() if "error" in line.lower()]
+                        detail = "\n".join(errors[:20]) or proc.stdout[-4000:] or detail
+                    message = f"gtpo_kernels: WARNING: building the C++ CPU kernels ({ext.name}) failed:\n{detail}"
                     print(message, file=sys.stderr)
-                    with open(self._error_file(), "a") as f:
-                        f.write(message + "\n")
-                finally:
-                    self.compiler.spawn = spawn
+                    for path in self._error_files():
+                        with open(path, "a") as f:
+                            f.write(message + "\n")
 
-        cmdclass = {"build_ext": OptionalBuildExtension}
+        # Without ninja a failed compile raises with the command, which build_extension runs again to keep the
+        # compiler's message (ninja prints it and raises without it).
+        cmdclass = {"build_ext": OptionalBuildExtension.with_options(use_ninja=False)}
 
 setup(ext_modules=ext_modules, cmdclass=cmdclass)
