@@ -150,3 +150,17 @@ def test_temperature(backend, temperature, dtype):
     at_one = gtpo_loss(logits.to(device_for(backend)), ids.to(device_for(backend)), mask.to(device_for(backend)),
                        adv.to(device_for(backend)), group_size=4, backend=backend)
     assert not torch.allclose(out.metrics.entropy, at_one.metrics.entropy.cpu())  # T really changed something
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_temperature_makes_no_scaled_copy(backend):
+    """T is applied inside the kernels: no tensor as large as the logits is created by the forward."""
+    from .helpers import PeakTensorMemory
+
+    logits, ids, mask, adv = random_batch(2, 2, 8, 4096, dtype=torch.float32, seed=12)
+    dev = device_for(backend)
+    config = GTPOConfig(max_chunk_bytes=logits.nbytes // 8)
+    with PeakTensorMemory() as memory:
+        gtpo_loss(logits.to(dev), ids.to(dev), mask.to(dev), adv.to(dev), group_size=2, temperature=0.7,
+                  config=config, backend=backend)
+    assert memory.largest <= logits.nbytes // 8, (memory.largest, logits.nbytes)
