@@ -79,7 +79,8 @@ def grouped_completion_hidden_states(
     their key/value cache ``G`` times and runs the ``N = B * G`` completions on top of it. Gradients
     flow through the cache into the prompt pass, so the result (and its gradient) equals
     ``causal_lm_hidden_states`` on the concatenated ``[prompt, completion]`` rows, for
-    ``B * P + N * L`` tokens of work instead of ``N * (P + L)``.
+    ``B * P + N * L`` tokens of work instead of ``N * (P + L)``. Under gradient checkpointing, which cannot
+    replay a layer that writes a shared cache, each completion runs with its own copy of the prompt.
 
     Args:
         prompt_ids, prompt_mask: ``[B, P]``, left-padded, one row per group.
@@ -103,6 +104,16 @@ def grouped_completion_hidden_states(
     base = _unwrap(model)
     decoder = base.get_decoder()
     prompt_mask = prompt_mask.long()
+    if getattr(decoder, "gradient_checkpointing", False) and decoder.training and torch.is_grad_enabled():
+        # Under gradient checkpointing a layer runs again in backward, and would write its keys and values
+        # into the shared cache a second time (transformers turns the cache off there). Run each completion
+        # with its prompt instead: the same hidden states, for N * (P + L) tokens of work.
+        rows = prompt_mask.repeat_interleave(group_size, 0)
+        attention = torch.cat([rows, completion_mask.long()], dim=1)
+        hidden, weight, bias = causal_lm_hidden_states(
+            model, torch.cat([prompt_ids.repeat_interleave(group_size, 0), completion_ids], dim=1), attention,
+            allow_unknown=allow_unknown, position_ids=(attention.cumsum(1) - 1).clamp(min=0))
+        return hidden[:, prompt_ids.shape[1] - 1:-1], weight, bias
     prompt = decoder(input_ids=prompt_ids, attention_mask=prompt_mask,
                      position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0), use_cache=True)
     # transformers >= 5.2x names the cache ``cache``; earlier versions ``past_key_values``.

@@ -3,6 +3,8 @@
 
 import json
 import math
+import os
+import signal
 
 import pytest
 import torch
@@ -14,35 +16,6 @@ from trainer import train as train_module  # noqa: E402
 from trainer.config import TrainConfig, parse_args  # noqa: E402
 from trainer.data import arithmetic_problems, gsm8k_final_answer, load_problems  # noqa: E402
 from trainer.rewards import correctness_reward, extract_answer, format_reward, parse_number  # noqa: E402
-
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    """A 2-layer Llama with a character-level tokenizer and a chat template, saved like a hub model."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-
-    specials = ["<pad>", "<|im_start|>", "<|im_end|>", "<unk>"]
-    chars = [chr(c) for c in range(32, 127)] + ["\n"]
-    vocab = {tok: i for i, tok in enumerate(specials + chars)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<|im_end|>",
-                                                unk_token="<unk>", additional_special_tokens=specials[1:3])
-    fast.chat_template = CHAT_TEMPLATE
-    config = transformers.LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=512, eos_token_id=vocab["<|im_end|>"],
-                                      pad_token_id=vocab["<pad>"])
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
-    path = tmp_path_factory.mktemp("tiny")
-    model.save_pretrained(path)
-    fast.save_pretrained(path)
-    return str(path)
-
 
 def tiny_config(model_dir, out_dir, **overrides):
     values = dict(model=model_dir, output_dir=str(out_dir), steps=4, prompts_per_step=2, group_size=3,
@@ -64,7 +37,9 @@ def test_a_few_steps_run_with_finite_losses(tiny_model_dir, tmp_path, algo):
     train = [r for r in rows if r["kind"] == "train"]
     assert len(train) == 4 and summary["steps"] == 4
     assert summary["wall_minutes"] >= summary["minutes"] > 0
-    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in train)
+    # A step either updated (finite gradient norm) or carried no signal at all (no update, logged as such).
+    assert all(math.isfinite(r["loss"]) and (math.isfinite(r["grad_norm"]) if r["updates"] else
+                                             r["grad_norm"] is None and r["signal_fraction"] == 0) for r in train)
     assert [r["kind"] for r in rows].count("eval") == 2  # before and after
     for name in ("checkpoint.pt", "training.png", "summary.json", "final/config.json", "config.json"):
         assert (tmp_path / name).exists(), name
@@ -84,7 +59,7 @@ def test_fused_and_logits_losses_agree(tiny_model_dir, tmp_path):
 def test_loss_is_on_the_sampling_distribution(tiny_model_dir, fused_linear):
     """Completions sampled at temperature T are scored under softmax(logits / T): the trainer's loss
     and gradient equal the float64 reference on the model's logits divided by T."""
-    from gtpo_kernels import GTPOConfig
+    from gtpo_kernels import GTPOConfig, conflict_weights
     from gtpo_kernels.reference import reference_gtpo_loss
 
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir)
@@ -96,50 +71,92 @@ def test_loss_is_on_the_sampling_distribution(tiny_model_dir, fused_linear):
     advantages = torch.tensor([1.0, -0.5, -0.5, 0.7, 0.0, -0.7])
     loss_config = GTPOConfig(preset="paper")
 
-    out = train_module.policy_loss(model, batch, slice(0, 6), advantages, loss_config, config, None, 1.0)
+    batch["advantages"] = advantages
+    batch["conflict"] = conflict_weights(batch["completion_ids"], batch["completion_mask"], advantages, 3)
+    out = train_module.PolicyLoss(model)(batch, slice(0, 2), loss_config, config, old_logprobs=None,
+                                         initial_entropy=1.0, num_sequences=None, num_tokens=None)
     out.loss.backward()
     got_grad = model.model.layers[0].mlp.up_proj.weight.grad.clone()
     model.zero_grad()
 
-    input_ids, attention_mask, position_ids = train_module.forward_inputs(batch)
-    prompt_len = batch["prompt_ids"].shape[1]
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-    ref = reference_gtpo_loss(logits[:, prompt_len - 1:-1].double() / 0.5, batch["completion_ids"],
-                              batch["completion_mask"], advantages.double(), group_size=3, config=loss_config,
-                              initial_entropy=1.0)
+    with torch.no_grad():
+        logits = train_module.completion_logits(model, batch, slice(0, 2), 3).double()
+    logits.requires_grad_()
+    ref = reference_gtpo_loss(logits / 0.5, batch["completion_ids"], batch["completion_mask"], advantages.double(),
+                              group_size=3, config=loss_config, initial_entropy=1.0)
     ref.loss.backward()
+    # The parameter gradient through the model, from the oracle's gradient w.r.t. the logits.
+    train_module.completion_logits(model, batch, slice(0, 2), 3).backward(logits.grad.float())
     want_grad = model.model.layers[0].mlp.up_proj.weight.grad
     assert out.loss.item() == pytest.approx(ref.loss.item(), rel=1e-5, abs=1e-7)
     torch.testing.assert_close(got_grad, want_grad.to(got_grad.dtype), rtol=1e-4, atol=1e-7)
-    # ... and not the loss at T = 1, which the old code computed.
-    plain = reference_gtpo_loss(logits[:, prompt_len - 1:-1].double(), batch["completion_ids"],
-                                batch["completion_mask"], advantages.double(), group_size=3, config=loss_config,
-                                initial_entropy=1.0)
+    # ... and not the loss at T = 1.
+    plain = reference_gtpo_loss(logits.detach(), batch["completion_ids"], batch["completion_mask"], advantages.double(),
+                                group_size=3, config=loss_config, initial_entropy=1.0)
     assert abs(plain.loss.item() - ref.loss.item()) > 1e-3
 
 
-def test_resume_continues_exactly(tiny_model_dir, tmp_path, monkeypatch):
-    straight = tmp_path / "straight"
-    train_module.run(tiny_config(tiny_model_dir, straight))
+RESUME = dict(eval_every=2, save_every=2, steps=5)
 
-    # Interrupt after step 2 (Ctrl-C lands in the loop), then resume.
+
+@pytest.fixture(scope="module")
+def straight_rows(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("straight")
+    train_module.run(tiny_config(tiny_model_dir, out, **RESUME))
+    return train_rows(out)
+
+
+def stop_once(monkeypatch, target: str, when, action):
+    """Wraps ``train_module.<target>`` so that on the call where ``when(call_number, args)`` holds it runs
+    ``action`` (send a signal, or crash) before the real call."""
+    real = getattr(train_module, target)
+    calls = {"n": 0}
+
+    def wrapped(*args, **kwargs):
+        calls["n"] += 1
+        if when(calls["n"], args, kwargs):
+            action()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, target, wrapped)
+
+
+def signal_self(sig):
+    return lambda: os.kill(os.getpid(), sig)
+
+
+class Killed(BaseException):
+    """Stands for kill -9: nothing after it runs (no handler, no checkpoint)."""
+
+
+def crash():
+    raise Killed
+
+
+@pytest.mark.parametrize("point, target, when, action", [
+    # Ctrl-C while sampling step 3's rollouts: the random state is already drawn, the step still completes.
+    ("during a rollout", "rollout", lambda n, a, k: n == 3, signal_self(signal.SIGINT)),
+    # Ctrl-C in the middle of the update (the optimiser steps, then the counter would move).
+    ("during an update", "update", lambda n, a, k: n == 2, signal_self(signal.SIGINT)),
+    # SIGTERM during the evaluation after step 2 (evaluation 2 of 4: before, 2, 4, after).
+    ("during an evaluation", "evaluate", lambda n, a, k: n == 2, signal_self(signal.SIGTERM)),
+    ("during the first evaluation", "evaluate", lambda n, a, k: n == 1, signal_self(signal.SIGINT)),
+    # kill -9 during step 4, after step 3's row was logged and the last checkpoint is step 2's.
+    ("killed between checkpoints", "rollout", lambda n, a, k: n == 4, crash),
+])
+def test_resume_anywhere_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, monkeypatch, straight_rows, point,
+                                                          target, when, action):
     stopped = tmp_path / "stopped"
-    real_generate = train_module.generate
-    calls = {"rollouts": 0}
-
-    def interrupting_generate(model, tokenizer, questions, n, config, device, greedy=False):
-        if n == config.group_size and not greedy:  # a training rollout (evaluation samples eval_k = 2)
-            calls["rollouts"] += 1
-            if calls["rollouts"] == 3:  # Ctrl-C during the third step: steps 1 and 2 are done
-                raise KeyboardInterrupt
-        return real_generate(model, tokenizer, questions, n, config, device, greedy)
-
-    monkeypatch.setattr(train_module, "generate", interrupting_generate)
-    result = train_module.run(tiny_config(tiny_model_dir, stopped))
-    assert result == {"interrupted": True, "step": 2}
-    monkeypatch.setattr(train_module, "generate", real_generate)
-    train_module.run(tiny_config(tiny_model_dir, stopped, resume=True))
-    assert train_rows(stopped) == train_rows(straight)
+    with monkeypatch.context() as patch:
+        stop_once(patch, target, when, action)
+        try:
+            result = train_module.run(tiny_config(tiny_model_dir, stopped, **RESUME))
+            assert result["interrupted"], point
+        except Killed:
+            assert point == "killed between checkpoints"
+            assert len([r for r in train_rows(stopped) if r["kind"] == "train"]) == 3  # step 3 logged, not saved
+    train_module.run(tiny_config(tiny_model_dir, stopped, resume=True, **RESUME))
+    assert train_rows(stopped) == straight_rows, point
 
 
 def test_resume_without_checkpoint_is_a_clear_error(tiny_model_dir, tmp_path):
@@ -249,8 +266,16 @@ def test_bad_dataset_is_a_clear_error(tmp_path):
         load_problems("no/such/file.jsonl", seed=0, eval_size=4)
     bad = tmp_path / "bad.jsonl"
     datasets.Dataset.from_dict({"prompt": ["x"] * 10}).to_json(bad)
-    with pytest.raises(ValueError, match="needs 'question' and 'answer' columns"):
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: each line must be an object with 'question' and 'answer'"):
         load_problems(str(bad), seed=0, eval_size=2)
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"question": "q?", "answer": "1"}\n{"question": "q2?", "answer": 2\n')
+    with pytest.raises(ValueError, match=r"broken.jsonl:2: not valid JSON"):
+        load_problems(str(broken), seed=0, eval_size=1)
+    bad_parquet = tmp_path / "bad.parquet"
+    bad_parquet.write_text("not parquet")
+    with pytest.raises(ValueError, match="bad.parquet: cannot be read as parquet"):
+        load_problems(str(bad_parquet), seed=0, eval_size=1)
 
 
 def test_gsm8k_answer_parsing():
@@ -270,16 +295,42 @@ def test_cli_parses_flags_and_files(tmp_path):
     assert (cfg.algo, cfg.steps, cfg.group_size) == ("grpo", 7, 4)  # the command line wins over the file
     json_file = tmp_path / "run.json"
     json_file.write_text(json.dumps({"seed": 3, "typo_field": 1}))
-    with pytest.raises(ValueError, match="unknown setting"):
+    with pytest.raises(SystemExit) as exit_info:
         parse_args(["--config", str(json_file)])
+    assert exit_info.value.code == 2
+
+
+def run_cli(*args, cwd=None):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "trainer", *args], capture_output=True, text=True, cwd=cwd)
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    for args, message in ((["--algo", "foo"], "--algo must be 'gtpo' or 'grpo' (got 'foo')"),
+                          (["--steps", "two"], "argument --steps: invalid int value: 'two'"),
+                          (["--model", str(tmp_path / "nowhere")], "is not a local folder")):
+        proc = run_cli(*args, "--output-dir", str(tmp_path / "out"))
+        assert proc.returncode == 2, (args, proc.stderr[-500:])
+        last = proc.stderr.strip().splitlines()[-1]
+        assert message in last and "Traceback" not in proc.stderr, proc.stderr[-800:]
+
+
+def test_help_shows_each_default_once():
+    from trainer.config import _parser
+
+    text = _parser().format_help()
+    assert "(default: None) (default" not in text and text.count("(default: 20)") == 1  # --steps
+    assert "--one-shot, --no-one-shot" in text and "(default: True)" in text
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(algo="ppo"), "algo must be 'gtpo' or 'grpo'"),
-    (dict(group_size=1), "group_size must be at least 2"),
-    (dict(prompts_per_step=3, grad_accum_steps=2), "grad_accum_steps must divide"),
-    (dict(learning_rate=-1.0), "learning_rate must be a positive number"),
-    (dict(difficulty=9), "difficulty must be between 1 and 4"),
+    (dict(algo="ppo"), "--algo must be 'gtpo' or 'grpo'"),
+    (dict(group_size=1), "--group-size must be at least 2"),
+    (dict(prompts_per_step=3, grad_accum_steps=2), "--grad-accum-steps must divide"),
+    (dict(learning_rate=-1.0), "--learning-rate must be a positive number"),
+    (dict(difficulty=9), "--difficulty must be between 1 and 4"),
 ])
 def test_bad_config_values(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -23,7 +23,10 @@ def load(run_dirs: List[str]) -> Dict[str, List[dict]]:
             continue
         summary = json.loads(summary_path.read_text())
         summary["dir"] = d
-        by_algo[summary["algo"]].append(summary)
+        preset = summary.get("preset")
+        default = {"gtpo": "paper", "grpo": "grpo"}.get(summary["algo"])
+        label = summary["algo"] if preset in (None, default) else f"{summary['algo']} ({preset})"
+        by_algo[label].append(summary)
     return by_algo
 
 

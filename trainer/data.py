@@ -15,6 +15,8 @@ from typing import Tuple
 
 from datasets import Dataset, load_dataset
 
+from .config import ConfigError
+
 NAMES = ["Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Gus", "Hana", "Ivan", "Jo", "Kofi", "Lena"]
 ITEMS = ["apples", "books", "coins", "stickers", "marbles", "pencils", "shells", "cards", "stamps", "eggs"]
 
@@ -59,9 +61,31 @@ def gsm8k_final_answer(answer: str) -> str:
 def _normalise(ds: Dataset, source: str) -> Dataset:
     missing = {"question", "answer"} - set(ds.column_names)
     if missing:
-        raise ValueError(f"{source}: needs 'question' and 'answer' columns, missing {sorted(missing)} "
-                         f"(has {ds.column_names})")
+        raise ConfigError(f"{source}: needs 'question' and 'answer' columns, missing {sorted(missing)} "
+                          f"(has {ds.column_names})")
     return ds.map(lambda row: {"answer": gsm8k_final_answer(str(row["answer"]))})
+
+
+def read_jsonl(path: Path) -> list:
+    """The rows of a JSON-lines file; a bad line is reported by its number."""
+    import json
+
+    rows = []
+    with open(path) as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{path}:{number}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+            if not isinstance(row, dict) or "question" not in row or "answer" not in row:
+                raise ConfigError(f"{path}:{number}: each line must be an object with 'question' and 'answer', "
+                                  f"got {line.strip()[:80]!r}")
+            rows.append({"question": str(row["question"]), "answer": str(row["answer"])})
+    if not rows:
+        raise ConfigError(f"{path}: no rows")
+    return rows
 
 
 HELD_OUT_SEED = 10_000
@@ -84,12 +108,23 @@ def load_problems(dataset: str, seed: int, eval_size: int, difficulty: int = 1,
         return _normalise(ds["train"], "gsm8k").shuffle(seed=seed), _normalise(ds["test"], "gsm8k").select(range(eval_size))
     path = Path(dataset)
     if not path.exists():
-        raise ValueError(f"dataset {dataset!r} is neither 'arithmetic', 'gsm8k' nor an existing .jsonl/.parquet file")
-    kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(path.suffix)
-    if kind is None:
-        raise ValueError(f"dataset file {dataset!r} must end in .jsonl, .json or .parquet")
-    ds = _normalise(load_dataset(kind, data_files=str(path), split="train"), dataset)
+        raise ConfigError(f"dataset {dataset!r} is neither 'arithmetic', 'gsm8k' nor an existing .jsonl/.parquet file")
+    if path.suffix == ".jsonl":
+        ds = _normalise(Dataset.from_list(read_jsonl(path)), dataset)
+    elif path.suffix in (".json", ".parquet"):
+        kind = "json" if path.suffix == ".json" else "parquet"
+        try:
+            ds = _normalise(load_dataset(kind, data_files=str(path), split="train"), dataset)
+        except ConfigError:
+            raise
+        except Exception as exc:  # noqa: BLE001 (datasets wraps parse errors in long chains: one line instead)
+            root = exc
+            while root.__cause__ is not None or root.__context__ is not None:
+                root = root.__cause__ or root.__context__
+            raise ConfigError(f"{dataset}: cannot be read as {kind}: {type(root).__name__}: {root}") from None
+    else:
+        raise ConfigError(f"dataset file {dataset!r} must end in .jsonl, .json or .parquet")
     if len(ds) <= eval_size:
-        raise ValueError(f"{dataset}: {len(ds)} rows is not more than eval_size={eval_size}")
+        raise ConfigError(f"{dataset}: {len(ds)} rows is not more than eval_size={eval_size}")
     split = ds.train_test_split(test_size=eval_size, seed=HELD_OUT_SEED)
     return split["train"].shuffle(seed=seed), split["test"]

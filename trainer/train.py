@@ -1,37 +1,51 @@
-"""One GTPO (or GRPO) training run, top to bottom: ``python -m trainer`` or ``gtpo-train``.
+"""One GTPO (or GRPO) training run, top to bottom: ``gtpo-train`` (``python -m trainer``), or under
+``torchrun --nproc_per_node K -m trainer`` for K processes.
 
     load model, data, rewards -> evaluate -> for each step:
-        sample G completions for each of B prompts      (rollout)
-        rewards -> group-relative advantages
-        GTPO loss on the final hidden states, AdamW step (update)
-        log, checkpoint, evaluate every k steps
+        sample G completions for each of this process's prompts          (rollout)
+        rewards -> group-relative advantages -> conflict weights of the (whole, local) groups
+        old log-probs and the initial entropy from hidden states          (no [N, L, V] logits)
+        GTPO loss on hidden states over micro-batches, with the whole batch's counts across processes;
+        no optimiser step when no completion carries signal
+        log (process 0), evaluate every k steps, checkpoint every k steps
     -> evaluate, save, plot, summary
+
+``--prompts-per-step`` is the global batch: each of the K processes samples its share of the prompts, so
+prompt groups and their conflict weights stay within a process, and the loss divides by the whole
+batch's counts (all-reduced), which makes K processes update exactly as one would (tested).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import random
+import sys
 import time
+import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Dict, List, Optional
 
 import numpy as np
 import torch
+from torch import nn
 from tqdm.auto import tqdm
 
-from gtpo_kernels import GTPOConfig, compute_advantages, fused_linear_gtpo_loss, gtpo_loss, token_logprobs_and_entropy
+from gtpo_kernels import (GTPOConfig, GTPOMetrics, compute_advantages, conflict_weights, fused_linear_gtpo_loss,
+                          fused_linear_token_logprobs_and_entropy, gtpo_loss)
 from gtpo_kernels.hf import grouped_completion_hidden_states
 
-from .config import TrainConfig, parse_args
+from .checkpoint import MetricsLog, StopRequests, load_checkpoint, save_checkpoint, step_seed
+from .config import ConfigError, TrainConfig, parse_args
 from .data import load_problems
+from .distributed import Distributed, full_parameters, full_state, load_full_state, no_sync, wrap
 from .model import load_model_and_tokenizer
 from .plots import plot_run
 from .rewards import (DEFAULT_REWARDS, EXAMPLE_ANSWER, EXAMPLE_QUESTION, SYSTEM_PROMPT, answers_match, extract_answer,
                       parse_number)
+
+# Steps in a row without any learning signal before the run warns (it keeps going).
+NO_SIGNAL_WARNING_AFTER = 3
 
 
 # ---------------------------------------------------------------------------------------------- rollouts
@@ -51,8 +65,9 @@ def encode_prompts(tokenizer, questions: List[str], device, one_shot: bool = Tru
 
 @torch.no_grad()
 def generate(model, tokenizer, questions: List[str], n: int, config: TrainConfig, device, greedy=False):
-    """``n`` completions per question, rows of a question adjacent. Returns prompt ids/mask, completion
-    ids/mask (the mask covers the completion up to and including its EOS) and the decoded texts."""
+    """``n`` completions per question, rows of a question adjacent. Returns prompt ids/mask (one row per
+    question), completion ids/mask (the mask covers the completion up to and including its EOS) and the
+    decoded texts."""
     enc = encode_prompts(tokenizer, questions, device, config.one_shot)
     kwargs = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=config.temperature, top_p=1.0,
                                                        top_k=0)
@@ -65,120 +80,169 @@ def generate(model, tokenizer, questions: List[str], n: int, config: TrainConfig
     completion_mask = torch.arange(completion_ids.shape[1], device=device)[None] <= first_eos[:, None]
     texts = tokenizer.batch_decode(torch.where(completion_mask, completion_ids, tokenizer.pad_token_id),
                                    skip_special_tokens=True)
-    return {
-        "prompt_ids": enc["input_ids"].repeat_interleave(n, 0),
-        "prompt_mask": enc["attention_mask"].repeat_interleave(n, 0),
-        "completion_ids": completion_ids,
-        "completion_mask": completion_mask,
-        "texts": texts,
-    }
+    return {"prompt_ids": enc["input_ids"], "prompt_mask": enc["attention_mask"],
+            "completion_ids": completion_ids, "completion_mask": completion_mask, "texts": texts}
+
+
+def rollout(model, tokenizer, problems, config: TrainConfig, loss_config: GTPOConfig, device) -> dict:
+    """This process's share of a step's batch: completions, rewards, advantages and the conflict weights of
+    its whole prompt groups."""
+    batch = generate(model, tokenizer, problems["question"], config.group_size, config, device)
+    answers = [a for a in problems["answer"] for _ in range(config.group_size)]
+    batch["reward_parts"] = {f.__name__: torch.tensor(f(batch["texts"], answer=answers), dtype=torch.float32)
+                             for f in DEFAULT_REWARDS}
+    batch["rewards"] = sum(batch["reward_parts"].values()).to(device)
+    batch["advantages"] = compute_advantages(batch["rewards"], config.group_size,
+                                             normalize_std=loss_config.normalize_advantages_by_std)
+    if loss_config.use_conflict_weights:
+        batch["conflict"] = conflict_weights(batch["completion_ids"], batch["completion_mask"], batch["advantages"],
+                                             config.group_size, loss_config.conflict_weight)
+    return batch
 
 
 # ---------------------------------------------------------------------------------------------- the loss
 
-def forward_inputs(batch):
-    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"].long()], dim=1)
-    # Left-padded prompts: positions count real tokens only, as they did during generation.
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    return input_ids, attention_mask, position_ids
+def completion_hidden_states(model, batch, groups: slice, group_size: int):
+    """``(hidden [n, L, H], lm_head weight, bias)`` of the completions of prompt groups ``groups``: position
+    ``t`` predicts ``completion_ids[:, t]``. Each prompt runs once and shares its cache with its group."""
+    rows = slice(groups.start * group_size, groups.stop * group_size)
+    return grouped_completion_hidden_states(model, batch["prompt_ids"][groups], batch["prompt_mask"][groups],
+                                            batch["completion_ids"][rows], batch["completion_mask"][rows], group_size)
 
 
-def completion_logits(model, batch, temperature: float) -> torch.Tensor:
-    """``[N, L, V]`` logits of the distribution the completions were sampled from, softmax(logits / T):
-    position ``t`` predicts ``completion_ids[:, t]``."""
-    input_ids, attention_mask, position_ids = forward_inputs(batch)
-    prompt_len = batch["prompt_ids"].shape[1]
+def completion_logits(model, batch, groups: slice, group_size: int) -> torch.Tensor:
+    """``[n, L, V]`` logits of the completions of prompt groups ``groups`` (the --no-fused-linear path)."""
+    rows = slice(groups.start * group_size, groups.stop * group_size)
+    prompt_ids = batch["prompt_ids"][groups].repeat_interleave(group_size, 0)
+    prompt_mask = batch["prompt_mask"][groups].repeat_interleave(group_size, 0)
+    input_ids = torch.cat([prompt_ids, batch["completion_ids"][rows]], dim=1)
+    attention_mask = torch.cat([prompt_mask, batch["completion_mask"][rows].long()], dim=1)
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left-padded prompts: real tokens only
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-    logits = logits[:, prompt_len - 1:-1]
-    return logits if temperature == 1.0 else logits / temperature
+    return logits[:, prompt_ids.shape[1] - 1:-1]
+
+
+class PolicyLoss(nn.Module):
+    """The policy's GTPO loss on prompt groups ``groups`` of a rollout batch, as a module: DDP and FSDP see
+    the whole computation (decoder, loss, lm_head) as its forward."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: dict, groups: slice, loss_config: GTPOConfig, config: TrainConfig, *,
+                old_logprobs, initial_entropy, num_sequences, num_tokens):
+        g = config.group_size
+        rows = slice(groups.start * g, groups.stop * g)
+        conflict = batch.get("conflict")
+        common = dict(config=loss_config, initial_entropy=initial_entropy, temperature=config.temperature,
+                      conflict=None if conflict is None else (conflict[0][rows], conflict[1][rows]),
+                      old_logprobs=None if old_logprobs is None else old_logprobs[rows],
+                      num_sequences=num_sequences, num_tokens=num_tokens)
+        ids, mask, advantages = batch["completion_ids"][rows], batch["completion_mask"][rows], batch["advantages"][rows]
+        if config.fused_linear:  # never builds the [n, L, V] logits
+            hidden, weight, bias = completion_hidden_states(self.model, batch, groups, g)
+            return fused_linear_gtpo_loss(hidden, weight, ids, mask, advantages, lm_head_bias=bias, **common)
+        return gtpo_loss(completion_logits(self.model, batch, groups, g), ids, mask, advantages, **common)
 
 
 @torch.no_grad()
-def token_stats(model, batch, temperature: float):
-    """Per-token log-probs and entropies of the sampling policy (no grad): old log-probs and H_ini."""
-    return token_logprobs_and_entropy(completion_logits(model, batch, temperature).float(), batch["completion_ids"],
-                                      batch["completion_mask"])
+def token_stats(model, batch, config: TrainConfig):
+    """Per-token log-probs and entropies of the sampling policy, ``softmax(logits / T)`` (no grad, no logits):
+    old log-probs and the initial entropy."""
+    hidden, weight, bias = completion_hidden_states(model, batch, slice(0, batch["prompt_ids"].shape[0]),
+                                                    config.group_size)
+    budget = None if config.loss_chunk_mib is None else config.loss_chunk_mib * 2**20
+    return fused_linear_token_logprobs_and_entropy(hidden, weight, batch["completion_ids"], batch["completion_mask"],
+                                                   lm_head_bias=bias, temperature=config.temperature,
+                                                   max_chunk_bytes=budget)
 
 
-def policy_loss(model, batch, rows: slice, advantages, loss_config: GTPOConfig, config: TrainConfig,
-                old_logprobs, initial_entropy):
-    """The GTPO loss of rows ``rows`` (whole prompt groups) of a rollout batch."""
-    part = {k: v[rows] for k, v in batch.items() if isinstance(v, torch.Tensor)}
-    common = dict(group_size=config.group_size, config=loss_config, initial_entropy=initial_entropy,
-                  old_logprobs=None if old_logprobs is None else old_logprobs[rows])
-    # The completions were sampled from softmax(logits / T): the loss's log-probs, ratio and entropy are
-    # those of that distribution, so the update is on-policy whatever the temperature.
-    t = config.temperature
-    if config.fused_linear:  # never builds the [N, L, V] logits; (h W^T + b) / T = (h / T) W^T + b / T
-        # Each prompt runs once for its group: its key/value cache is shared by the G completions.
-        g = config.group_size
-        hidden, weight, bias = grouped_completion_hidden_states(
-            model, part["prompt_ids"][::g], part["prompt_mask"][::g], part["completion_ids"],
-            part["completion_mask"], g)
-        if t != 1.0:
-            hidden, bias = hidden / t, None if bias is None else bias / t
-        return fused_linear_gtpo_loss(hidden, weight, part["completion_ids"], part["completion_mask"],
-                                      advantages[rows], lm_head_bias=bias, **common)
-    return gtpo_loss(completion_logits(model, part, t), part["completion_ids"], part["completion_mask"],
-                     advantages[rows], **common)
+def update(policy: nn.Module, optimizer, batch: dict, loss_config: GTPOConfig, config: TrainConfig,
+           dist: Distributed, old_logprobs, initial_entropy) -> dict:
+    """One optimiser update from this process's rollout rows: micro-batches of whole prompt groups, the loss of
+    each divided by the whole batch's counts (all processes), gradients summed; no step without signal.
+    Returns the step's loss (the whole batch's), metrics (merged over micro-batches and processes) and
+    whether the optimiser stepped."""
+    mask = batch["completion_mask"]
+    counts = dist.all_sum(torch.tensor([mask.shape[0], mask.sum()], dtype=torch.float64, device=dist.device))
+    num_sequences, num_tokens = counts[0], counts[1]
+    n_groups = batch["prompt_ids"].shape[0]
+    per_micro = n_groups // config.grad_accum_steps
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=dist.device)
+    metrics = []
+    for k in range(config.grad_accum_steps):
+        groups = slice(k * per_micro, (k + 1) * per_micro)
+        with no_sync(policy, last=k == config.grad_accum_steps - 1):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dist.device.type == "cuda"):
+                out = policy(batch, groups, loss_config, config, old_logprobs=old_logprobs,
+                             initial_entropy=initial_entropy, num_sequences=num_sequences, num_tokens=num_tokens)
+            # Each call's loss is its share of the whole batch's; DDP and FSDP average the processes'
+            # gradients, hence the factor: the sum over processes is the whole batch's gradient.
+            (out.loss * dist.world).backward()
+        loss_sum += out.loss.detach().double()
+        metrics.append(out.metrics)
+    merged = GTPOMetrics.from_sums(dist.all_sum(GTPOMetrics.merge(metrics).to_sums().to(dist.device)),
+                                   parts=dist.world)
+    signal = float(merged.signal_fraction) > 0
+    grad_norm = float("nan")
+    if signal:  # with no signal every gradient is 0, but Adam's momentum would still move the weights
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), config.max_grad_norm))
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"loss": float(dist.all_sum(loss_sum)), "metrics": merged, "stepped": signal, "grad_norm": grad_norm}
+
+
+def no_signal_cause(metrics: GTPOMetrics, loss_config: GTPOConfig) -> str:
+    if float(metrics.filtered_fraction) >= 1:
+        return (f"every completion was dropped by the entropy filter (threshold {loss_config.entropy_threshold:.3g} "
+                f"nats, preset {loss_config.preset!r}): raise --entropy-threshold, or use --preset paper, whose "
+                f"gate switches the filter off when the initial entropy is above the threshold")
+    return ("every prompt group's rewards tied (all right or all wrong), so every advantage is 0: make the "
+            "problems easier or harder (--difficulty), sample more (--group-size) or at a higher --temperature")
 
 
 # ---------------------------------------------------------------------------------------------- evaluation
 
-def evaluate(model, tokenizer, problems, config: TrainConfig, device, batch_size: int = 16) -> dict:
-    """Greedy accuracy and format rate; with eval_k, pass@k and maj@k from k samples per problem."""
+def evaluate(model, tokenizer, problems, config: TrainConfig, dist: Distributed, seed: int,
+             stop: Optional[StopRequests] = None, desc: str = "eval") -> Optional[dict]:
+    """Greedy accuracy and format rate; with eval_k, pass@k and maj@k from k samples per problem. Each process
+    takes every K-th problem; the counts are summed. Returns None if a stop was requested meanwhile."""
     model.eval()
-    greedy_correct, formatted, pass_k, maj_k = [], [], [], []
-    for start in range(0, len(problems), batch_size):
-        chunk = problems[start:start + batch_size]
-        out = generate(model, tokenizer, chunk["question"], 1, config, device, greedy=True)
-        greedy_correct += [answers_match(extract_answer(t), a) for t, a in zip(out["texts"], chunk["answer"])]
-        formatted += ["<answer>" in t and "</answer>" in t for t in out["texts"]]
+    torch.manual_seed(step_seed(config.seed, "eval", seed, dist.rank))
+    mine = problems.select(range(dist.rank, len(problems), dist.world))
+    sums = torch.zeros(5, dtype=torch.float64, device=dist.device)  # greedy, format, pass@k, maj@k, problems
+    size = config.eval_batch_size
+    batches = tqdm(range(0, len(mine), size), desc=desc, leave=False, disable=not dist.is_main)
+    stopped = False
+    for start in batches:
+        if stop is not None and stop.requested:
+            stopped = True
+            break
+        chunk = mine.select(range(start, min(len(mine), start + size)))
+        out = generate(model, tokenizer, chunk["question"], 1, config, dist.device, greedy=True)
+        sums[0] += sum(answers_match(extract_answer(t), a) for t, a in zip(out["texts"], chunk["answer"]))
+        sums[1] += sum("<answer>" in t and "</answer>" in t for t in out["texts"])
         if config.eval_k:
             k = config.eval_k
-            out = generate(model, tokenizer, chunk["question"], k, config, device)
+            out = generate(model, tokenizer, chunk["question"], k, config, dist.device)
             for i, gold in enumerate(chunk["answer"]):
                 picks = [extract_answer(t) for t in out["texts"][i * k:(i + 1) * k]]
-                pass_k.append(any(answers_match(p, gold) for p in picks))
+                sums[2] += any(answers_match(p, gold) for p in picks)
                 votes = Counter(parse_number(p) for p in picks if parse_number(p) is not None)
-                maj_k.append(bool(votes) and answers_match(str(votes.most_common(1)[0][0]), gold))
+                sums[3] += bool(votes) and answers_match(str(votes.most_common(1)[0][0]), gold)
+        sums[4] += len(chunk)
     model.train()
-    result = {"accuracy": float(np.mean(greedy_correct)), "format_rate": float(np.mean(formatted))}
+    if dist.any(stopped):
+        return None
+    dist.all_sum(sums)
+    n = float(sums[4])
+    result = {"accuracy": float(sums[0]) / n, "format_rate": float(sums[1]) / n}
     if config.eval_k:
-        result[f"pass@{config.eval_k}"] = float(np.mean(pass_k))
-        result[f"maj@{config.eval_k}"] = float(np.mean(maj_k))
+        result[f"pass@{config.eval_k}"] = float(sums[2]) / n
+        result[f"maj@{config.eval_k}"] = float(sums[3]) / n
     return result
-
-
-# ---------------------------------------------------------------------------------------------- checkpoints
-
-def save_checkpoint(path: Path, model, optimizer, scheduler, state: dict, config: TrainConfig) -> None:
-    """Written to a temporary file, then renamed: a crash never leaves a half-written checkpoint."""
-    payload = {
-        "model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-        "state": state, "config": config.to_dict(),
-        "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-    }
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(payload, tmp)
-    os.replace(tmp, path)
-
-
-def load_checkpoint(path: Path, model, optimizer, scheduler) -> dict:
-    if not path.exists():
-        raise ValueError(f"--resume: no checkpoint at {path}; start without --resume")
-    payload = torch.load(path, map_location="cpu", weights_only=False)
-    model.load_state_dict(payload["model"])
-    optimizer.load_state_dict(payload["optimizer"])
-    scheduler.load_state_dict(payload["scheduler"])
-    random.setstate(payload["rng"]["python"])
-    np.random.set_state(payload["rng"]["numpy"])
-    torch.set_rng_state(payload["rng"]["torch"])
-    if payload["rng"]["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(payload["rng"]["cuda"])
-    return payload["state"]
 
 
 # ---------------------------------------------------------------------------------------------- the run
@@ -192,154 +256,222 @@ def warmup_cosine(warmup: int, total: int):
     return factor
 
 
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
+def step_problems(train_set, step: int, config: TrainConfig, dist: Distributed):
+    """This process's prompts of a step: a fixed stream that depends only on the step (resuming repeats
+    nothing), cut into one contiguous share per process."""
+    if config.prompts_per_step % dist.world:
+        raise ConfigError(f"--prompts-per-step ({config.prompts_per_step}) must be a multiple of the number of "
+                          f"processes ({dist.world}): each process samples whole prompt groups")
+    share = config.prompts_per_step // dist.world
+    first = step * config.prompts_per_step + dist.rank * share
+    return train_set.select([(first + j) % len(train_set) for j in range(share)])
 
 
-def run(config: TrainConfig) -> dict:
+def checkpoint_now(path: Path, policy, optimizer, scheduler, state: dict, config: TrainConfig,
+                   dist: Distributed) -> None:
+    model_state, optimizer_state = full_state(policy, optimizer)  # every process takes part in gathering
+    if dist.is_main:
+        save_checkpoint(path, model_state, optimizer_state, scheduler.state_dict(), state, config.to_dict())
+    dist.barrier()
+
+
+def run(config: TrainConfig, dist: Optional[Distributed] = None) -> dict:
     run_started = time.time()  # wall clock of the whole run: loading, evaluations and saving included
+    dist = dist or Distributed.start(config.device)
     out_dir = Path(config.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    metrics_path, checkpoint_path = out_dir / "metrics.jsonl", out_dir / "checkpoint.pt"
-    device = torch.device("cuda" if config.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if config.device == "auto" else config.device)
-    seed_everything(config.seed)
-    model, tokenizer = load_model_and_tokenizer(config.model, device)
+    if dist.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    log = MetricsLog(out_dir / "metrics.jsonl", enabled=dist.is_main)
+    checkpoint_path = out_dir / "checkpoint.pt"
+    torch.manual_seed(config.seed)
+    model, tokenizer = load_model_and_tokenizer(config.model, dist.device)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
+    if config.gradient_checkpointing:  # transformers >= 5.2x renamed it
+        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     train_set, eval_set = load_problems(config.dataset, config.seed, config.eval_size, config.difficulty)
-    loss_config = GTPOConfig(preset=config.loss_preset)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, betas=(0.9, 0.99),
+    loss_config = config.loss_config(max_completion_length=config.max_new_tokens)
+    policy = wrap(PolicyLoss(model), model.get_decoder().layers, dist, config.fsdp)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=config.learning_rate, betas=(0.9, 0.99),
                                   weight_decay=config.weight_decay)
     total_updates = config.steps * config.num_iterations
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(config.warmup_steps, total_updates))
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-
-    def log(row: dict) -> None:
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
 
     if config.resume:
-        state = load_checkpoint(checkpoint_path, model, optimizer, scheduler)
-        print(f"resumed from {checkpoint_path} at step {state['step']}")
+        payload = load_checkpoint(checkpoint_path)
+        load_full_state(policy, optimizer, payload["model"], payload["optimizer"])
+        scheduler.load_state_dict(payload["scheduler"])
+        state = payload["state"]
+        dropped = log.cut_back(state["step"], state["eval_step"])
+        if dist.is_main:
+            print(f"resumed from {checkpoint_path} at step {state['step']}"
+                  + (f" ({dropped} log rows after it dropped: those steps run again)" if dropped else ""))
     else:
-        state = {"step": 0, "initial_entropy": None, "before": None}
-        metrics_path.write_text("")
-        (out_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=1))
-        state["before"] = evaluate(model, tokenizer, eval_set, config, device)
-        log({"kind": "eval", "step": 0, **state["before"]})
-        print(f"before training: {state['before']}")
+        state = {"step": 0, "eval_step": -1, "initial_entropy": None, "before": None, "no_signal_streak": 0}
+        log.start()
+        if dist.is_main:
+            (out_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=1))
 
-    model.train()
     started = time.time()
-    stopped_early = False
-    bar = tqdm(range(state["step"], config.steps), initial=state["step"], total=config.steps, desc=config.algo)
-    try:
-        for step in bar:
-            if config.max_minutes is not None and time.time() - started > 60 * config.max_minutes:
-                stopped_early = True
+    stop_reason = None
+    with StopRequests() as stop:
+        if state["eval_step"] < 0:  # the evaluation before training
+            with full_parameters(policy):
+                before = evaluate(model, tokenizer, eval_set, config, dist, seed=0, stop=stop, desc="eval before")
+            if before is None:
+                stop_reason = f"{stop.requested} during the first evaluation"
+            else:
+                state["before"], state["eval_step"] = before, 0
+                log.append({"kind": "eval", "step": 0, **before})
+                if dist.is_main:
+                    print(f"before training: {before}")
+        def evaluate_if_due() -> None:
+            """The evaluation every --eval-every steps, unless done (a resume may find it still owed)."""
+            due = config.eval_every and state["step"] % config.eval_every == 0 and 0 < state["step"] < config.steps
+            if due and state["eval_step"] < state["step"]:
+                with full_parameters(policy):
+                    result = evaluate(model, tokenizer, eval_set, config, dist, seed=state["step"], stop=stop)
+                if result is not None:
+                    log.append({"kind": "eval", "step": state["step"], **result})
+                    state["eval_step"] = state["step"]
+
+        if stop_reason is None:
+            evaluate_if_due()
+        bar = tqdm(range(state["step"], config.steps), initial=state["step"], total=config.steps, desc=config.algo,
+                   disable=not dist.is_main)
+        for step in bar if stop_reason is None else []:
+            if dist.any(stop.requested is not None):
+                stop_reason = f"{stop.requested or 'a stop request'} received"
                 break
-            # Rollout: B prompts from a stream that depends only on the step (so resuming repeats nothing).
-            t0 = time.time()
-            first = step * config.prompts_per_step
-            idx = [(first + j) % len(train_set) for j in range(config.prompts_per_step)]
-            problems = train_set.select(idx)
-            batch = generate(model, tokenizer, problems["question"], config.group_size, config, device)
-            answers = [a for a in problems["answer"] for _ in range(config.group_size)]
-            reward_parts = {f.__name__: torch.tensor(f(batch["texts"], answer=answers), dtype=torch.float32)
-                            for f in DEFAULT_REWARDS}
-            rewards = sum(reward_parts.values()).to(device)
-            advantages = compute_advantages(rewards, config.group_size, normalize_std=loss_config.normalize_advantages_by_std)
-            t1 = time.time()
-
-            old_logprobs = None
-            if state["initial_entropy"] is None or config.num_iterations > 1:
-                logp, entropy = token_stats(model, batch, config.temperature)
-                if state["initial_entropy"] is None:  # the policy's entropy before any update
-                    mask = batch["completion_mask"]
-                    state["initial_entropy"] = float((entropy * mask).sum() / mask.sum().clamp(min=1))
-                old_logprobs = logp if config.num_iterations > 1 else None
-
-            # Update: num_iterations optimiser steps on this batch, micro-batches of whole groups.
-            n_rows = rewards.shape[0]
-            rows_per_micro = n_rows // config.grad_accum_steps
-            scale = 1.0 if loss_config.loss_reduction == "sum" else 1.0 / config.grad_accum_steps
-            loss_time = opt_time = 0.0
-            for _ in range(config.num_iterations):
-                optimizer.zero_grad(set_to_none=True)
-                losses, step_metrics = [], []
-                for start in range(0, n_rows, rows_per_micro):
-                    tl0 = time.time()
-                    with autocast:
-                        out = policy_loss(model, batch, slice(start, start + rows_per_micro), advantages,
-                                          loss_config, config, old_logprobs, state["initial_entropy"])
-                    (out.loss * scale).backward()
-                    loss_time += time.time() - tl0
-                    losses.append(float(out.loss.detach()))
-                    step_metrics.append(out.metrics.to_dict())
-                to0 = time.time()
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm))
-                optimizer.step()
-                scheduler.step()
-                opt_time += time.time() - to0
-
-            row = {"kind": "train", "step": step + 1, "loss": float(np.mean(losses)) * (config.grad_accum_steps * scale),
-                   "reward": float(rewards.mean()),
-                   **{k: float(v.mean()) for k, v in reward_parts.items()},
-                   "accuracy": float((reward_parts["correctness_reward"] > 0).float().mean()),
-                   "completion_length": float(batch["completion_mask"].sum(1).float().mean()),
-                   **{k: float(np.mean([m[k] for m in step_metrics])) for k in step_metrics[0]},
-                   "initial_entropy": state["initial_entropy"], "grad_norm": grad_norm,
-                   "lr": scheduler.get_last_lr()[0], "time_generation": t1 - t0, "time_loss": loss_time,
-                   "time_optimizer": opt_time, "time_step": time.time() - t0}
-            log(row)
+            if config.max_minutes is not None and time.time() - started > 60 * config.max_minutes:
+                stop_reason = f"the --max-minutes cap ({config.max_minutes:g} min) was reached"
+                break
+            row = train_step(policy, model, tokenizer, optimizer, scheduler, train_set, step, loss_config, config,
+                             dist, state)
+            log.append(row)
             state["step"] = step + 1
             bar.set_postfix(reward=f"{row['reward']:.2f}", acc=f"{row['accuracy']:.2f}", H=f"{row['entropy']:.2f}",
                             s_step=f"{row['time_step']:.1f}")
-            if config.eval_every and state["step"] % config.eval_every == 0 and state["step"] < config.steps:
-                log({"kind": "eval", "step": state["step"], **evaluate(model, tokenizer, eval_set, config, device)})
+            evaluate_if_due()
             if config.save_every and state["step"] % config.save_every == 0:
-                save_checkpoint(checkpoint_path, model, optimizer, scheduler, state, config)
-    except KeyboardInterrupt:
+                checkpoint_now(checkpoint_path, policy, optimizer, scheduler, state, config, dist)
         bar.close()
-        save_checkpoint(checkpoint_path, model, optimizer, scheduler, state, config)
-        print(f"\ninterrupted at step {state['step']}: checkpoint saved to {checkpoint_path}; continue with --resume")
-        return {"interrupted": True, "step": state["step"]}
-    bar.close()
+        if stop_reason is None and dist.any(stop.requested is not None):
+            stop_reason = f"{stop.requested or 'a stop request'} received"
+        if stop_reason is not None and not stop_reason.startswith("the --max-minutes"):
+            checkpoint_now(checkpoint_path, policy, optimizer, scheduler, state, config, dist)
+            if dist.is_main:
+                print(f"stopped at step {state['step']} of {config.steps}: {stop_reason}. Checkpoint saved to "
+                      f"{checkpoint_path}; continue with --resume", flush=True)
+            return {"interrupted": True, "step": state["step"], "reason": stop_reason}
+        if stop_reason is not None and dist.is_main:
+            print(f"stopping early at step {state['step']} of {config.steps}: {stop_reason}; evaluating and "
+                  f"saving", flush=True)
 
-    after = evaluate(model, tokenizer, eval_set, config, device)
-    log({"kind": "eval", "step": state["step"], **after})
-    save_checkpoint(checkpoint_path, model, optimizer, scheduler, state, config)
-    model.save_pretrained(out_dir / "final")
-    tokenizer.save_pretrained(out_dir / "final")
-    plot = plot_run(metrics_path, out_dir / "training.png", title=f"{config.algo} on {config.dataset}, seed {config.seed}")
-    summary = {"algo": config.algo, "seed": config.seed, "steps": state["step"], "stopped_early": stopped_early,
-               "minutes": (time.time() - started) / 60,
-               "wall_minutes": (time.time() - run_started) / 60, "before": state["before"], "after": after}
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    print_summary(summary, metrics_path, plot)
-    return summary
+    with full_parameters(policy):
+        after = evaluate(model, tokenizer, eval_set, config, dist, seed=config.steps, desc="eval after")
+    log.append({"kind": "eval", "step": state["step"], **after})
+    state["eval_step"] = state["step"]
+    checkpoint_now(checkpoint_path, policy, optimizer, scheduler, state, config, dist)
+    summary = None
+    if dist.is_main:
+        save_final(model, tokenizer, policy, out_dir / "final")
+        plot = plot_run(log.path, out_dir / "training.png",
+                        title=f"{config.algo} ({config.loss_preset}) on {config.dataset}, seed {config.seed}")
+        summary = {"algo": config.algo, "preset": config.loss_preset, "seed": config.seed, "steps": state["step"],
+                   "stopped_early": stop_reason, "processes": dist.world,
+                   "minutes": (time.time() - started) / 60, "wall_minutes": (time.time() - run_started) / 60,
+                   "before": state["before"], "after": after}
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        print_summary(summary, log, plot)
+    else:
+        full_state(policy, None)  # take part in save_final's gather
+    dist.barrier()
+    return summary or {"steps": state["step"]}
 
 
-def print_summary(summary: dict, metrics_path: Path, plot: Optional[Path]) -> None:
+def train_step(policy, model, tokenizer, optimizer, scheduler, train_set, step: int, loss_config: GTPOConfig,
+               config: TrainConfig, dist: Distributed, state: dict) -> dict:
+    """Rollout, old log-probs, num_iterations updates; returns the step's log row."""
+    t0 = time.time()
+    # Every random draw of this step comes from (seed, step, rank): a replayed step draws the same.
+    torch.manual_seed(step_seed(config.seed, "rollout", step, dist.rank))
+    with full_parameters(policy):
+        batch = rollout(model, tokenizer, step_problems(train_set, step, config, dist), config, loss_config,
+                        dist.device)
+    t1 = time.time()
+    old_logprobs = None
+    if state["initial_entropy"] is None or config.num_iterations > 1:
+        with full_parameters(policy):
+            logp, entropy = token_stats(model, batch, config)
+        if state["initial_entropy"] is None:  # the policy's entropy before any update, over all processes
+            mask = batch["completion_mask"]
+            sums = dist.all_sum(torch.stack([(entropy * mask).sum().double(), mask.sum().double()]))
+            state["initial_entropy"] = float(sums[0] / sums[1].clamp(min=1))
+        old_logprobs = logp if config.num_iterations > 1 else None
+    t2 = time.time()
+    stepped, losses, grad_norms = 0, [], []
+    for _ in range(config.num_iterations):
+        result = update(policy, optimizer, batch, loss_config, config, dist, old_logprobs, state["initial_entropy"])
+        with warnings.catch_warnings():  # the schedule follows steps, also those without an update
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()` before")
+            scheduler.step()
+        stepped += result["stepped"]
+        losses.append(result["loss"])
+        grad_norms.append(result["grad_norm"])
+    t3 = time.time()
+    metrics = result["metrics"].to_dict()
+    state["no_signal_streak"] = 0 if stepped else state["no_signal_streak"] + 1
+    if state["no_signal_streak"] == NO_SIGNAL_WARNING_AFTER and dist.is_main:
+        tqdm.write(f"warning: {NO_SIGNAL_WARNING_AFTER} steps in a row without any learning signal, so the weights "
+                   f"did not move: {no_signal_cause(result['metrics'], loss_config)}", file=sys.stderr)
+    parts = {k: float(dist.all_sum(v.sum().double().to(dist.device)) / config.prompts_per_step / config.group_size)
+             for k, v in batch["reward_parts"].items()}
+    correct = batch["reward_parts"]["correctness_reward"] > 0
+    totals = dist.all_sum(torch.tensor([float(batch["rewards"].sum()), float(correct.sum()),
+                                        float(batch["completion_mask"].sum())], dtype=torch.float64,
+                                       device=dist.device))
+    n = config.prompts_per_step * config.group_size
+    return {"kind": "train", "step": step + 1, "loss": float(np.mean(losses)), "reward": float(totals[0]) / n, **parts,
+            "accuracy": float(totals[1]) / n, "completion_length": float(totals[2]) / n,
+            **{k: v for k, v in metrics.items() if not k.startswith("num_")},
+            "updates": stepped, "initial_entropy": state["initial_entropy"], "grad_norm": float(np.nanmean(grad_norms))
+            if stepped else None, "lr": scheduler.get_last_lr()[0], "time_generation": t1 - t0,
+            "time_old_logprobs": t2 - t1, "time_update": t3 - t2, "time_step": time.time() - t0}
+
+
+def save_final(model, tokenizer, policy, folder: Path) -> None:
+    """``save_pretrained`` of the trained model, its parameters gathered whole on process 0."""
+    model_state, _ = full_state(policy, None)
+    prefix = "model."
+    model.save_pretrained(folder, state_dict={k[len(prefix):] if k.startswith(prefix) else k: v
+                                              for k, v in model_state.items()})
+    tokenizer.save_pretrained(folder)
+
+
+def print_summary(summary: dict, log: MetricsLog, plot: Optional[Path]) -> None:
     before, after = summary["before"] or {}, summary["after"]
     print(f"\n{'held-out metric':<16} {'before':>8} {'after':>8}")
     for key in after:
         b = before.get(key, float("nan"))
         print(f"{key:<16} {b:>8.3f} {after[key]:>8.3f}")
-    train_rows = [json.loads(x) for x in metrics_path.read_text().splitlines() if '"train"' in x]
+    train_rows = log.rows("train")
     if train_rows:
         mean = lambda k: np.mean([r[k] for r in train_rows])  # noqa: E731
-        print(f"\n{len(train_rows)} steps this session, {summary['minutes']:.1f} min: mean reward {mean('reward'):.3f}, "
-              f"entropy {mean('entropy'):.3f}, filtered {mean('filtered_fraction'):.3f}, step "
-              f"{mean('time_step'):.1f} s (generation {mean('time_generation'):.1f}, loss {mean('time_loss'):.1f}, "
-              f"optimiser {mean('time_optimizer'):.1f})")
-    print(f"metrics: {metrics_path}" + (f"\nplot: {plot}" if plot else ""))
+        print(f"\n{len(train_rows)} steps, {summary['minutes']:.1f} min of training ({summary['wall_minutes']:.1f} min in "
+              f"all): mean reward {mean('reward'):.3f}, entropy {mean('entropy'):.3f}, filtered "
+              f"{mean('filtered_fraction'):.3f}, with signal {mean('signal_fraction'):.3f}, step {mean('time_step'):.1f} s "
+              f"(generation {mean('time_generation'):.1f}, update {mean('time_update'):.1f})")
+    print(f"metrics: {log.path}" + (f"\nplot: {plot}" if plot else ""))
 
 
 def main(argv=None) -> None:
-    run(parse_args(argv))
+    config = parse_args(argv)
+    try:
+        run(config)
+    except ConfigError as exc:  # a setting, model or dataset that cannot be used: one line, not a traceback
+        print(f"gtpo-train: error: {exc}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,148 @@
+"""The trainer on several processes (torchrun, gloo on the CPU): the update from a fixed rollout batch
+equals the one-process update, with DDP and with FSDP2; a short torchrun run writes one log. Also what
+a training step must not do on any number of processes: build [N, L, V] logits, or move the weights
+when no completion carries signal."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from trainer import train as train_module  # noqa: E402
+from trainer.config import TrainConfig  # noqa: E402
+from trainer.distributed import Distributed  # noqa: E402
+
+from .distributed_update import fixed_batch  # noqa: E402
+from .helpers import PeakTensorMemory  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(*args, processes=2, timeout=240):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port",
+           str(free_port()), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp2"])
+def test_two_processes_update_as_one(tiny_model_dir, tmp_path, fsdp):
+    flags = ["--fsdp"] if fsdp else []
+    one, two = tmp_path / "one.pt", tmp_path / "two.pt"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    # The one-process baseline: the plain model (FSDP and DDP only exist across processes).
+    subprocess.run([sys.executable, "tests/distributed_update.py", tiny_model_dir, str(one)], check=True,
+                   cwd=ROOT, env=env, capture_output=True)
+    torchrun("tests/distributed_update.py", tiny_model_dir, str(two), *flags)
+    a, b = torch.load(one), torch.load(two)
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+    assert a["metrics"] == pytest.approx(b["metrics"], rel=1e-6)
+    assert a["params"].keys() == b["params"].keys()
+    for name, value in a["params"].items():
+        torch.testing.assert_close(b["params"][name], value, rtol=0, atol=1e-6, msg=name)
+    initial = __import__("transformers").AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    assert any(not torch.allclose(a["params"]["model." + k], v) for k, v in initial.items())  # it did update
+
+
+def test_torchrun_training_run_writes_one_log(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    torchrun("-m", "trainer", "--model", tiny_model_dir, "--output-dir", str(out), "--steps", "2",
+             "--prompts-per-step", "2", "--group-size", "3", "--max-new-tokens", "6", "--eval-size", "4",
+             "--eval-k", "2", "--save-every", "1")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["step"]) for r in rows] == [("eval", 0), ("train", 1), ("train", 2), ("eval", 2)]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["processes"] == 2 and summary["steps"] == 2
+    assert (out / "final" / "config.json").exists() and (out / "checkpoint.pt").exists()
+
+
+def test_a_step_without_signal_leaves_weights_and_optimiser_alone(tiny_model_dir):
+    """The official preset's filter with a tiny threshold drops every completion: the loss has no gradient,
+    and Adam's momentum must not move the weights either."""
+    model = __import__("transformers").AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    config = TrainConfig(model=tiny_model_dir, group_size=3, prompts_per_step=4, preset="official",
+                         entropy_threshold=1e-6)
+    policy = train_module.PolicyLoss(model)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+    dist = Distributed()
+    batch = fixed_batch(model.config.vocab_size)
+    # A first step with signal, so that the optimiser has momentum to lose.
+    signal_config = TrainConfig(model=tiny_model_dir, group_size=3, prompts_per_step=4)
+    first = train_module.update(policy, optimizer, batch, signal_config.loss_config(), signal_config, dist, None, 5.0)
+    assert first["stepped"]
+    params = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = {k: v.clone() for k, v in optimizer.state_dict()["state"][0].items()}
+    result = train_module.update(policy, optimizer, batch, config.loss_config(), config, dist, None, None)
+    assert not result["stepped"] and float(result["metrics"].filtered_fraction) == 1.0
+    assert float(result["metrics"].signal_fraction) == 0.0
+    assert all(torch.equal(v, params[k]) for k, v in model.state_dict().items())
+    assert all(torch.equal(v, moments[k]) for k, v in optimizer.state_dict()["state"][0].items())
+    assert "entropy filter" in train_module.no_signal_cause(result["metrics"], config.loss_config())
+
+
+def test_a_training_step_builds_no_vocabulary_sized_logits(tmp_path):
+    """A tiny model with V = 128000: the old log-probs and the update never hold [N, L, V] float32 logits."""
+    transformers = pytest.importorskip("transformers")
+    vocab = 128_000
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    train_config = TrainConfig(group_size=3, prompts_per_step=4, num_iterations=2, loss_chunk_mib=4)
+    batch = fixed_batch(vocab)
+    policy = train_module.PolicyLoss(model)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    n, length = batch["completion_ids"].shape
+    full_logits = n * length * vocab * 4
+    with PeakTensorMemory() as memory:
+        old_logprobs, _ = train_module.token_stats(model, batch, train_config)
+        train_module.update(policy, optimizer, batch, train_config.loss_config(), train_config, Distributed(),
+                            old_logprobs, 5.0)
+    print(f"V = {vocab}: full float32 logits {full_logits / 2**20:.1f} MiB; largest tensor of the step "
+          f"{memory.largest / 2**20:.1f} MiB, peak of tensors alive {memory.peak / 2**20:.1f} MiB")
+    # The weight and its gradients (V x H) are the largest tensors; the logits come in 4 MiB chunks.
+    assert memory.largest <= max(vocab * 16 * 4, 4 * 2**20) < full_logits / 4
+
+
+def test_gradient_checkpointing_with_shared_prompts(tiny_model_dir):
+    """Under gradient checkpointing the shared-prompt path falls back to full rows: same hidden states and
+    parameter gradients, no AttributeError."""
+    transformers = pytest.importorskip("transformers")
+    batch = fixed_batch(101)
+    results = []
+    for checkpointing in (False, True):
+        model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        if checkpointing:
+            (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+        model.train()
+        hidden, weight, _ = train_module.completion_hidden_states(model, batch, slice(0, 4), 3)
+        (hidden.square() * batch["completion_mask"][..., None]).sum().backward()
+        results.append((hidden.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}))
+    valid = batch["completion_mask"]  # after a completion's end the two paths' positions differ (both unused)
+    torch.testing.assert_close(results[1][0][valid], results[0][0][valid], rtol=1e-5, atol=1e-5)
+    assert results[1][1].keys() == results[0][1].keys() and len(results[0][1]) > 10
+    for name, grad in results[0][1].items():  # summed in another order (the prompt G times, or once)
+        torch.testing.assert_close(results[1][1][name], grad, rtol=1e-4, atol=1e-4 * float(grad.abs().max()), msg=name)
+
+
+def test_trainer_runs_with_gradient_checkpointing(tiny_model_dir, tmp_path):
+    summary = train_module.run(TrainConfig(model=tiny_model_dir, output_dir=str(tmp_path), steps=2, prompts_per_step=2,
+                                           group_size=3, max_new_tokens=6, eval_size=2, eval_k=0,
+                                           gradient_checkpointing=True))
+    assert summary["steps"] == 2
