@@ -41,6 +41,7 @@ from .data import load_problems
 from .distributed import Distributed, full_parameters, full_state, load_full_state, no_sync, wrap
 from .model import load_model_and_tokenizer
 from .plots import plot_run
+from .sampling import sample
 from .rewards import (DEFAULT_REWARDS, EXAMPLE_ANSWER, EXAMPLE_QUESTION, SYSTEM_PROMPT, answers_match, extract_answer,
                       parse_number)
 
@@ -65,16 +66,13 @@ def encode_prompts(tokenizer, questions: List[str], device, one_shot: bool = Tru
 
 @torch.no_grad()
 def generate(model, tokenizer, questions: List[str], n: int, config: TrainConfig, device, greedy=False):
-    """``n`` completions per question, rows of a question adjacent. Returns prompt ids/mask (one row per
-    question), completion ids/mask (the mask covers the completion up to and including its EOS) and the
-    decoded texts."""
+    """``n`` completions per question, rows of a question adjacent, each prompt run once (`sampling.sample`).
+    Returns prompt ids/mask (one row per question), completion ids/mask (the mask covers the completion up
+    to and including its EOS) and the decoded texts."""
     enc = encode_prompts(tokenizer, questions, device, config.one_shot)
-    kwargs = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=config.temperature, top_p=1.0,
-                                                       top_k=0)
-    out = model.generate(**enc, max_new_tokens=config.max_new_tokens, num_return_sequences=n,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **kwargs)
-    prompt_len = enc["input_ids"].shape[1]
-    completion_ids = out[:, prompt_len:]
+    completion_ids = sample(model, enc["input_ids"], enc["attention_mask"], n, config.max_new_tokens,
+                            temperature=config.temperature, greedy=greedy, eos_token_id=tokenizer.eos_token_id,
+                            pad_token_id=tokenizer.pad_token_id)
     is_eos = completion_ids == tokenizer.eos_token_id
     first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), completion_ids.shape[1])
     completion_mask = torch.arange(completion_ids.shape[1], device=device)[None] <= first_eos[:, None]

@@ -1,0 +1,1 @@
+"""Integrations with other trainers, each an optional extra (``pip install -e ".[trl]"``)."""

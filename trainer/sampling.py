@@ -1,0 +1,57 @@
+"""Sampling ``n`` completions per prompt with the prompt run once: its key/value cache is shared by the n.
+
+``model.generate(num_return_sequences=n)`` repeats every prompt n times before the first forward, so a
+200-token prompt with 8 samples costs 8 prompt passes; here it costs one, then a plain decoding loop
+(temperature sampling, or greedy) over the n continuations. Measured on the default run (2 CPU cores):
+the rollouts and the pass@k evaluation are dominated by those prompt passes.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+
+def _cache_kwarg(model) -> str:
+    """transformers >= 5.2x names the argument ``cache``; earlier versions ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+@torch.no_grad()
+def sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, max_new_tokens: int, *,
+           temperature: float = 1.0, greedy: bool = False, eos_token_id: int, pad_token_id: int) -> torch.Tensor:
+    """``[B * n, T]`` completion ids (``T <= max_new_tokens``; after a row's EOS, ``pad_token_id``), the ``n``
+    completions of prompt ``b`` in rows ``b * n .. b * n + n - 1``.
+
+    ``prompt_ids, prompt_mask``: ``[B, P]``, left-padded. Sampling draws from ``softmax(logits / temperature)``
+    with the global torch generator (seed it for reproducible rollouts); ``greedy`` takes the argmax.
+    """
+    cache_kw = _cache_kwarg(model)
+    prompt_mask = prompt_mask.long()
+    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0),
+                use_cache=True, logits_to_keep=1)
+    cache = out.cache if cache_kw == "cache" else out.past_key_values
+    cache.batch_repeat_interleave(n)
+    logits = out.logits[:, -1].repeat_interleave(n, 0)
+    attention = prompt_mask.repeat_interleave(n, 0)
+    positions = attention.sum(1, keepdim=True)
+    finished = torch.zeros(attention.shape[0], dtype=torch.bool, device=prompt_ids.device)
+    tokens = []
+    for step in range(max_new_tokens):
+        if greedy:
+            next_token = logits.argmax(dim=-1)
+        else:
+            probs = torch.softmax(logits.float() / temperature, dim=-1)
+            next_token = torch.multinomial(probs, 1).squeeze(1)
+        next_token = torch.where(finished, torch.full_like(next_token, pad_token_id), next_token)
+        tokens.append(next_token)
+        finished |= next_token == eos_token_id
+        if bool(finished.all()) or step == max_new_tokens - 1:
+            break
+        attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
+        out = model(input_ids=next_token[:, None], attention_mask=attention, position_ids=positions, use_cache=True,
+                    **{cache_kw: cache})
+        positions = positions + 1
+        logits = out.logits[:, -1]
+    return torch.stack(tokens, dim=1)
