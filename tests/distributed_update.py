@@ -45,7 +45,7 @@ def main(model_dir: str, out_file: str, fsdp: bool) -> None:
     dist = Distributed.start("cpu")
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    config = TrainConfig(model=model_dir, group_size=3, prompts_per_step=4, temperature=0.7, num_iterations=2,
+    config = TrainConfig(model=model_dir, group_size=3, prompts_per_step=4, temperature=0.7, num_iterations=2, precision="fp32",
                          grad_accum_steps=2 // dist.world if dist.world <= 2 else 1, fsdp=fsdp)
     loss_config = config.loss_config()
     batch = share(fixed_batch(model.config.vocab_size), dist.rank, dist.world, config.group_size)

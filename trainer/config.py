@@ -56,6 +56,7 @@ class TrainConfig:
     resume: bool = False  # continue from output_dir/checkpoint.pt
     max_minutes: Optional[float] = None  # stop training after this many minutes (then evaluate and save)
     device: str = "auto"  # "auto", "cpu" or "cuda"
+    precision: str = "auto"  # "bf16" autocast, "fp32", or "auto": bf16 on a GPU and on CPUs with bf16 matmuls
 
     def __post_init__(self) -> None:
         def bad(name, why):
@@ -91,6 +92,8 @@ class TrainConfig:
             raise bad("entropy_threshold", "must be positive (nats)")
         if self.device not in ("auto", "cpu", "cuda"):
             raise bad("device", "must be 'auto', 'cpu' or 'cuda'")
+        if self.precision not in ("auto", "bf16", "fp32"):
+            raise bad("precision", "must be 'auto', 'bf16' or 'fp32'")
 
     @property
     def loss_preset(self) -> str:

@@ -20,12 +20,15 @@ def _cache_kwarg(model) -> str:
 
 @torch.no_grad()
 def sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, max_new_tokens: int, *,
-           temperature: float = 1.0, greedy: bool = False, eos_token_id: int, pad_token_id: int) -> torch.Tensor:
+           temperature: float = 1.0, greedy: bool = False, greedy_first: bool = False, eos_token_id: int,
+           pad_token_id: int) -> torch.Tensor:
     """``[B * n, T]`` completion ids (``T <= max_new_tokens``; after a row's EOS, ``pad_token_id``), the ``n``
     completions of prompt ``b`` in rows ``b * n .. b * n + n - 1``.
 
     ``prompt_ids, prompt_mask``: ``[B, P]``, left-padded. Sampling draws from ``softmax(logits / temperature)``
-    with the global torch generator (seed it for reproducible rollouts); ``greedy`` takes the argmax.
+    with the global torch generator (seed it for reproducible rollouts); ``greedy`` takes the argmax;
+    ``greedy_first`` takes it for the first of each prompt's ``n`` rows only (an evaluation's greedy answer
+    and its samples from one prompt pass).
     """
     cache_kw = _cache_kwarg(model)
     prompt_mask = prompt_mask.long()
@@ -38,12 +41,15 @@ def sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, m
     positions = attention.sum(1, keepdim=True)
     finished = torch.zeros(attention.shape[0], dtype=torch.bool, device=prompt_ids.device)
     tokens = []
+    first_rows = (torch.arange(attention.shape[0], device=prompt_ids.device) % n == 0) if greedy_first else None
     for step in range(max_new_tokens):
         if greedy:
             next_token = logits.argmax(dim=-1)
         else:
             probs = torch.softmax(logits.float() / temperature, dim=-1)
             next_token = torch.multinomial(probs, 1).squeeze(1)
+            if first_rows is not None:
+                next_token = torch.where(first_rows, logits.argmax(dim=-1), next_token)
         next_token = torch.where(finished, torch.full_like(next_token, pad_token_id), next_token)
         tokens.append(next_token)
         finished |= next_token == eos_token_id

@@ -65,14 +65,15 @@ def encode_prompts(tokenizer, questions: List[str], device, one_shot: bool = Tru
 
 
 @torch.no_grad()
-def generate(model, tokenizer, questions: List[str], n: int, config: TrainConfig, device, greedy=False):
+def generate(model, tokenizer, questions: List[str], n: int, config: TrainConfig, device, greedy=False,
+             greedy_first=False):
     """``n`` completions per question, rows of a question adjacent, each prompt run once (`sampling.sample`).
     Returns prompt ids/mask (one row per question), completion ids/mask (the mask covers the completion up
     to and including its EOS) and the decoded texts."""
     enc = encode_prompts(tokenizer, questions, device, config.one_shot)
     completion_ids = sample(model, enc["input_ids"], enc["attention_mask"], n, config.max_new_tokens,
-                            temperature=config.temperature, greedy=greedy, eos_token_id=tokenizer.eos_token_id,
-                            pad_token_id=tokenizer.pad_token_id)
+                            temperature=config.temperature, greedy=greedy, greedy_first=greedy_first,
+                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     is_eos = completion_ids == tokenizer.eos_token_id
     first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), completion_ids.shape[1])
     completion_mask = torch.arange(completion_ids.shape[1], device=device)[None] <= first_eos[:, None]
@@ -173,7 +174,7 @@ def update(policy: nn.Module, optimizer, batch: dict, loss_config: GTPOConfig, c
     for k in range(config.grad_accum_steps):
         groups = slice(k * per_micro, (k + 1) * per_micro)
         with no_sync(policy, last=k == config.grad_accum_steps - 1):
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dist.device.type == "cuda"):
+            with autocast(config, dist.device):
                 out = policy(batch, groups, loss_config, config, old_logprobs=old_logprobs,
                              initial_entropy=initial_entropy, num_sequences=num_sequences, num_tokens=num_tokens)
             # Each call's loss is its share of the whole batch's; DDP and FSDP average the processes'
@@ -219,14 +220,17 @@ def evaluate(model, tokenizer, problems, config: TrainConfig, dist: Distributed,
             stopped = True
             break
         chunk = mine.select(range(start, min(len(mine), start + size)))
-        out = generate(model, tokenizer, chunk["question"], 1, config, dist.device, greedy=True)
-        sums[0] += sum(answers_match(extract_answer(t), a) for t, a in zip(out["texts"], chunk["answer"]))
-        sums[1] += sum("<answer>" in t and "</answer>" in t for t in out["texts"])
-        if config.eval_k:
-            k = config.eval_k
-            out = generate(model, tokenizer, chunk["question"], k, config, dist.device)
-            for i, gold in enumerate(chunk["answer"]):
-                picks = [extract_answer(t) for t in out["texts"][i * k:(i + 1) * k]]
+        # One prompt pass per problem: its greedy answer first, then eval_k samples.
+        k = config.eval_k
+        with autocast(config, dist.device):
+            out = generate(model, tokenizer, chunk["question"], k + 1, config, dist.device, greedy=not k,
+                           greedy_first=True)
+        texts = [out["texts"][i * (k + 1):(i + 1) * (k + 1)] for i in range(len(chunk))]
+        sums[0] += sum(answers_match(extract_answer(t[0]), a) for t, a in zip(texts, chunk["answer"]))
+        sums[1] += sum("<answer>" in t[0] and "</answer>" in t[0] for t in texts)
+        if k:
+            for samples, gold in zip(texts, chunk["answer"]):
+                picks = [extract_answer(t) for t in samples[1:]]
                 sums[2] += any(answers_match(p, gold) for p in picks)
                 votes = Counter(parse_number(p) for p in picks if parse_number(p) is not None)
                 sums[3] += bool(votes) and answers_match(str(votes.most_common(1)[0][0]), gold)
@@ -244,6 +248,18 @@ def evaluate(model, tokenizer, problems, config: TrainConfig, dist: Distributed,
 
 
 # ---------------------------------------------------------------------------------------------- the run
+
+def autocast(config: TrainConfig, device: torch.device):
+    """bf16 autocast for the matrix products (the loss kernels accumulate in float32 whatever the dtype):
+    on a GPU, and on CPUs whose oneDNN has native bf16 matmuls (measured here: the update 14.5 s -> 8.6 s)."""
+    if config.precision == "fp32":
+        enabled = False
+    elif config.precision == "bf16":
+        enabled = True
+    else:
+        enabled = device.type == "cuda" or (device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
+
 
 def warmup_cosine(warmup: int, total: int):
     def factor(step: int) -> float:
@@ -394,13 +410,13 @@ def train_step(policy, model, tokenizer, optimizer, scheduler, train_set, step: 
     t0 = time.time()
     # Every random draw of this step comes from (seed, step, rank): a replayed step draws the same.
     torch.manual_seed(step_seed(config.seed, "rollout", step, dist.rank))
-    with full_parameters(policy):
+    with full_parameters(policy), autocast(config, dist.device):
         batch = rollout(model, tokenizer, step_problems(train_set, step, config, dist), config, loss_config,
                         dist.device)
     t1 = time.time()
     old_logprobs = None
     if state["initial_entropy"] is None or config.num_iterations > 1:
-        with full_parameters(policy):
+        with full_parameters(policy), autocast(config, dist.device):
             logp, entropy = token_stats(model, batch, config)
         if state["initial_entropy"] is None:  # the policy's entropy before any update, over all processes
             mask = batch["completion_mask"]
