@@ -1,5 +1,6 @@
 """gtpo_kernels: a fused, tested implementation of the GTPO loss for RL fine-tuning of LLMs."""
 
+from . import custom_ops  # noqa: F401 (registers the gtpo_kernels:: operators)
 from .advantages import compute_advantages
 from .config import GTPOConfig
 from .conflict import conflict_weights

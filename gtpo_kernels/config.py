@@ -212,22 +212,24 @@ class GTPOConfig:
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be True or False")
 
+    # The properties below compare with inf rather than call math.isfinite: torch.compile traces them, and
+    # may hold a config's floats as symbols, which math.isfinite does not take.
     @property
     def clipping(self) -> bool:
         """Whether any side of the ratio is clipped."""
-        return any(eps is not None and math.isfinite(eps) for eps in (self.clip_eps_low, self.clip_eps_high))
+        return any(eps is not None and eps < math.inf for eps in (self.clip_eps_low, self.clip_eps_high))
 
     @property
     def clip_bounds(self) -> Tuple[float, float]:
         """``(1 - eps_low, 1 + eps_high)``, ``-inf`` / ``inf`` for an open side."""
-        low = -math.inf if self.clip_eps_low is None or math.isinf(self.clip_eps_low) else 1.0 - self.clip_eps_low
+        low = -math.inf if self.clip_eps_low is None or self.clip_eps_low == math.inf else 1.0 - self.clip_eps_low
         high = math.inf if self.clip_eps_high is None else 1.0 + self.clip_eps_high
         return low, high
 
     @property
     def entropy_filter(self) -> bool:
         """Whether a finite entropy threshold is set (the gate may still switch it off per call)."""
-        return self.entropy_threshold is not None and math.isfinite(self.entropy_threshold)
+        return self.entropy_threshold is not None and self.entropy_threshold < math.inf
 
     def replace(self, **changes) -> "GTPOConfig":
         """A copy with ``changes``; knobs the user never set follow the (possibly new) preset."""

@@ -11,8 +11,8 @@ from typing import Tuple
 
 import torch
 
-from . import validation
-from .backends import get_backend, resolve_backend
+from . import custom_ops, validation
+from .backends import resolve_backend_name
 
 
 def conflict_weights(
@@ -48,12 +48,11 @@ def conflict_weights(
     valid = validation.check_mask(completion_mask, shape, sync=validate)
     validation.check_float("advantages", advantages, (shape[0],), "[N]")
     validation.check_group_size(group_size, shape[0])
-    return compute_conflict_weights(resolve_backend(backend, completion_ids.device), completion_ids, valid,
+    return compute_conflict_weights(resolve_backend_name(backend, completion_ids.device.type), completion_ids, valid,
                                     advantages, group_size, weight)
 
 
-def compute_conflict_weights(backend, completion_ids, valid, advantages, group_size: int, weight: float):
-    """Unchecked: ``valid`` a bool prefix mask; float64 advantages keep float64 weights (torch backend)."""
-    if advantages.dtype == torch.float64:
-        backend = get_backend("torch")
-    return backend.conflict_weights(completion_ids, valid, advantages.detach(), group_size, weight)
+def compute_conflict_weights(backend: str, completion_ids, valid, advantages, group_size: int, weight: float):
+    """Unchecked: ``valid`` a bool prefix mask; float64 advantages keep float64 weights (torch backend). Through
+    the registered operator ``gtpo_kernels::conflict_weights``."""
+    return custom_ops.conflict_weights(completion_ids, valid, advantages.detach(), group_size, float(weight), backend)

@@ -16,7 +16,8 @@ a first pass over its pieces computes only its statistics, then each piece's log
 for the gradient (``8 T H V`` FLOPs for those completions). Peak extra memory is one chunk's logits
 whatever the completion lengths. Everything else the coefficients depend on (conflict weights, the
 whole batch's counts) is known before the first chunk. The gradients are computed in the forward pass
-and stored; the backward only scales them by the incoming gradient.
+and stored; the backward only scales them by the incoming gradient. The whole walk is one registered
+operator, ``gtpo_kernels::fused_linear_gtpo`` (`custom_ops`), which ``torch.compile`` treats as a unit.
 
 `fused_linear_token_logprobs_and_entropy` is the statistics alone, without gradient: old and reference
 log-probs and the initial entropy, from hidden states.
@@ -25,19 +26,19 @@ log-probs and the initial entropy, from hidden states.
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import torch
 from torch import nn
 
-from . import validation
-from .backends import Backend, kernels_for, resolve_backend
+from . import custom_ops, validation
+from .backends import Backend, get_backend, kernels_for, resolve_backend_name
 from .config import GTPOConfig
 from .loss import Conflict, loss_conflict_weights, prepare_loss_inputs
-from .objective import loss_from_token_stats
-from .result import GTPOLossOutput
-from .token_stats import first_derivative_only
+from .objective import loss_from_token_stats, loss_gradients
+from .result import GTPOLossOutput, GTPOMetrics
 
 # Default budget (float32 bytes of one chunk's logits). The CPU's GEMMs are efficient at a few hundred
 # tokens; on a GPU, chunks of a few thousand tokens keep the GEMMs near peak, bounded by free memory.
@@ -147,16 +148,18 @@ def _add_weight_grad(d_weight: torch.Tensor, dlogits: torch.Tensor, h: torch.Ten
         d_weight[v0:v1] += (dlogits[:, v0:v1].T @ h).to(d_weight.dtype)
 
 
-class FusedLinearGTPOFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, valid, advantages, lambda_, n_conflict, old_logprobs,
-                ref_logprobs, config: GTPOConfig, initial_entropy, kernels: Backend, compute_dtype: torch.dtype,
-                temperature: float, num_sequences, num_tokens, side: dict):
+def fused_forward(hidden, weight, bias, ids, valid, advantages, lambda_, n_conflict, old_logprobs, ref_logprobs,
+                  config: GTPOConfig, initial_entropy, kernels: Backend, compute_dtype: torch.dtype, temperature: float,
+                  num_sequences, num_tokens, need_grads) -> List[torch.Tensor]:
+    """The body of ``gtpo_kernels::fused_linear_gtpo`` (`custom_ops`): the loss and its gradients in one walk over
+    the chunks. Returns ``[loss, d_hidden, d_weight, d_bias, logp, H, metric sums, completion entropy]``; a
+    gradient not in ``need_grads`` is an empty tensor."""
+    if True:  # (indentation of the former autograd Function's forward)
         n_rows, length, hidden_size = hidden.shape
         vocab = weight.shape[0]
         device = hidden.device
-        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        need_bias = bias is not None and ctx.needs_input_grad[2]
+        need_hidden, need_weight = need_grads[0], need_grads[1]
+        need_bias = bias is not None and need_grads[2]
         w = weight.to(compute_dtype)
         b = None if bias is None else bias.to(compute_dtype)
         stat_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
@@ -179,18 +182,12 @@ class FusedLinearGTPOFunction(torch.autograd.Function):
         def coefficients(r0: int, r1: int):
             """``(c, e)`` ``[r1 - r0, L]``: the gradient of the batch loss w.r.t. these rows' logp and H."""
             rows = slice(r0, r1)
-            chunk_logp = logp_all[rows].clone().requires_grad_()
-            chunk_entropy = entropy_all[rows].clone().requires_grad_()
-            with torch.enable_grad():
-                chunk_loss = loss_from_token_stats(
-                    chunk_logp, chunk_entropy, valid[rows], advantages[rows],
-                    None if lambda_ is None else lambda_[rows], None if n_conflict is None else n_conflict[rows],
-                    config, old_logprobs=None if old_logprobs is None else old_logprobs[rows],
-                    ref_logprobs=None if ref_logprobs is None else ref_logprobs[rows],
-                    initial_entropy=initial_entropy, num_sequences=sequences, num_tokens=token_total).loss
-                c, e = torch.autograd.grad(chunk_loss, (chunk_logp, chunk_entropy), allow_unused=True)
-            return (torch.zeros_like(chunk_logp) if c is None else c,
-                    torch.zeros_like(chunk_entropy) if e is None else e)
+            return loss_gradients(
+                logp_all[rows], entropy_all[rows], valid[rows], advantages[rows],
+                None if lambda_ is None else lambda_[rows], None if n_conflict is None else n_conflict[rows],
+                config, old_logprobs=None if old_logprobs is None else old_logprobs[rows],
+                ref_logprobs=None if ref_logprobs is None else ref_logprobs[rows],
+                initial_entropy=initial_entropy, num_sequences=sequences, num_tokens=token_total)
 
         def gradients(t0: int, t1: int, r0: int, c, e, logits=None):
             """The gradient of tokens ``[t0, t1)`` (rows from ``r0``), into d_hidden, d_W and d_b."""
@@ -234,21 +231,19 @@ class FusedLinearGTPOFunction(torch.autograd.Function):
             logp_all, entropy_all, valid, advantages, lambda_, n_conflict, config, old_logprobs=old_logprobs,
             ref_logprobs=ref_logprobs, initial_entropy=initial_entropy, num_sequences=num_sequences,
             num_tokens=num_tokens)
-        side["metrics"] = full.metrics
-        side["token_stats"] = (logp_all, entropy_all)
-        ctx.save_for_backward(
-            d_hidden,
-            None if d_weight is None else d_weight.to(weight.dtype),
-            None if d_bias is None else d_bias.to(bias.dtype),
-        )
-        return full.loss.detach()
+        empty = hidden.new_empty((0,))
+        return [full.loss.detach().to(stat_dtype),
+                empty if d_hidden is None else d_hidden,
+                empty if d_weight is None else d_weight.to(weight.dtype),
+                empty if d_bias is None else d_bias.to(bias.dtype),
+                logp_all.clone(), entropy_all.clone(), full.metrics.to_sums(),
+                full.metrics.completion_entropy.to(stat_dtype)]
 
-    @staticmethod
-    @first_derivative_only
-    def backward(ctx, grad_loss):
-        d_hidden, d_weight, d_bias = ctx.saved_tensors
-        grads = [None if g is None else g * grad_loss.to(g.dtype) for g in (d_hidden, d_weight, d_bias)]
-        return (*grads,) + (None,) * 15
+
+@torch.compiler.assume_constant_result
+def _config_json(config: GTPOConfig) -> str:
+    """The config as the operator takes it (a string); a constant for ``torch.compile``."""
+    return json.dumps(config.to_dict())
 
 
 def _check_linear_inputs(hidden_states, lm_head_weight, lm_head_bias) -> torch.dtype:
@@ -319,21 +314,28 @@ def fused_linear_gtpo_loss(
         what="hidden_states [N, L, H]")
     config, valid = inputs.config, inputs.valid
     device = hidden_states.device
-    backend_ = resolve_backend(backend, device)
-    kernels = kernels_for(backend_, compute_dtype)
+    backend_ = resolve_backend_name(backend, device.type)
     stat_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
     lambda_, n_conflict = loss_conflict_weights(config, backend_, completion_ids, valid,
                                                 advantages.to(stat_dtype), group_size, conflict)
 
-    side: dict = {}
+    def as_count(value):  # whole-batch counts travel as 0-d float64 tensors (the operator's signature)
+        return None if value is None else torch.as_tensor(value, dtype=torch.float64, device=device)
+
+    need_grads = [hidden_states.requires_grad, lm_head_weight.requires_grad,
+                  lm_head_bias is not None and lm_head_bias.requires_grad]
     with torch.autocast(device.type, enabled=False):
-        loss = FusedLinearGTPOFunction.apply(
+        outputs = custom_ops.fused_linear_gtpo(
             hidden_states, lm_head_weight, lm_head_bias, completion_ids, valid, advantages.detach().to(stat_dtype),
-            lambda_, n_conflict, old_logprobs, ref_logprobs, config, inputs.initial_entropy, kernels, compute_dtype,
-            inputs.temperature, num_sequences, num_tokens, side)
-    if config.validate_inputs:
-        validation.check_token_stats_finite(*side["token_stats"], valid)
-    return GTPOLossOutput(loss, side["metrics"])
+            lambda_, n_conflict, old_logprobs, ref_logprobs, _config_json(config), inputs.initial_entropy,
+            backend_, compute_dtype, inputs.temperature, as_count(num_sequences), as_count(num_tokens),
+            need_grads)
+    loss, logp, entropy, sums, completion_entropy = outputs[0], outputs[4], outputs[5], outputs[6], outputs[7]
+    if config.validate_inputs and not torch.compiler.is_compiling():
+        validation.check_token_stats_finite(logp, entropy, valid)
+    metrics = GTPOMetrics.from_sums(sums, has_kl=ref_logprobs is not None)
+    metrics.completion_entropy = completion_entropy
+    return GTPOLossOutput(loss, metrics)
 
 
 @torch.no_grad()
@@ -377,7 +379,7 @@ def fused_linear_token_logprobs_and_entropy(
         valid = validation.check_mask(completion_mask, shape, sync=validate)
     if validate:
         validation.check_ids_in_vocab(completion_ids, valid, vocab)
-    kernels = kernels_for(resolve_backend(backend, device), compute_dtype)
+    kernels = kernels_for(get_backend(resolve_backend_name(backend, device.type)), compute_dtype)
     stat_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
     w = lm_head_weight.to(compute_dtype)
     b = None if lm_head_bias is None else lm_head_bias.to(compute_dtype)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from . import validation
-from .backends import Backend, resolve_backend
+from .backends import resolve_backend_name
 from .config import GTPOConfig
 from .conflict import compute_conflict_weights
 from .objective import loss_from_token_stats
@@ -78,10 +78,10 @@ def gtpo_loss(
         initial_entropy, conflict, num_sequences, num_tokens, temperature, vocab_size=logits.shape[-1],
         what="logits [N, L, V]")
     config = inputs.config
-    backend_ = resolve_backend(backend, logits.device)
+    backend_ = resolve_backend_name(backend, logits.device.type)
     logp, entropy = token_stats(backend_, logits, completion_ids, inputs.valid, temperature=inputs.temperature,
                                 max_chunk_bytes=config.max_chunk_bytes, inplace=config.inplace_backward)
-    if config.validate_inputs:
+    if config.validate_inputs and not torch.compiler.is_compiling():
         validation.check_token_stats_finite(logp, entropy, inputs.valid)
     lambda_, n_conflict = loss_conflict_weights(config, backend_, completion_ids, inputs.valid, advantages,
                                                 group_size, conflict)
@@ -114,7 +114,8 @@ def prepare_loss_inputs(source, completion_ids, completion_mask, advantages, gro
     if tuple(source.shape[:2]) != shape:
         raise ValueError(f"{what} = {tuple(source.shape)} and completion_ids [N, L] = {shape} disagree on N "
                          f"or L; position t of row i must predict completion_ids[i, t]")
-    sync = config.validate_inputs
+    # Value checks synchronise with the device: eager mode only (under torch.compile they would break the graph).
+    sync = config.validate_inputs and not torch.compiler.is_compiling()
     needs_groups = config.use_conflict_weights and conflict is None
     if needs_groups and group_size is None:
         raise ValueError("the config uses conflict weights, which compare the completions of a group: pass "
@@ -138,7 +139,7 @@ def prepare_loss_inputs(source, completion_ids, completion_mask, advantages, gro
     return LossInputs(config, valid, initial_entropy, validation.check_temperature(temperature))
 
 
-def loss_conflict_weights(config: GTPOConfig, backend: Backend, completion_ids, valid, advantages, group_size,
+def loss_conflict_weights(config: GTPOConfig, backend: str, completion_ids, valid, advantages, group_size,
                           conflict: Optional[Conflict]):
     """``(lambda_, n_conflict)`` for the loss: the given slice, computed from whole groups, or ``(None, None)``
     when the config does not use conflict weights."""

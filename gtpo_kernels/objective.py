@@ -47,6 +47,89 @@ def entropy_filter_on(config: GTPOConfig, initial_entropy: Optional[float]) -> b
     return True
 
 
+def _shaping(entropy, mask, lengths, advantages, lambda_, config: GTPOConfig, initial_entropy):
+    """``(Hbar [N], keep [N], per-token advantage [N, L])``: the entropy filter and shaping. Hbar is detached:
+    it selects and shifts, it is not optimised."""
+    completion_entropy = (entropy.detach() * mask).sum(dim=1) / lengths.clamp(min=1)
+    if entropy_filter_on(config, initial_entropy):
+        keep = (completion_entropy <= config.entropy_threshold).to(mask.dtype)
+    else:
+        keep = torch.ones_like(completion_entropy)
+    advantages = advantages.detach().to(mask.dtype)
+    if config.entropy_mode == "advantage_shift":
+        shaped = keep * (advantages - config.entropy_coef * completion_entropy)
+    else:
+        shaped = keep * advantages
+    token_advantage = shaped[:, None] if lambda_ is None else lambda_.to(mask.dtype) * shaped[:, None]
+    return completion_entropy, keep, token_advantage.expand(mask.shape)
+
+
+def _token_weights(valid, lengths, n_conflict, config: GTPOConfig, num_sequences, num_tokens):
+    """``[N, L]``: d loss / d per-token loss, the reduction's factor for each unmasked token (0 where masked)."""
+    dtype = lengths.dtype
+    n_rows, n_positions = valid.shape
+    sequences = n_rows if num_sequences is None else num_sequences
+    if config.loss_reduction in ("sequence_mean", "sum"):
+        row = 1.0 / lengths.clamp(min=1)
+        if config.loss_reduction == "sequence_mean":
+            row = row / sequences
+    elif config.loss_reduction == "token_mean":
+        tokens = lengths.sum() if num_tokens is None else num_tokens
+        tokens = tokens.to(dtype) if isinstance(tokens, torch.Tensor) else torch.tensor(float(tokens), dtype=dtype,
+                                                                                       device=lengths.device)
+        row = torch.ones_like(lengths) / tokens.clamp(min=1)
+    else:  # dr_grpo
+        row = torch.ones_like(lengths) / (sequences * (config.max_completion_length or n_positions))
+    if config.divide_by_conflict_count and n_conflict is not None:
+        row = row / n_conflict.clamp(min=1).to(dtype)
+    return torch.where(valid, row[:, None], torch.zeros((), dtype=dtype, device=lengths.device))
+
+
+def loss_gradients(
+    token_logprobs: torch.Tensor,
+    token_entropy: torch.Tensor,
+    valid: torch.Tensor,
+    advantages: torch.Tensor,
+    lambda_: Optional[torch.Tensor],
+    n_conflict: Optional[torch.Tensor],
+    config: GTPOConfig,
+    *,
+    old_logprobs: Optional[torch.Tensor] = None,
+    ref_logprobs: Optional[torch.Tensor] = None,
+    initial_entropy: Optional[float] = None,
+    num_sequences: Optional[Count] = None,
+    num_tokens: Optional[Count] = None,
+):
+    """``(c, e)`` ``[N, L]``: the gradient of `loss_from_token_stats` with respect to ``token_logprobs`` and
+    ``token_entropy``, in closed form (no autograd graph; what the fused path needs per chunk). Same
+    arguments; tested against autograd of `loss_from_token_stats`."""
+    dtype = token_logprobs.dtype
+    zero = torch.zeros((), dtype=dtype, device=token_logprobs.device)
+    mask = valid.to(dtype)
+    lengths = mask.sum(dim=1)
+    logp = torch.where(valid, token_logprobs, zero)
+    entropy = torch.where(valid, token_entropy, zero)
+    _, _, token_advantage = _shaping(entropy, mask, lengths, advantages, lambda_, config, initial_entropy)
+    weights = _token_weights(valid, lengths, n_conflict, config, num_sequences, num_tokens)
+
+    # Policy term -min(rho a, clip(rho) a): its gradient is -a rho where the unclipped branch is taken (ties
+    # go to it, as torch.minimum does), 0 where the clipped one is (the clamp is flat there).
+    ratio = torch.ones_like(logp) if old_logprobs is None else torch.exp(
+        logp - torch.where(valid, old_logprobs.to(dtype), zero))
+    c = -token_advantage * ratio
+    if config.clipping:
+        low, high = config.clip_bounds
+        unclipped = ratio * token_advantage
+        c = torch.where(unclipped <= torch.clamp(ratio, low, high) * token_advantage, c, zero)
+    if ref_logprobs is not None and config.kl_beta:
+        # k3(d) = expm1(d) - d with d = ref - logp: d k3 / d logp = -expm1(d).
+        c = c - config.kl_beta * torch.expm1(torch.where(valid, ref_logprobs.to(dtype), zero) - logp)
+    e = torch.zeros_like(c)
+    if config.entropy_mode == "penalty" and config.entropy_coef > 0:
+        e = e + config.entropy_coef
+    return c * weights, e * weights
+
+
 def loss_from_token_stats(
     token_logprobs: torch.Tensor,
     token_entropy: torch.Tensor,
@@ -88,20 +171,8 @@ def loss_from_token_stats(
 
     logp = torch.where(valid, token_logprobs, zero)
     entropy = torch.where(valid, token_entropy, zero)
-
-    # Entropy filter and shaping. Hbar is detached: it selects and shifts, it is not optimised.
-    completion_entropy = (entropy.detach() * mask).sum(dim=1) / lengths.clamp(min=1)
-    if entropy_filter_on(config, initial_entropy):
-        keep = (completion_entropy <= config.entropy_threshold).to(dtype)
-    else:
-        keep = torch.ones_like(completion_entropy)
-    advantages = advantages.detach().to(dtype)
-    if config.entropy_mode == "advantage_shift":
-        shaped = keep * (advantages - config.entropy_coef * completion_entropy)
-    else:
-        shaped = keep * advantages
-    token_advantage = shaped[:, None] if lambda_ is None else lambda_.to(dtype) * shaped[:, None]
-    token_advantage = token_advantage.expand(n_rows, n_positions)
+    completion_entropy, keep, token_advantage = _shaping(entropy, mask, lengths, advantages, lambda_, config,
+                                                         initial_entropy)
 
     # Importance ratio; on-policy it is 1 in value and carries the gradient of logp.
     old = logp.detach() if old_logprobs is None else torch.where(valid, old_logprobs.to(dtype), zero)

@@ -22,6 +22,7 @@ _AVERAGED_OVER = {
 _COUNTS = ("num_tokens", "num_sequences", "num_nonempty")
 # Layout of `GTPOMetrics.to_sums()`: every mean times its count, then the counts, then "has kl".
 _SUM_LAYOUT = tuple(_AVERAGED_OVER) + _COUNTS + ("has_kl",)
+SUMS_SIZE = len(_SUM_LAYOUT)
 
 
 @dataclass
@@ -91,16 +92,18 @@ class GTPOMetrics:
         return torch.stack(values)
 
     @classmethod
-    def from_sums(cls, sums: torch.Tensor, parts: Optional[int] = None) -> "GTPOMetrics":
+    def from_sums(cls, sums: torch.Tensor, parts: Optional[int] = None,
+                  has_kl: Optional[bool] = None) -> "GTPOMetrics":
         """The metrics of the union of the calls whose `to_sums` vectors were added into ``sums``.
 
         ``kl`` is kept when every part had it (``parts``: how many vectors were added; by default it is
-        kept when any part had it)."""
+        kept when any part had it), or as ``has_kl`` says (no read of the tensor: no host sync)."""
         if sums.shape != (len(_SUM_LAYOUT),):
             raise ValueError(f"GTPOMetrics.from_sums: expected a vector of {len(_SUM_LAYOUT)} sums from to_sums(), "
                              f"got shape {tuple(sums.shape)}")
         named = dict(zip(_SUM_LAYOUT, sums.unbind()))
-        has_kl = bool(named["has_kl"] > 0) if parts is None else bool(named["has_kl"] >= parts)
+        if has_kl is None:
+            has_kl = bool(named["has_kl"] > 0) if parts is None else bool(named["has_kl"] >= parts)
         values = {name: named[name] for name in _COUNTS}
         for name, count in _AVERAGED_OVER.items():
             values[name] = named[name] / named[count].clamp(min=1)

@@ -1,7 +1,9 @@
 """Per-token log-prob and entropy with a closed-form backward: the only vocabulary-sized work.
 
-`TokenStats` wraps any backend's kernels for autograd; `token_logprobs_and_entropy` is the public
-no-grad forward (old and reference log-probs, the initial entropy).
+`token_stats` runs a backend's kernels through the registered operator ``gtpo_kernels::token_stats``
+(`custom_ops`), or through the `TokenStats` autograd Function for the in-place gradient mode;
+`token_logprobs_and_entropy` is the public no-grad forward (old and reference log-probs, the initial
+entropy).
 
 ``inplace=True`` passes the logits themselves as the backward's output buffer: the gradient replaces the
 logits, saving an ``[N, L, V]`` buffer. Their version counter is then bumped, so any other autograd node
@@ -11,37 +13,13 @@ gradients as logits.
 
 from __future__ import annotations
 
-import functools
 from typing import Optional, Tuple
 
 import torch
 
-from . import validation
-from .backends import Backend, kernels_for, resolve_backend
-
-
-def first_derivative_only(backward):
-    """Marks a custom ``backward`` as not differentiable. Like ``torch.autograd.function.once_differentiable``,
-    a second derivative through it raises instead of silently treating the gradient as a constant, but
-    always: the stock decorator lets the gradient through as a constant when the incoming gradient does not
-    require grad (``loss = logp.sum()``, the fused loss), which gives a wrong second derivative."""
-    message = (b"trying to differentiate twice a gtpo_kernels loss: its backward is closed-form and "
-               b"once_differentiable (second derivatives: use gtpo_kernels.reference on float64 logits)")
-
-    @functools.wraps(backward)
-    def wrapper(ctx, *grads):
-        with torch.no_grad():
-            outputs = backward(ctx, *grads)
-        if not torch.is_grad_enabled():
-            return outputs
-        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-        flags = [isinstance(o, torch.Tensor) for o in outputs]
-        tensors = [o.detach().requires_grad_() for o, is_tensor in zip(outputs, flags) if is_tensor]
-        guarded = torch._C._functions.DelayedError(message, len(tensors))(*tensors)
-        guarded = iter((guarded,) if isinstance(guarded, torch.Tensor) else guarded)
-        return tuple(next(guarded) if is_tensor else o for o, is_tensor in zip(outputs, flags))
-
-    return wrapper
+from . import custom_ops, validation
+from ._autograd import first_derivative_only
+from .backends import Backend, get_backend, kernels_for, resolve_backend_name
 
 
 class TokenStats(torch.autograd.Function):
@@ -75,16 +53,24 @@ class TokenStats(torch.autograd.Function):
         return out, None, None, None, None, None, None
 
 
-def token_stats(backend: Backend, logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, *,
+def token_stats(backend: str, logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, *,
                 temperature: float = 1.0, max_chunk_bytes: Optional[int] = None,
                 inplace: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(logp, H)`` ``[N, L]`` from a resolved backend; differentiable w.r.t. ``logits``."""
-    if inplace and logits.requires_grad and logits.is_leaf:
-        raise ValueError("inplace_backward=True would write the gradient over a leaf tensor that is its own "
-                         "parameter (logits.grad would alias logits); use it on logits computed by the "
-                         "model, or set inplace_backward=False")
-    return TokenStats.apply(logits, ids, valid, kernels_for(backend, logits.dtype), float(temperature),
-                            max_chunk_bytes, inplace)
+    """``(logp, H)`` ``[N, L]`` from a resolved backend (by name); differentiable w.r.t. ``logits``. Through the registered
+    operator ``gtpo_kernels::token_stats`` (what ``torch.compile`` sees); the in-place gradient mode, which
+    writes over a saved input, through `TokenStats` (eager mode)."""
+    if inplace:
+        if logits.requires_grad and logits.is_leaf:
+            raise ValueError("inplace_backward=True would write the gradient over a leaf tensor that is its own "
+                             "parameter (logits.grad would alias logits); use it on logits computed by the "
+                             "model, or set inplace_backward=False")
+        return TokenStats.apply(logits, ids, valid, kernels_for(get_backend(backend), logits.dtype),
+                                float(temperature), max_chunk_bytes, True)
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()  # the kernels stream rows of V; strided rows are copied once
+    _, _, logp, entropy = custom_ops.token_stats(logits, ids, valid, float(temperature), backend,
+                                                 max_chunk_bytes or 0)
+    return logp, entropy
 
 
 def token_logprobs_and_entropy(
@@ -113,6 +99,7 @@ def token_logprobs_and_entropy(
     if tuple(logits.shape[:2]) != shape:
         raise ValueError(f"logits [N, L, V] = {tuple(logits.shape)} and completion_ids [N, L] = {shape} "
                          f"disagree on N or L")
+    validate = validate and not torch.compiler.is_compiling()
     temperature = validation.check_temperature(temperature)
     validation.check_same_device(logits=logits, completion_ids=completion_ids, completion_mask=completion_mask)
     if completion_mask is None:
@@ -122,7 +109,7 @@ def token_logprobs_and_entropy(
     if validate:
         validation.check_ids_in_vocab(completion_ids, valid, logits.shape[-1])
     with torch.no_grad():
-        logp, entropy = token_stats(resolve_backend(backend, logits.device), logits, completion_ids, valid,
+        logp, entropy = token_stats(resolve_backend_name(backend, logits.device.type), logits, completion_ids, valid,
                                     temperature=temperature)
     if validate:
         validation.check_token_stats_finite(logp, entropy, valid)

@@ -35,6 +35,8 @@ def check_group_size(group_size, n_rows: Optional[int]) -> None:
 
 
 def check_temperature(temperature) -> float:
+    if torch.compiler.is_compiling():  # checked in eager mode; a traced float may be symbolic
+        return temperature
     if isinstance(temperature, torch.Tensor) and temperature.numel() == 1:
         temperature = float(temperature)
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (

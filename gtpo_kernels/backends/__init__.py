@@ -86,6 +86,12 @@ def resolve_backend(name: str, device: torch.device) -> Backend:
     return backend
 
 
+@torch.compiler.assume_constant_result
+def resolve_backend_name(name: str, device_type: str) -> str:
+    """`resolve_backend`'s choice, by name: a constant for ``torch.compile`` (decided when tracing)."""
+    return resolve_backend(name, torch.device(device_type)).name
+
+
 def kernels_for(backend: Backend, logits_dtype: torch.dtype) -> Backend:
     """``backend`` if its token-statistics kernels take ``logits_dtype``, else the ``"torch"`` backend."""
     return backend if logits_dtype in backend.logits_dtypes else get_backend("torch")

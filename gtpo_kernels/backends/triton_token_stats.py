@@ -173,7 +173,8 @@ def forward(logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, temper
     n_rows, length, vocab = logits.shape
     ids = ids.to(torch.int32).contiguous()
     valid = valid.contiguous()
-    row_max, log_s, logp, entropy = torch.empty((4, n_rows, length), dtype=torch.float32, device=logits.device)
+    row_max, log_s, logp, entropy = (torch.empty((n_rows, length), dtype=torch.float32, device=logits.device)
+                                     for _ in range(4))
     if logp.numel():
         block, warps = launch_config(vocab)
         _token_stats_forward_kernel[(n_rows * length,)](

@@ -1,0 +1,160 @@
+"""The vocabulary-sized work as registered operators in the ``gtpo_kernels`` namespace (``torch.library``), so
+that ``torch.compile(fullgraph=True)`` traces a training step through the losses without a graph break.
+
+    gtpo_kernels::token_stats(logits, ids, valid, temperature, backend, max_chunk_bytes)
+        -> (row_max, log_s, logp, H)                       autograd registered; backward is the next op
+    gtpo_kernels::token_stats_backward(logits, ids, valid, row_max, log_s, logp, H, grad_logp, grad_H,
+                                       temperature, backend, max_chunk_bytes) -> dlogits
+    gtpo_kernels::conflict_weights(ids, valid, advantages, group_size, weight, backend) -> (lambda, n_conflict)
+    gtpo_kernels::fused_linear_gtpo(...)  the whole fused hidden @ lm_head loss (its chunk loop inside)
+
+Each has a fake (meta) implementation, so the compiler knows its output shapes without running it, and
+each backend's kernels run inside (``backend`` names a registered backend). A second derivative through
+the closed-form backwards raises, as in eager mode. Everything else in the losses is plain torch code,
+which the compiler traces; value checks (`validation`) run only in eager mode.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ._autograd import SECOND_DERIVATIVE, first_derivative_only
+from .backends import get_backend, kernels_for
+
+NAMESPACE = "gtpo_kernels"
+
+
+def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ------------------------------------------------------------------------------------------ token statistics
+
+@torch.library.custom_op(f"{NAMESPACE}::token_stats", mutates_args=())
+def token_stats(logits: Tensor, ids: Tensor, valid: Tensor, temperature: float, backend: str,
+                max_chunk_bytes: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(row_max, log_s, logp, H)`` ``[N, L]`` of ``softmax(logits / temperature)``; ``max_chunk_bytes`` 0: the
+    backend's default. ``logits`` must have a contiguous last dimension."""
+    kernels = kernels_for(get_backend(backend), logits.dtype)
+    return tuple(kernels.forward(logits, ids, valid, temperature, max_chunk_bytes or None))
+
+
+@token_stats.register_fake
+def _(logits, ids, valid, temperature, backend, max_chunk_bytes):
+    shape, dtype = logits.shape[:2], _stat_dtype(logits.dtype)
+    return tuple(logits.new_empty(shape, dtype=dtype) for _ in range(4))
+
+
+@torch.library.custom_op(f"{NAMESPACE}::token_stats_backward", mutates_args=())
+def token_stats_backward(logits: Tensor, ids: Tensor, valid: Tensor, row_max: Tensor, log_s: Tensor, logp: Tensor,
+                         entropy: Tensor, grad_logp: Tensor, grad_entropy: Tensor, temperature: float, backend: str,
+                         max_chunk_bytes: int) -> Tensor:
+    """The gradient of ``sum grad_logp logp + grad_H H`` with respect to ``logits`` (a new tensor)."""
+    kernels = kernels_for(get_backend(backend), logits.dtype)
+    out = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    kernels.backward(logits, ids, valid, row_max, log_s, logp, entropy, grad_logp, grad_entropy, out, temperature,
+                     max_chunk_bytes or None)
+    return out
+
+
+@token_stats_backward.register_fake
+def _(logits, ids, valid, row_max, log_s, logp, entropy, grad_logp, grad_entropy, temperature, backend, max_chunk_bytes):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+def _token_stats_setup(ctx, inputs, output):
+    logits, ids, valid, temperature, backend, max_chunk_bytes = inputs
+    ctx.save_for_backward(logits, ids, valid, *output)
+    ctx.settings = (temperature, backend, max_chunk_bytes)
+
+
+def _token_stats_grad(ctx, grad_row_max, grad_log_s, grad_logp, grad_entropy):
+    logits, ids, valid, row_max, log_s, logp, entropy = ctx.saved_tensors
+    grad_logp = torch.zeros_like(logp) if grad_logp is None else grad_logp
+    grad_entropy = torch.zeros_like(logp) if grad_entropy is None else grad_entropy
+    grad = token_stats_backward(logits, ids, valid, row_max, log_s, logp, entropy, grad_logp, grad_entropy,
+                                *ctx.settings)
+    return grad, None, None, None, None, None
+
+
+def _refuse_second_derivative(ctx, *grads):
+    raise RuntimeError(SECOND_DERIVATIVE)
+
+
+torch.library.register_autograd(f"{NAMESPACE}::token_stats", _token_stats_grad, setup_context=_token_stats_setup)
+torch.library.register_autograd(f"{NAMESPACE}::token_stats_backward", _refuse_second_derivative,
+                                setup_context=lambda ctx, inputs, output: None)
+
+
+# ------------------------------------------------------------------------------------------ conflict weights
+
+@torch.library.custom_op(f"{NAMESPACE}::conflict_weights", mutates_args=())
+def conflict_weights(ids: Tensor, valid: Tensor, advantages: Tensor, group_size: int, weight: float,
+                     backend: str) -> Tuple[Tensor, Tensor]:
+    """``(lambda [N, L], n_conflict [N])`` of whole groups (see `gtpo_kernels.conflict_weights`)."""
+    kernels = get_backend("torch") if advantages.dtype == torch.float64 else get_backend(backend)
+    return tuple(kernels.conflict_weights(ids, valid, advantages, group_size, weight))
+
+
+@conflict_weights.register_fake
+def _(ids, valid, advantages, group_size, weight, backend):
+    dtype = torch.float64 if advantages.dtype == torch.float64 else torch.float32
+    return ids.new_empty(ids.shape, dtype=dtype), ids.new_empty(ids.shape[:1], dtype=torch.int64)
+
+
+# ------------------------------------------------------------------------------------------ the fused loss
+
+@torch.library.custom_op(f"{NAMESPACE}::fused_linear_gtpo", mutates_args=())
+def fused_linear_gtpo(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, valid: Tensor,
+                      advantages: Tensor, lambda_: Optional[Tensor], n_conflict: Optional[Tensor],
+                      old_logprobs: Optional[Tensor], ref_logprobs: Optional[Tensor], config_json: str,
+                      initial_entropy: Optional[float], backend: str, compute_dtype: torch.dtype,
+                      temperature: float, num_sequences: Optional[Tensor], num_tokens: Optional[Tensor],
+                      need_grads: List[bool]) -> List[Tensor]:
+    """The fused loss and, computed on the way, its gradients: ``[loss, d_hidden, d_weight, d_bias, logp, H,
+    metric sums, completion entropy]`` (gradients not asked for are empty tensors)."""
+    from .config import GTPOConfig
+    from .fused_linear import fused_forward
+
+    config = GTPOConfig.from_dict(json.loads(config_json))
+    kernels = kernels_for(get_backend(backend), compute_dtype)
+    return fused_forward(hidden, weight, bias, ids, valid, advantages, lambda_, n_conflict, old_logprobs,
+                         ref_logprobs, config, initial_entropy, kernels, compute_dtype, temperature, num_sequences,
+                         num_tokens, need_grads)
+
+
+@fused_linear_gtpo.register_fake
+def _(hidden, weight, bias, ids, valid, advantages, lambda_, n_conflict, old_logprobs, ref_logprobs, config_json,
+      initial_entropy, backend, compute_dtype, temperature, num_sequences, num_tokens, need_grads):
+    from .result import SUMS_SIZE
+
+    stat = _stat_dtype(compute_dtype)
+    n_rows, length = ids.shape
+    empty = hidden.new_empty((0,))
+    return [hidden.new_empty((), dtype=stat),
+            torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_grads[0] else empty,
+            torch.empty_like(weight) if need_grads[1] else empty,
+            torch.empty_like(bias) if bias is not None and need_grads[2] else empty,
+            hidden.new_empty((n_rows, length), dtype=stat), hidden.new_empty((n_rows, length), dtype=stat),
+            hidden.new_empty((SUMS_SIZE,), dtype=torch.float64), hidden.new_empty((n_rows,), dtype=stat)]
+
+
+def _fused_setup(ctx, inputs, output):
+    ctx.save_for_backward(output[1], output[2], output[3])
+    ctx.needed = [need and (i != 2 or inputs[2] is not None) for i, need in enumerate(inputs[-1])]
+
+
+@first_derivative_only
+def _fused_grad(ctx, output_grads):
+    grad_loss = output_grads[0]  # a list-returning operator's backward takes the outputs' gradients as one list
+    if grad_loss is None:
+        grad_loss = torch.zeros((), device=ctx.saved_tensors[0].device)
+    grads = [g * grad_loss.to(g.dtype) if needed else None for g, needed in zip(ctx.saved_tensors, ctx.needed)]
+    return (*grads,) + (None,) * 15
+
+
+torch.library.register_autograd(f"{NAMESPACE}::fused_linear_gtpo", _fused_grad, setup_context=_fused_setup)
