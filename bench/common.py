@@ -7,6 +7,7 @@ Times are medians over repetitions, every implementation measured side by side i
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import threading
@@ -23,7 +24,8 @@ from gtpo_kernels.backends.torch_backend import conflict_weights as torch_confli
 from gtpo_kernels.objective import loss_from_token_stats
 from gtpo_kernels.reference import token_logprobs_and_entropy
 
-RESULTS = Path(__file__).resolve().parent / "results"
+# Where tables go: bench/results/, or GTPO_BENCH_OUT (the GPU check writes only there).
+RESULTS = Path(os.environ.get("GTPO_BENCH_OUT", Path(__file__).resolve().parent / "results"))
 
 
 def cpu_kernels_available() -> bool:

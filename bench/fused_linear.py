@@ -57,7 +57,7 @@ def implementations(device: torch.device, gpu_rows: bool) -> Dict[str, Callable]
 
 
 def run(device, tokens_list: List[int], vocabs: List[int], hidden_sizes: List[int], dtypes, reps: int,
-        only: List[str], peak_tflops: float, gpu_rows=None) -> List[Row]:
+        only: List[str], peak_tflops: float, gpu_rows=None, on_row=None) -> List[Row]:
     impls = implementations(device, device.type == "cuda" if gpu_rows is None else gpu_rows)
     if only:
         impls = {k: v for k, v in impls.items() if k in only}
@@ -79,7 +79,7 @@ def run(device, tokens_list: List[int], vocabs: List[int], hidden_sizes: List[in
                         if t is not None:
                             logits_mb = tokens * vocab * 4 / 2**20
                             row.extra["peak/fp32 logits"] = t.peak_extra_mb / logits_mb
-                            flops = 6 * tokens * hidden_size * vocab
+                            flops = 6 * int(mask.sum()) * hidden_size * vocab  # unmasked tokens only
                             row.extra["TFLOP/s"] = flops / (t.total_ms / 1e3) / 1e12
                             if device.type == "cuda":
                                 row.extra["x floor"] = t.total_ms / (1e3 * flops / (peak_tflops * 1e12))
@@ -88,6 +88,8 @@ def run(device, tokens_list: List[int], vocabs: List[int], hidden_sizes: List[in
                               + (row.error or f"fwd+bwd {row.total_ms:9.1f} ms, peak +{row.peak_extra_mb:8.1f} MB"),
                               flush=True)
                         rows.append(row)
+                        if on_row is not None:
+                            on_row(rows)
     return rows
 
 
@@ -104,6 +106,7 @@ def main(argv=None) -> None:
     p.add_argument("--peak-tflops", type=float, default=790.0,
                    help="bf16 matrix rate for the floor (H200 measured here: about 790)")
     p.add_argument("--name")
+    p.add_argument("--gpu-rows", action="store_true", help="the Triton rows on CPU tensors (TRITON_INTERPRET=1)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     gpu = device.type == "cuda"
@@ -111,11 +114,13 @@ def main(argv=None) -> None:
     hidden = args.hidden or ([3584] if gpu else [512])
     dtypes = [getattr(torch, d) for d in (args.dtype or (["bfloat16"] if gpu else ["float32"]))]
     reps = args.reps or (5 if gpu else 1)
-    rows = run(device, tokens, args.vocab, hidden, dtypes, reps, args.only, args.peak_tflops)
     env = environment(device)
+    name = args.name or f"fused-linear-{device.type}"
+    rows = run(device, tokens, args.vocab, hidden, dtypes, reps, args.only, args.peak_tflops,
+               gpu_rows=True if args.gpu_rows else None,
+               on_row=lambda done: save(name, env, done, "(partial: the run is still going)"))
     table = markdown_table(rows, sorted({k for r in rows for k in r.extra}))
     print(table)
-    name = args.name or f"fused-linear-{device.type}"
     notes = (f"N = {ROWS_PER_BATCH} completions (groups of {GROUP_SIZE}), L = T / {ROWS_PER_BATCH}, paper preset. "
              f"Median of {reps} repetitions. 'peak extra' is memory beyond the inputs (hidden states, weight); "
              "'peak/fp32 logits' divides it by the size of the full logits in float32 (T V 4 bytes).")

@@ -1,45 +1,61 @@
 #!/usr/bin/env bash
-# The GPU check: on a CUDA machine (e.g. the lent H200), run the Triton kernels' tests compiled on
-# CUDA tensors, then the benchmark tables. Each step has a timeout; about 6 minutes in all.
+# The GPU check, one command: versions, the CUDA tests, kernel timings against the copy bandwidth, a
+# BLOCK_V x num_warps sweep, the logits and fused-linear benchmark rows (the torch.compile reference
+# last, under its own timeout). Each step has a timeout and writes its results as it goes, so a run cut
+# short keeps what it measured. Sized for 8 minutes on an H200, cold compiles included.
 #
-#   bash bench/gpu_check.sh            # results in bench/results/, log in bench/results/gpu_check.log
+#   bash bench/gpu_check.sh              # results in $OUT (default bench/results/gpu-check/)
 #   OUT=/some/dir bash bench/gpu_check.sh
+#   bash bench/gpu_check.sh --dry-run    # every step on tiny CPU shapes under Triton's interpreter
 #
-# Liger-Kernel, for its comparison rows, can't be downloaded on an offline GPU machine: put its wheel
-# in bench/wheels/ (ignored by git; `pip download --no-deps -d bench/wheels liger-kernel`) and carry it.
+# At most 8 files land in $OUT: gpu_check.log, tests.xml, kernels.json, logits-h200.{md,json},
+# logits-compile-h200.json, fused-linear-h200.{md,json}. Exits non-zero if any step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-bench/results}
+DRY=0
+[ "${1:-}" = "--dry-run" ] && DRY=1
+OUT=${OUT:-bench/results/gpu-check}
 mkdir -p "$OUT"
 LOG="$OUT/gpu_check.log"
 PY=${PYTHON:-python3}
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 GTPO_BENCH_OUT="$OUT"
 : > "$LOG"
+FAILED=()
 
-{
-  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
-  $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+step() {  # step NAME SECONDS COMMAND...: run with a timeout, log it, remember a failure
+  local name=$1 seconds=$2; shift 2
+  echo "== $name ($(date +%T), up to ${seconds}s): $*" | tee -a "$LOG"
+  timeout "$seconds" "$@" 2>&1 | tee -a "$LOG"
+  local rc=${PIPESTATUS[0]}
+  [ "$rc" -ne 0 ] && FAILED+=("$name (exit $rc)") && echo "!! $name failed with exit $rc" | tee -a "$LOG"
+}
+
+if [ $DRY -eq 1 ]; then
+  export TRITON_INTERPRET=1
+  step versions 60 $PY -c "import torch, triton, numpy; print('torch', torch.__version__, 'triton', triton.__version__, 'numpy', numpy.__version__, '(dry run: CPU, interpreter)')"
+  step tests 150 $PY -m pytest -q -p no:cacheprovider --junitxml="$OUT/tests.xml" \
+    tests/test_parity.py::test_vocab_sizes tests/test_fused_linear.py::test_temperature -k "triton and not 32003"
+  step kernels 120 $PY -m bench kernels --dry-run --out "$OUT/kernels.json"
+  step logits 120 $PY -m bench logits --device cpu --tokens 32 --vocab 500 --dtype bfloat16 --reps 1 --no-compile \
+    --triton-rows --name logits-h200
+  step fused-linear 120 $PY -m bench fused_linear --device cpu --tokens 32 --vocab 500 --hidden 16 --reps 1 \
+    --gpu-rows --name fused-linear-h200
+else
   if ls bench/wheels/*.whl >/dev/null 2>&1; then $PY -m pip install -q --no-deps bench/wheels/*.whl; fi
-
-  echo "== 1. CUDA tests: parity with the float64 reference, Triton specifics, fused linear (compiled kernels)"
-  GTPO_TEST_CUDA=1 timeout 150 $PY -m pytest -q -x -p no:cacheprovider tests/test_parity.py tests/test_triton.py tests/test_fused_linear.py
-
-  echo "== 2. Headline shape: T = 16384, V = 151936, bf16, every implementation incl. torch.compile"
-  timeout 150 $PY -m bench logits --tokens 16384 --vocab 151936 --dtype bfloat16 --name logits-cuda-headline
-
-  echo "== 3. Full logits table (no torch.compile rows: compiling every shape would not fit the budget)"
-  timeout 120 $PY -m bench logits --no-compile --reps 3 --name logits-cuda
-
-  echo "== 4. Fused hidden @ lm_head: T = 16384, H = 3584, V = 151936, bf16 (floor 6 T H V / 790 TFLOP/s)"
-  timeout 90 $PY -m bench fused_linear --only fused-triton materialised-triton liger-fused-grpo \
-    --name fused-linear-cuda
-} 2>&1 | tee -a "$LOG"
-
-# The device tool brings back at most 8 files: the log and these seven.
-if [ "$OUT" != "bench/results" ]; then
-  for f in logits-cuda-headline.md logits-cuda-headline.json logits-cuda.md logits-cuda.json logits-cuda.png \
-           fused-linear-cuda.md fused-linear-cuda.json; do
-    cp "bench/results/$f" "$OUT"/ 2>/dev/null
-  done
+  step versions 60 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv; $PY -c \"import torch, triton, numpy; print('torch', torch.__version__, 'triton', triton.__version__, 'numpy', numpy.__version__, torch.cuda.get_device_name())\""
+  # The kernels compiled on CUDA tensors (GTPO_TEST_CUDA=1); the torch and cpu backends' rows run on the CPU.
+  step tests 180 env GTPO_TEST_CUDA=1 $PY -m pytest -q -p no:cacheprovider --junitxml="$OUT/tests.xml" \
+    tests/test_parity.py tests/test_triton.py tests/test_fused_linear.py tests/test_structure.py -k "triton"
+  step kernels 90 $PY -m bench kernels --out "$OUT/kernels.json"
+  step logits 90 $PY -m bench logits --tokens 16384 --vocab 151936 --dtype bfloat16 --no-compile --name logits-h200
+  step fused-linear 90 $PY -m bench fused_linear --only fused-triton materialised-triton liger-fused-grpo \
+    --name fused-linear-h200
+  step compile 60 $PY -m bench logits --tokens 16384 --vocab 151936 --dtype bfloat16 --only reference-compile \
+    --name logits-compile-h200
 fi
+rm -f "$OUT"/*.png "$OUT"/logits-compile-h200.md  # keep within the 8 files the device tool brings back
 echo "results: $OUT"
+if [ ${#FAILED[@]} -ne 0 ]; then
+  echo "failed steps: ${FAILED[*]}" | tee -a "$LOG"
+  exit 1
+fi

@@ -85,7 +85,8 @@ def implementations(device: torch.device, with_compile: bool, triton_rows=None) 
 
 
 def run(device: torch.device, tokens_list: List[int], vocabs: List[int], dtypes: List[torch.dtype],
-        reps: int, with_compile: bool, only: List[str], triton_rows=None):
+        reps: int, with_compile: bool, only: List[str], triton_rows=None, on_row=None):
+    """Every implementation at every shape, side by side; ``on_row(rows)`` after each row (save as it goes)."""
     impls = implementations(device, with_compile, triton_rows)
     if only:
         impls = {k: v for k, v in impls.items() if k in only}
@@ -108,7 +109,10 @@ def run(device: torch.device, tokens_list: List[int], vocabs: List[int], dtypes:
                         logits_mb = tokens * vocab * torch.finfo(dtype).bits / 8 / 2**20
                         row.extra["peak/logits"] = t.peak_extra_mb / logits_mb
                         if bandwidth:
-                            floor_bytes = 3 * tokens * vocab * torch.finfo(dtype).bits / 8
+                            # The floor counts the unmasked tokens only (masked ones are neither read nor
+                            # written beyond zeros): counting all of them would flatter the kernels.
+                            valid_tokens = int(mask.sum())
+                            floor_bytes = 3 * valid_tokens * vocab * torch.finfo(dtype).bits / 8
                             floor_ms = 1e3 * floor_bytes / (bandwidth * 1e9)
                             row.extra["GB/s"] = floor_bytes / (t.total_ms / 1e3) / 1e9
                             row.extra["x floor"] = t.total_ms / floor_ms
@@ -116,6 +120,8 @@ def run(device: torch.device, tokens_list: List[int], vocabs: List[int], dtypes:
                           + (row.error or f"fwd+bwd {row.total_ms:9.2f} ms, peak +{row.peak_extra_mb:8.1f} MB"),
                           flush=True)
                     rows.append(row)
+                    if on_row is not None:
+                        on_row(rows)
                 # Side-by-side ratios against the references, within this run.
                 this = [r for r in rows[-len(impls):] if r.total_ms]
                 refs = {r.impl: r.total_ms for r in this if r.impl.startswith("reference")}
@@ -136,6 +142,7 @@ def main(argv=None) -> None:
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile reference")
     p.add_argument("--only", nargs="+", default=[], help="run only these implementations")
     p.add_argument("--name", help="results file stem (default: logits-<device>)")
+    p.add_argument("--triton-rows", action="store_true", help="Triton rows on CPU tensors (under TRITON_INTERPRET=1)")
     args = p.parse_args(argv)
 
     device = torch.device(args.device)
@@ -144,15 +151,17 @@ def main(argv=None) -> None:
     vocabs = args.vocab or ([32000, 128256, 151936, 262144] if gpu else [32000, 151936])
     reps = args.reps or (10 if gpu else 3)
     dtypes = [getattr(torch, d) for d in args.dtype]
-    rows, bandwidth = run(device, tokens, vocabs, dtypes, reps, not args.no_compile, args.only)
-
     env = environment(device)
+    name = args.name or f"logits-{device.type}"
+    rows, bandwidth = run(device, tokens, vocabs, dtypes, reps, not args.no_compile, args.only,
+                          triton_rows=True if args.triton_rows else None,
+                          on_row=lambda done: save(name, env, done, "(partial: the run is still going)"))
+
     if bandwidth:
         env["copy_bandwidth_GBps"] = round(bandwidth, 1)
     columns = sorted({k for r in rows for k in r.extra})
     table = markdown_table(rows, columns)
     print(table)
-    name = args.name or f"logits-{device.type}"
     notes = ("Loss: paper preset, N = 16 completions (2 groups of 8), L = T / 16, random bf16/fp32 logits. "
              f"Median of {reps} repetitions; 'peak extra' is memory beyond the inputs "
              "(GPU: allocator peak; CPU: resident-set peak, sampled). "

@@ -49,15 +49,17 @@ def test_conflict_weights_long_completions_cross_blocks():
     assert torch.equal(lam.cpu(), lam_ref.float()) and n.tolist() == n_ref.tolist() == [1300, 1300]
 
 
-def make(dtype=torch.float32, seed=0):
+def make(dtype=torch.float32, seed=0, backend="triton"):
+    """A batch on the device ``backend`` takes (CUDA for triton with GTPO_TEST_CUDA=1, else the CPU)."""
+    dev = device_for(backend)
     logits, ids, mask, adv = random_batch(2, 3, 5, 29, dtype=dtype, seed=seed)
-    return logits.to(DEV), ids.to(DEV), mask.to(DEV), adv.to(DEV)
+    return logits.to(dev), ids.to(dev), mask.to(dev), adv.to(dev)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("backend", registered())
 def test_inplace_backward_gives_the_same_gradient(dtype, backend):
-    logits, ids, mask, adv = make(dtype)
+    logits, ids, mask, adv = make(dtype, backend=backend)
     base = logits.clone().requires_grad_()
     out = gtpo_loss(base * 1, ids, mask, adv, group_size=3, backend=backend,
                     config=GTPOConfig(entropy_mode="penalty"))
@@ -78,7 +80,7 @@ def test_inplace_backward_gives_the_same_gradient(dtype, backend):
 
 @pytest.mark.parametrize("backend", registered())
 def test_inplace_backward_refuses_to_corrupt_saved_logits(backend):
-    logits, ids, mask, adv = make()
+    logits, ids, mask, adv = make(backend=backend)
     base = logits.clone().requires_grad_()
     model_output = base * 1
     # A node created *before* the loss that saved the logits runs its backward *after* the loss's:
@@ -100,7 +102,7 @@ def test_inplace_backward_rejects_leaf_logits():
 @pytest.mark.parametrize("backend", registered())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_token_logprobs_and_entropy(backend, dtype):
-    logits, ids, mask, _ = make(dtype, seed=3)
+    logits, ids, mask, _ = make(dtype, seed=3, backend=backend)
     logp, entropy = token_logprobs_and_entropy(logits, ids, mask, backend=backend)
     assert not logp.requires_grad and logp.dtype == torch.float32
     ref_logp, ref_entropy = reference_token_stats(logits.cpu().double(), torch.where(mask, ids, 0).cpu())
