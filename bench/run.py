@@ -1,10 +1,10 @@
-"""Entry point: ``python -m bench [logits|fused_linear|cpu_kernels|accuracy|kernels] [options]``
+"""Entry point: ``python -m bench [logits|fused_linear|cpu_kernels|accuracy|kernels|isa] [options]``
 (``--help`` for each one's options)."""
 
 import sys
 
 BENCHMARKS = {"logits": "bench.logits", "fused_linear": "bench.fused_linear", "cpu_kernels": "bench.cpu_kernels",
-              "accuracy": "bench.accuracy", "kernels": "bench.kernels"}
+              "accuracy": "bench.accuracy", "kernels": "bench.kernels", "isa": "bench.isa"}
 
 
 def main() -> None:
