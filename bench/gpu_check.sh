@@ -7,6 +7,7 @@
 #   bash bench/gpu_check.sh              # results in $OUT (default bench/results/gpu-check/)
 #   OUT=/some/dir bash bench/gpu_check.sh
 #   bash bench/gpu_check.sh --dry-run    # every step on tiny CPU shapes under Triton's interpreter
+#                                        # (results named *-dryrun, in bench/results/gpu-check-dryrun/)
 #
 # At most 8 files land in $OUT: gpu_check.log, tests.xml, kernels.json, logits-h200.{md,json},
 # logits-compile-h200.json, fused-linear-h200.{md,json}. Exits non-zero if any step failed.
@@ -14,7 +15,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 DRY=0
 [ "${1:-}" = "--dry-run" ] && DRY=1
-OUT=${OUT:-bench/results/gpu-check}
+OUT=${OUT:-bench/results/gpu-check$([ $DRY -eq 1 ] && echo -dryrun)}
 mkdir -p "$OUT"
 LOG="$OUT/gpu_check.log"
 PY=${PYTHON:-python3}
@@ -37,9 +38,9 @@ if [ $DRY -eq 1 ]; then
     tests/test_parity.py::test_vocab_sizes tests/test_fused_linear.py::test_temperature -k "triton and not 32003"
   step kernels 120 $PY -m bench kernels --dry-run --out "$OUT/kernels.json"
   step logits 120 $PY -m bench logits --device cpu --tokens 32 --vocab 500 --dtype bfloat16 --reps 1 --no-compile \
-    --triton-rows --name logits-h200
+    --triton-rows --name logits-dryrun
   step fused-linear 120 $PY -m bench fused_linear --device cpu --tokens 32 --vocab 500 --hidden 16 --reps 1 \
-    --gpu-rows --name fused-linear-h200
+    --gpu-rows --name fused-linear-dryrun
 else
   if ls bench/wheels/*.whl >/dev/null 2>&1; then $PY -m pip install -q --no-deps bench/wheels/*.whl; fi
   step versions 60 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv; $PY -c \"import torch, triton, numpy; print('torch', torch.__version__, 'triton', triton.__version__, 'numpy', numpy.__version__, torch.cuda.get_device_name())\""
