@@ -24,6 +24,7 @@ from torch import Tensor
 
 from ._autograd import SECOND_DERIVATIVE, first_derivative_only
 from .backends import get_backend, kernels_for
+from .fused_chunks import fused_forward
 
 NAMESPACE = "gtpo_kernels"
 
@@ -118,7 +119,6 @@ def fused_linear_gtpo(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], id
     """The fused loss and, computed on the way, its gradients: ``[loss, d_hidden, d_weight, d_bias, logp, H,
     metric sums, completion entropy]`` (gradients not asked for are empty tensors)."""
     from .config import GTPOConfig
-    from .fused_linear import fused_forward
 
     config = GTPOConfig.from_dict(json.loads(config_json))
     kernels = kernels_for(get_backend(backend), compute_dtype)
@@ -134,11 +134,13 @@ def _(hidden, weight, bias, ids, valid, advantages, lambda_, n_conflict, old_log
 
     stat = _stat_dtype(compute_dtype)
     n_rows, length = ids.shape
-    empty = hidden.new_empty((0,))
+    def empty():  # a fresh one each time: an operator's outputs may not alias one another
+        return hidden.new_empty((0,))
+
     return [hidden.new_empty((), dtype=stat),
-            torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_grads[0] else empty,
-            torch.empty_like(weight) if need_grads[1] else empty,
-            torch.empty_like(bias) if bias is not None and need_grads[2] else empty,
+            torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_grads[0] else empty(),
+            torch.empty_like(weight) if need_grads[1] else empty(),
+            torch.empty_like(bias) if bias is not None and need_grads[2] else empty(),
             hidden.new_empty((n_rows, length), dtype=stat), hidden.new_empty((n_rows, length), dtype=stat),
             hidden.new_empty((SUMS_SIZE,), dtype=torch.float64), hidden.new_empty((n_rows,), dtype=stat)]
 

@@ -17,7 +17,8 @@ for the gradient (``8 T H V`` FLOPs for those completions). Peak extra memory is
 whatever the completion lengths. Everything else the coefficients depend on (conflict weights, the
 whole batch's counts) is known before the first chunk. The gradients are computed in the forward pass
 and stored; the backward only scales them by the incoming gradient. The whole walk is one registered
-operator, ``gtpo_kernels::fused_linear_gtpo`` (`custom_ops`), which ``torch.compile`` treats as a unit.
+operator, ``gtpo_kernels::fused_linear_gtpo`` (`custom_ops`), which ``torch.compile`` treats as a unit;
+the walk itself is `fused_chunks.fused_forward`.
 
 `fused_linear_token_logprobs_and_entropy` is the statistics alone, without gradient: old and reference
 log-probs and the initial entropy, from hidden states.
@@ -25,219 +26,18 @@ log-probs and the initial entropy, from hidden states.
 
 from __future__ import annotations
 
-import functools
 import json
-from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import nn
 
 from . import custom_ops, validation
-from .backends import Backend, get_backend, kernels_for, resolve_backend_name
+from .backends import get_backend, kernels_for, resolve_backend_name
 from .config import GTPOConfig
 from .loss import Conflict, loss_conflict_weights, prepare_loss_inputs
-from .objective import loss_from_token_stats, loss_gradients
+from .fused_chunks import _logits, _stats, _unmasked_tokens, chunk_tokens_for
 from .result import GTPOLossOutput, GTPOMetrics
-
-# Default budget (float32 bytes of one chunk's logits). The CPU's GEMMs are efficient at a few hundred
-# tokens; on a GPU, chunks of a few thousand tokens keep the GEMMs near peak, bounded by free memory.
-DEFAULT_CHUNK_BYTES_CPU = 256 * 2**20
-DEFAULT_CHUNK_BYTES_GPU = 2 * 2**30
-WEIGHT_GRAD_SLICE_BYTES = 64 * 2**20  # temporary of one slice of d_W when it cannot accumulate in place
-
-
-def default_chunk_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return max(64 * 2**20, min(DEFAULT_CHUNK_BYTES_GPU, free // 4))
-    return DEFAULT_CHUNK_BYTES_CPU
-
-
-def chunk_tokens_for(vocab: int, device: torch.device, max_chunk_bytes: Optional[int]) -> int:
-    """Tokens whose float32 logits fit the budget (at least one)."""
-    return max(1, (max_chunk_bytes or default_chunk_bytes(device)) // (4 * vocab))
-
-
-@dataclass
-class _Tokens:
-    """The unmasked tokens of a batch, in row-major order, and where each row's tokens start."""
-
-    flat: torch.Tensor        # [T] int64: i * L + t of each unmasked token
-    rows: torch.Tensor        # [T] int64: i
-    positions: torch.Tensor   # [T] int64: t
-    offsets: List[int]        # [N + 1]: row i's tokens are flat[offsets[i]:offsets[i + 1]]
-
-
-def _unmasked_tokens(valid: torch.Tensor) -> _Tokens:
-    """One host synchronisation (the row lengths) per batch."""
-    n_rows, length = valid.shape
-    lengths = valid.sum(dim=1).tolist()
-    offsets = [0]
-    for n in lengths:
-        offsets.append(offsets[-1] + n)
-    if hasattr(torch, "nonzero_static"):
-        flat = torch.nonzero_static(valid.reshape(-1), size=offsets[-1]).squeeze(1)
-    else:  # pragma: no cover (torch < 2.1)
-        flat = valid.reshape(-1).nonzero().squeeze(1)
-    return _Tokens(flat, flat // max(1, length), flat % max(1, length), offsets)
-
-
-def _chunks(offsets: List[int], budget: int) -> List[Tuple[int, int]]:
-    """Row ranges ``[r0, r1)`` whose tokens fit ``budget``; a row longer than the budget is a range alone."""
-    chunks, start = [], 0
-    for row in range(len(offsets) - 1):
-        if offsets[row + 1] - offsets[start] > budget and row > start:
-            chunks.append((start, row))
-            start = row
-        if offsets[row + 1] - offsets[start] > budget:  # this row alone is over budget
-            chunks.append((start, row + 1))
-            start = row + 1
-    if start < len(offsets) - 1:
-        chunks.append((start, len(offsets) - 1))
-    return chunks
-
-
-def _logits(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
-    return h @ w.T if b is None else torch.addmm(b, h, w.T)
-
-
-def _stats(kernels: Backend, logits: torch.Tensor, ids: torch.Tensor, temperature: float):
-    """``(row_max, log_s, logp, H)`` ``[t]`` of the rows of ``logits [t, V]`` (see `backends.base.Backend`)."""
-    everything = torch.ones((1, logits.shape[0]), dtype=torch.bool, device=logits.device)
-    return tuple(x[0] for x in kernels.forward(logits[None], ids[None], everything, temperature, None))
-
-
-def _gradient_in_place(kernels: Backend, logits, ids, stats, c, e, temperature: float) -> torch.Tensor:
-    """Overwrites ``logits [t, V]`` with the gradient ``c (onehot - p) + e dH/dz`` (for ``z / T``), from the
-    forward's ``stats = (row_max, log_s, logp, H)``."""
-    everything = torch.ones((1, logits.shape[0]), dtype=torch.bool, device=logits.device)
-    kernels.backward(logits[None], ids[None], everything, *(x[None] for x in stats), c[None], e[None],
-                     logits[None], temperature, None)
-    return logits
-
-
-@functools.lru_cache(maxsize=None)
-def _addmm_out_dtype_works(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``addmm(acc, a, b, out_dtype=float32, out=acc)`` accumulates low-precision products into a
-    float32 tensor in place on this device (tried once on a small case and checked)."""
-    try:
-        a = torch.randn(8, 16, device=device).to(dtype)
-        b = torch.randn(16, 8, device=device).to(dtype)
-        acc = torch.randn(8, 8, device=device)
-        expected = acc + a.float() @ b.float()
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-        return bool(torch.allclose(acc, expected, rtol=1e-2, atol=1e-2))
-    except (RuntimeError, TypeError, NotImplementedError):
-        return False
-
-
-def _add_weight_grad(d_weight: torch.Tensor, dlogits: torch.Tensor, h: torch.Tensor) -> None:
-    """``d_weight [V, H] += dlogits.T @ h`` with ``d_weight`` float32 (or float64) and the product in the
-    compute dtype: in place in the GEMM where possible, else in 128-row slices of the vocabulary."""
-    if dlogits.dtype == d_weight.dtype:
-        d_weight.addmm_(dlogits.T, h)
-        return
-    if dlogits.device.type == "cuda" and _addmm_out_dtype_works(dlogits.device, dlogits.dtype):
-        torch.addmm(d_weight, dlogits.T, h, out_dtype=d_weight.dtype, out=d_weight)
-        return
-    vocab, hidden = d_weight.shape
-    rows = max(128, WEIGHT_GRAD_SLICE_BYTES // (hidden * dlogits.element_size()) // 128 * 128)
-    for v0 in range(0, vocab, rows):
-        v1 = min(vocab, v0 + rows)
-        d_weight[v0:v1] += (dlogits[:, v0:v1].T @ h).to(d_weight.dtype)
-
-
-def fused_forward(hidden, weight, bias, ids, valid, advantages, lambda_, n_conflict, old_logprobs, ref_logprobs,
-                  config: GTPOConfig, initial_entropy, kernels: Backend, compute_dtype: torch.dtype, temperature: float,
-                  num_sequences, num_tokens, need_grads) -> List[torch.Tensor]:
-    """The body of ``gtpo_kernels::fused_linear_gtpo`` (`custom_ops`): the loss and its gradients in one walk over
-    the chunks. Returns ``[loss, d_hidden, d_weight, d_bias, logp, H, metric sums, completion entropy]``; a
-    gradient not in ``need_grads`` is an empty tensor."""
-    if True:  # (indentation of the former autograd Function's forward)
-        n_rows, length, hidden_size = hidden.shape
-        vocab = weight.shape[0]
-        device = hidden.device
-        need_hidden, need_weight = need_grads[0], need_grads[1]
-        need_bias = bias is not None and need_grads[2]
-        w = weight.to(compute_dtype)
-        b = None if bias is None else bias.to(compute_dtype)
-        stat_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
-
-        tokens = _unmasked_tokens(valid)
-        sequences = n_rows if num_sequences is None else num_sequences
-        token_total = tokens.offsets[-1] if num_tokens is None else num_tokens
-        # Per token: row_max, log_s, logp, H (the backends' forward), for the whole call.
-        stats_all = torch.zeros((4, n_rows, length), dtype=stat_dtype, device=device)
-        logp_all, entropy_all = stats_all[2], stats_all[3]
-        # Contiguous whatever the input's strides (hidden is often a slice of the model's output).
-        d_hidden = torch.zeros(hidden.shape, dtype=hidden.dtype, device=device) if need_hidden else None
-        # Accumulated in float32 across chunks (bf16 accumulation visibly shifts training).
-        d_weight = torch.zeros((vocab, hidden_size), dtype=stat_dtype, device=device) if need_weight else None
-        d_bias = torch.zeros(vocab, dtype=stat_dtype, device=device) if need_bias else None
-
-        def rows_of(t0: int, t1: int):
-            return hidden[tokens.rows[t0:t1], tokens.positions[t0:t1]].to(compute_dtype), ids.reshape(-1)[tokens.flat[t0:t1]]
-
-        def coefficients(r0: int, r1: int):
-            """``(c, e)`` ``[r1 - r0, L]``: the gradient of the batch loss w.r.t. these rows' logp and H."""
-            rows = slice(r0, r1)
-            return loss_gradients(
-                logp_all[rows], entropy_all[rows], valid[rows], advantages[rows],
-                None if lambda_ is None else lambda_[rows], None if n_conflict is None else n_conflict[rows],
-                config, old_logprobs=None if old_logprobs is None else old_logprobs[rows],
-                ref_logprobs=None if ref_logprobs is None else ref_logprobs[rows],
-                initial_entropy=initial_entropy, num_sequences=sequences, num_tokens=token_total)
-
-        def gradients(t0: int, t1: int, r0: int, c, e, logits=None):
-            """The gradient of tokens ``[t0, t1)`` (rows from ``r0``), into d_hidden, d_W and d_b."""
-            h, y = rows_of(t0, t1)
-            if logits is None:  # a piece of a completion longer than the budget: compute its logits again
-                logits = _logits(h, w, b)
-            index = tokens.flat[t0:t1]
-            local = index - r0 * length
-            dlogits = _gradient_in_place(kernels, logits, y, stats_all.view(4, -1)[:, index], c.reshape(-1)[local],
-                                         e.reshape(-1)[local], temperature)
-            if need_hidden:
-                d_hidden.view(-1, hidden_size).index_copy_(0, tokens.flat[t0:t1], (dlogits @ w).to(hidden.dtype))
-            if need_weight:
-                _add_weight_grad(d_weight, dlogits, h)
-            if need_bias:
-                d_bias.add_(dlogits.sum(dim=0, dtype=stat_dtype))
-
-        budget = chunk_tokens_for(vocab, device, config.max_chunk_bytes)
-        for r0, r1 in _chunks(tokens.offsets, budget):
-            t_start, t_end = tokens.offsets[r0], tokens.offsets[r1]
-            if t_start == t_end:
-                continue
-            pieces = [(t, min(t_end, t + budget)) for t in range(t_start, t_end, budget)]
-            logits = None
-            for t0, t1 in pieces:  # statistics (one piece, unless one completion is over budget)
-                h, y = rows_of(t0, t1)
-                logits = _logits(h, w, b)
-                stats_all.view(4, -1)[:, tokens.flat[t0:t1]] = torch.stack(_stats(kernels, logits, y, temperature)).to(
-                    stat_dtype)
-            c, e = coefficients(r0, r1)
-            if len(pieces) == 1:
-                gradients(t_start, t_end, r0, c, e, logits)
-                del logits
-            else:
-                del logits
-                for t0, t1 in pieces:
-                    gradients(t0, t1, r0, c, e)
-
-        # The loss value and metrics from the whole call's statistics (cheap, O(N L)).
-        full = loss_from_token_stats(
-            logp_all, entropy_all, valid, advantages, lambda_, n_conflict, config, old_logprobs=old_logprobs,
-            ref_logprobs=ref_logprobs, initial_entropy=initial_entropy, num_sequences=num_sequences,
-            num_tokens=num_tokens)
-        empty = hidden.new_empty((0,))
-        return [full.loss.detach().to(stat_dtype),
-                empty if d_hidden is None else d_hidden,
-                empty if d_weight is None else d_weight.to(weight.dtype),
-                empty if d_bias is None else d_bias.to(bias.dtype),
-                logp_all.clone(), entropy_all.clone(), full.metrics.to_sums(),
-                full.metrics.completion_entropy.to(stat_dtype)]
 
 
 @torch.compiler.assume_constant_result

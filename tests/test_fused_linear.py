@@ -9,7 +9,7 @@ import torch
 from gtpo_kernels import (FusedLinearGTPOLoss, GTPOConfig, fused_linear_gtpo_loss,
                           fused_linear_token_logprobs_and_entropy, gtpo_loss, token_logprobs_and_entropy)
 from gtpo_kernels.backends import registered
-from gtpo_kernels.fused_linear import _chunks, chunk_tokens_for
+from gtpo_kernels.fused_chunks import _chunks, chunk_tokens_for
 from gtpo_kernels.reference import reference_gtpo_loss
 from gtpo_kernels.reference import token_logprobs_and_entropy as reference_token_stats
 
@@ -44,12 +44,12 @@ def record_logits(monkeypatch, hidden: torch.Tensor) -> dict:
     """Records, by flat token index, the logits the fused path computes (a dict filled during the call):
     the oracle can then take the very values the path's GEMMs produced (their rounding depends on the
     chunk's shape) and compare only the loss's own arithmetic."""
-    from gtpo_kernels import fused_linear
+    from gtpo_kernels import fused_chunks, fused_linear
 
     rows = hidden.detach().reshape(-1, hidden.shape[-1]).float()
     lookup = {row.numpy().tobytes(): i for i, row in enumerate(rows)}
     seen = {}
-    real = fused_linear._logits
+    real = fused_chunks._logits
 
     def spy(h, w, b):
         out = real(h, w, b)
@@ -57,6 +57,8 @@ def record_logits(monkeypatch, hidden: torch.Tensor) -> dict:
             seen.setdefault(lookup[h[k].float().numpy().tobytes()], out[k].detach().clone())
         return out
 
+    # The loss's chunk loop (fused_chunks) and the statistics alone (fused_linear) both compute logits.
+    monkeypatch.setattr(fused_chunks, "_logits", spy)
     monkeypatch.setattr(fused_linear, "_logits", spy)
     return seen
 
@@ -323,7 +325,7 @@ def test_one_long_completion_through_a_small_budget(monkeypatch):
     """A completion of 8192 tokens with a 4 MiB budget (512 tokens of V = 2048): split into 16 pieces,
     statistics first, then the gradient piece by piece; equal to the unchunked float64 reference, and the
     tensors alive at once stay within a few budgets (the full float32 logits would be 64 MiB)."""
-    from gtpo_kernels import fused_linear
+    from gtpo_kernels import fused_chunks
 
     g = torch.Generator().manual_seed(21)
     length, hidden, vocab = 8192, 16, 2048
@@ -336,8 +338,8 @@ def test_one_long_completion_through_a_small_budget(monkeypatch):
     adv = torch.tensor([0.5, -0.5])
     config = GTPOConfig(preset="official", max_chunk_bytes=4 * 2**20)
     gemms = []
-    real_logits = fused_linear._logits
-    monkeypatch.setattr(fused_linear, "_logits", lambda *a: gemms.append(a[0].shape[0]) or real_logits(*a))
+    real_logits = fused_chunks._logits
+    monkeypatch.setattr(fused_chunks, "_logits", lambda *a: gemms.append(a[0].shape[0]) or real_logits(*a))
 
     hx, wx = h.float().requires_grad_(), w.float().requires_grad_()
     with PeakTensorMemory() as memory:
