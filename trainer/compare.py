@@ -53,7 +53,9 @@ def plot(by_algo: Dict[str, List[dict]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    colors = {"gtpo": "tab:blue", "grpo": "tab:orange"}
+    # One colour per label (algo and preset), the same in every panel.
+    palette = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown"]
+    colors = {algo: palette[i % len(palette)] for i, algo in enumerate(sorted(by_algo))}
     for algo, runs in by_algo.items():
         for r in runs:
             rows = [json.loads(x) for x in (Path(r["dir"]) / "metrics.jsonl").read_text().splitlines()]
