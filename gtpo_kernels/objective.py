@@ -165,7 +165,7 @@ def loss_from_token_stats(
     device = token_logprobs.device
     mask = valid.to(dtype)
     zero = torch.zeros((), dtype=dtype, device=device)
-    n_rows, n_positions = valid.shape
+    n_rows = valid.shape[0]
     lengths = mask.sum(dim=1)
     call_tokens = mask.sum()
 
@@ -198,24 +198,9 @@ def loss_from_token_stats(
             per_token = per_token + config.kl_beta * kl_per_token
         kl = (kl_per_token.detach() * mask).sum() / call_tokens.clamp(min=1)
 
-    per_token = torch.where(valid, per_token, zero)
-    if config.divide_by_conflict_count and n_conflict is not None:
-        per_token = per_token / n_conflict.clamp(min=1).to(dtype)[:, None]
-
-    sequences = n_rows if num_sequences is None else num_sequences
-    if config.loss_reduction in ("sequence_mean", "sum"):
-        loss = (per_token.sum(dim=1) / lengths.clamp(min=1)).sum()
-        if config.loss_reduction == "sequence_mean":
-            loss = loss / sequences
-    elif config.loss_reduction == "token_mean":
-        if num_tokens is None or isinstance(num_tokens, torch.Tensor):
-            tokens = call_tokens if num_tokens is None else num_tokens.to(dtype)
-            loss = per_token.sum() / tokens.clamp(min=1)
-        else:
-            loss = per_token.sum() / max(1, num_tokens)
-    else:  # dr_grpo
-        positions = config.max_completion_length or n_positions
-        loss = per_token.sum() / (sequences * positions)
+    # The reduction is the same per-token weights the closed-form gradient uses (one definition of both).
+    weights = _token_weights(valid, lengths, n_conflict, config, num_sequences, num_tokens)
+    loss = (torch.where(valid, per_token, zero) * weights).sum()
 
     def token_fraction(flags: Optional[torch.Tensor]) -> torch.Tensor:
         if flags is None:
