@@ -24,13 +24,10 @@ from torch import Tensor
 
 from ._autograd import SECOND_DERIVATIVE, first_derivative_only
 from .backends import get_backend, kernels_for
+from .backends.base import stats_dtype
 from .fused_chunks import fused_forward
 
 NAMESPACE = "gtpo_kernels"
-
-
-def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 # ------------------------------------------------------------------------------------------ token statistics
@@ -46,7 +43,7 @@ def token_stats(logits: Tensor, ids: Tensor, valid: Tensor, temperature: float, 
 
 @token_stats.register_fake
 def _(logits, ids, valid, temperature, backend, max_chunk_bytes):
-    shape, dtype = logits.shape[:2], _stat_dtype(logits.dtype)
+    shape, dtype = logits.shape[:2], stats_dtype(logits.dtype)
     return tuple(logits.new_empty(shape, dtype=dtype) for _ in range(4))
 
 
@@ -103,7 +100,7 @@ def conflict_weights(ids: Tensor, valid: Tensor, advantages: Tensor, group_size:
 
 @conflict_weights.register_fake
 def _(ids, valid, advantages, group_size, weight, backend):
-    dtype = torch.float64 if advantages.dtype == torch.float64 else torch.float32
+    dtype = stats_dtype(advantages.dtype)
     return ids.new_empty(ids.shape, dtype=dtype), ids.new_empty(ids.shape[:1], dtype=torch.int64)
 
 
@@ -132,7 +129,7 @@ def _(hidden, weight, bias, ids, valid, advantages, lambda_, n_conflict, old_log
       initial_entropy, backend, compute_dtype, temperature, num_sequences, num_tokens, need_grads):
     from .result import SUMS_SIZE
 
-    stat = _stat_dtype(compute_dtype)
+    stat = stats_dtype(compute_dtype)
     n_rows, length = ids.shape
     def empty():  # a fresh one each time: an operator's outputs may not alias one another
         return hidden.new_empty((0,))

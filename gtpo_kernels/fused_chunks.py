@@ -12,7 +12,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from .backends import Backend
+from .backends.base import Backend, stats_dtype
 from .config import GTPOConfig
 from .objective import loss_from_token_stats, loss_gradients
 
@@ -130,89 +130,89 @@ def fused_forward(hidden, weight, bias, ids, valid, advantages, lambda_, n_confl
     """The body of ``gtpo_kernels::fused_linear_gtpo`` (`custom_ops`): the loss and its gradients in one walk over
     the chunks. Returns ``[loss, d_hidden, d_weight, d_bias, logp, H, metric sums, completion entropy]``; a
     gradient not in ``need_grads`` is an empty tensor."""
-    if True:  # (indentation of the former autograd Function's forward)
-        n_rows, length, hidden_size = hidden.shape
-        vocab = weight.shape[0]
-        device = hidden.device
-        need_hidden, need_weight = need_grads[0], need_grads[1]
-        need_bias = bias is not None and need_grads[2]
-        w = weight.to(compute_dtype)
-        b = None if bias is None else bias.to(compute_dtype)
-        stat_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
+    n_rows, length, hidden_size = hidden.shape
+    vocab = weight.shape[0]
+    device = hidden.device
+    need_hidden, need_weight = need_grads[0], need_grads[1]
+    need_bias = bias is not None and need_grads[2]
+    w = weight.to(compute_dtype)
+    b = None if bias is None else bias.to(compute_dtype)
+    stat_dtype = stats_dtype(compute_dtype)
 
-        tokens = _unmasked_tokens(valid)
-        sequences = n_rows if num_sequences is None else num_sequences
-        token_total = tokens.offsets[-1] if num_tokens is None else num_tokens
-        # Per token: row_max, log_s, logp, H (the backends' forward), for the whole call.
-        stats_all = torch.zeros((4, n_rows, length), dtype=stat_dtype, device=device)
-        logp_all, entropy_all = stats_all[2], stats_all[3]
-        # Contiguous whatever the input's strides (hidden is often a slice of the model's output).
-        d_hidden = torch.zeros(hidden.shape, dtype=hidden.dtype, device=device) if need_hidden else None
-        # Accumulated in float32 across chunks (bf16 accumulation visibly shifts training).
-        d_weight = torch.zeros((vocab, hidden_size), dtype=stat_dtype, device=device) if need_weight else None
-        d_bias = torch.zeros(vocab, dtype=stat_dtype, device=device) if need_bias else None
+    tokens = _unmasked_tokens(valid)
+    sequences = n_rows if num_sequences is None else num_sequences
+    token_total = tokens.offsets[-1] if num_tokens is None else num_tokens
+    # Per token: row_max, log_s, logp, H (the backends' forward), for the whole call.
+    stats_all = torch.zeros((4, n_rows, length), dtype=stat_dtype, device=device)
+    logp_all, entropy_all = stats_all[2], stats_all[3]
+    # Contiguous whatever the input's strides (hidden is often a slice of the model's output).
+    d_hidden = torch.zeros(hidden.shape, dtype=hidden.dtype, device=device) if need_hidden else None
+    # Accumulated in float32 across chunks (bf16 accumulation visibly shifts training).
+    d_weight = torch.zeros((vocab, hidden_size), dtype=stat_dtype, device=device) if need_weight else None
+    d_bias = torch.zeros(vocab, dtype=stat_dtype, device=device) if need_bias else None
 
-        def rows_of(t0: int, t1: int):
-            return hidden[tokens.rows[t0:t1], tokens.positions[t0:t1]].to(compute_dtype), ids.reshape(-1)[tokens.flat[t0:t1]]
+    def rows_of(t0: int, t1: int):
+        return hidden[tokens.rows[t0:t1], tokens.positions[t0:t1]].to(compute_dtype), ids.reshape(-1)[tokens.flat[t0:t1]]
 
-        def coefficients(r0: int, r1: int):
-            """``(c, e)`` ``[r1 - r0, L]``: the gradient of the batch loss w.r.t. these rows' logp and H."""
-            rows = slice(r0, r1)
-            return loss_gradients(
-                logp_all[rows], entropy_all[rows], valid[rows], advantages[rows],
-                None if lambda_ is None else lambda_[rows], None if n_conflict is None else n_conflict[rows],
-                config, old_logprobs=None if old_logprobs is None else old_logprobs[rows],
-                ref_logprobs=None if ref_logprobs is None else ref_logprobs[rows],
-                initial_entropy=initial_entropy, num_sequences=sequences, num_tokens=token_total)
+    def coefficients(r0: int, r1: int):
+        """``(c, e)`` ``[r1 - r0, L]``: the gradient of the batch loss w.r.t. these rows' logp and H."""
+        rows = slice(r0, r1)
+        return loss_gradients(
+            logp_all[rows], entropy_all[rows], valid[rows], advantages[rows],
+            None if lambda_ is None else lambda_[rows], None if n_conflict is None else n_conflict[rows],
+            config, old_logprobs=None if old_logprobs is None else old_logprobs[rows],
+            ref_logprobs=None if ref_logprobs is None else ref_logprobs[rows],
+            initial_entropy=initial_entropy, num_sequences=sequences, num_tokens=token_total)
 
-        def gradients(t0: int, t1: int, r0: int, c, e, logits=None):
-            """The gradient of tokens ``[t0, t1)`` (rows from ``r0``), into d_hidden, d_W and d_b."""
+    def gradients(t0: int, t1: int, r0: int, c, e, logits=None):
+        """The gradient of tokens ``[t0, t1)`` (rows from ``r0``), into d_hidden, d_W and d_b."""
+        h, y = rows_of(t0, t1)
+        if logits is None:  # a piece of a completion longer than the budget: compute its logits again
+            logits = _logits(h, w, b)
+        index = tokens.flat[t0:t1]
+        local = index - r0 * length
+        dlogits = _gradient_in_place(kernels, logits, y, stats_all.view(4, -1)[:, index], c.reshape(-1)[local],
+                                     e.reshape(-1)[local], temperature)
+        if need_hidden:
+            d_hidden.view(-1, hidden_size).index_copy_(0, tokens.flat[t0:t1], (dlogits @ w).to(hidden.dtype))
+        if need_weight:
+            _add_weight_grad(d_weight, dlogits, h)
+        if need_bias:
+            d_bias.add_(dlogits.sum(dim=0, dtype=stat_dtype))
+
+    budget = chunk_tokens_for(vocab, device, config.max_chunk_bytes)
+    for r0, r1 in _chunks(tokens.offsets, budget):
+        t_start, t_end = tokens.offsets[r0], tokens.offsets[r1]
+        if t_start == t_end:
+            continue
+        pieces = [(t, min(t_end, t + budget)) for t in range(t_start, t_end, budget)]
+        logits = None
+        for t0, t1 in pieces:  # statistics (one piece, unless one completion is over budget)
             h, y = rows_of(t0, t1)
-            if logits is None:  # a piece of a completion longer than the budget: compute its logits again
-                logits = _logits(h, w, b)
-            index = tokens.flat[t0:t1]
-            local = index - r0 * length
-            dlogits = _gradient_in_place(kernels, logits, y, stats_all.view(4, -1)[:, index], c.reshape(-1)[local],
-                                         e.reshape(-1)[local], temperature)
-            if need_hidden:
-                d_hidden.view(-1, hidden_size).index_copy_(0, tokens.flat[t0:t1], (dlogits @ w).to(hidden.dtype))
-            if need_weight:
-                _add_weight_grad(d_weight, dlogits, h)
-            if need_bias:
-                d_bias.add_(dlogits.sum(dim=0, dtype=stat_dtype))
+            logits = _logits(h, w, b)
+            stats_all.view(4, -1)[:, tokens.flat[t0:t1]] = torch.stack(_stats(kernels, logits, y, temperature)).to(
+                stat_dtype)
+        c, e = coefficients(r0, r1)
+        if len(pieces) == 1:
+            gradients(t_start, t_end, r0, c, e, logits)
+            del logits
+        else:
+            del logits
+            for t0, t1 in pieces:
+                gradients(t0, t1, r0, c, e)
 
-        budget = chunk_tokens_for(vocab, device, config.max_chunk_bytes)
-        for r0, r1 in _chunks(tokens.offsets, budget):
-            t_start, t_end = tokens.offsets[r0], tokens.offsets[r1]
-            if t_start == t_end:
-                continue
-            pieces = [(t, min(t_end, t + budget)) for t in range(t_start, t_end, budget)]
-            logits = None
-            for t0, t1 in pieces:  # statistics (one piece, unless one completion is over budget)
-                h, y = rows_of(t0, t1)
-                logits = _logits(h, w, b)
-                stats_all.view(4, -1)[:, tokens.flat[t0:t1]] = torch.stack(_stats(kernels, logits, y, temperature)).to(
-                    stat_dtype)
-            c, e = coefficients(r0, r1)
-            if len(pieces) == 1:
-                gradients(t_start, t_end, r0, c, e, logits)
-                del logits
-            else:
-                del logits
-                for t0, t1 in pieces:
-                    gradients(t0, t1, r0, c, e)
+    # The loss value and metrics from the whole call's statistics (cheap, O(N L)).
+    full = loss_from_token_stats(
+        logp_all, entropy_all, valid, advantages, lambda_, n_conflict, config, old_logprobs=old_logprobs,
+        ref_logprobs=ref_logprobs, initial_entropy=initial_entropy, num_sequences=num_sequences,
+        num_tokens=num_tokens)
 
-        # The loss value and metrics from the whole call's statistics (cheap, O(N L)).
-        full = loss_from_token_stats(
-            logp_all, entropy_all, valid, advantages, lambda_, n_conflict, config, old_logprobs=old_logprobs,
-            ref_logprobs=ref_logprobs, initial_entropy=initial_entropy, num_sequences=num_sequences,
-            num_tokens=num_tokens)
-        def empty():  # a fresh one each time: an operator's outputs may not alias one another
-            return hidden.new_empty((0,))
+    def empty():  # a fresh one each time: an operator's outputs may not alias one another
+        return hidden.new_empty((0,))
 
-        return [full.loss.detach().to(stat_dtype),
-                empty() if d_hidden is None else d_hidden,
-                empty() if d_weight is None else d_weight.to(weight.dtype),
-                empty() if d_bias is None else d_bias.to(bias.dtype),
-                logp_all.clone(), entropy_all.clone(), full.metrics.to_sums(),
-                full.metrics.completion_entropy.to(stat_dtype)]
+    return [full.loss.detach().to(stat_dtype),
+            empty() if d_hidden is None else d_hidden,
+            empty() if d_weight is None else d_weight.to(weight.dtype),
+            empty() if d_bias is None else d_bias.to(bias.dtype),
+            logp_all.clone(), entropy_all.clone(), full.metrics.to_sums(),
+            full.metrics.completion_entropy.to(stat_dtype)]

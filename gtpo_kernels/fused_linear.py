@@ -34,9 +34,10 @@ from torch import nn
 
 from . import custom_ops, validation
 from .backends import get_backend, kernels_for, resolve_backend_name
+from .backends.base import stats_dtype
 from .config import GTPOConfig
-from .loss import Conflict, loss_conflict_weights, prepare_loss_inputs
 from .fused_chunks import _logits, _stats, _unmasked_tokens, chunk_tokens_for
+from .loss import Conflict, loss_conflict_weights, prepare_loss_inputs
 from .result import GTPOLossOutput, GTPOMetrics
 
 
@@ -115,7 +116,7 @@ def fused_linear_gtpo_loss(
     config, valid = inputs.config, inputs.valid
     device = hidden_states.device
     backend_ = resolve_backend_name(backend, device.type)
-    stat_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
+    stat_dtype = stats_dtype(compute_dtype)
     lambda_, n_conflict = loss_conflict_weights(config, backend_, completion_ids, valid,
                                                 advantages.to(stat_dtype), group_size, conflict)
 
@@ -180,7 +181,7 @@ def fused_linear_token_logprobs_and_entropy(
     if validate:
         validation.check_ids_in_vocab(completion_ids, valid, vocab)
     kernels = kernels_for(get_backend(resolve_backend_name(backend, device.type)), compute_dtype)
-    stat_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
+    stat_dtype = stats_dtype(compute_dtype)
     w = lm_head_weight.to(compute_dtype)
     b = None if lm_head_bias is None else lm_head_bias.to(compute_dtype)
     tokens = _unmasked_tokens(valid)

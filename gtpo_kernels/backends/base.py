@@ -8,6 +8,12 @@ from typing import Callable, Optional, Tuple
 import torch
 
 
+def stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the kernels return (and accumulate) statistics and weights in for inputs of ``dtype``: float64
+    for float64 (the oracle's), float32 for everything else."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 @dataclass(frozen=True)
 class Backend:
     """One backend: its kernels and where they run.

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from .base import Backend
+from .base import Backend, stats_dtype
 
 # float32 bytes of logits per chunk when no budget is given. On the CPU a chunk that stays in cache
 # makes the several elementwise passes below ~5x faster than 64 MiB chunks (measured at T = 512,
@@ -30,10 +30,6 @@ OTHER_DEVICES_CHUNK_BYTES = 64 * 2**20
 def chunk_tokens(vocab_size: int, device: torch.device, max_chunk_bytes: Optional[int]) -> int:
     budget = max_chunk_bytes or DEFAULT_CHUNK_BYTES.get(device.type, OTHER_DEVICES_CHUNK_BYTES)
     return max(1, budget // (4 * vocab_size))
-
-
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _chunk_stats(z: torch.Tensor, ids: torch.Tensor, temperature: float):
@@ -81,7 +77,7 @@ def forward(logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, temper
     """``logits [N, L, V]``, ``ids, valid [N, L]`` -> ``(row_max, log_s, logp, H)`` ``[N, L]`` of
     softmax(logits / T), zeros where masked."""
     n_rows, length, vocab = logits.shape
-    acc = _accumulation_dtype(logits.dtype)
+    acc = stats_dtype(logits.dtype)
     chunk = chunk_tokens(vocab, logits.device, max_chunk_bytes)
     ids = torch.where(valid, ids.long(), 0)
     outputs = [torch.zeros((n_rows, length), dtype=acc, device=logits.device) for _ in range(4)]
@@ -159,7 +155,7 @@ def conflict_weights(completion_ids: torch.Tensor, valid: torch.Tensor, advantag
     reverse_run_s = _leading_conflict_run(completion_ids.gather(1, flip), s < lengths, positive, negative, group_size)
     reverse_run = reverse_run_s.gather(1, flip) & valid & active
 
-    dtype = torch.float64 if advantages.dtype == torch.float64 else torch.float32
+    dtype = stats_dtype(advantages.dtype)
     one = torch.ones((), dtype=dtype, device=completion_ids.device)
     on_conflict = torch.where(positive[:, None], weight * one, 0.0 * one)
     lambda_ = torch.where(forward_run, on_conflict, one) * torch.where(reverse_run, on_conflict, one)
