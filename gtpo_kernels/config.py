@@ -121,8 +121,8 @@ class GTPOConfig:
         max_chunk_bytes: the one memory knob: bytes of float32 logits that one chunk of work may hold,
             in every path (the ``"torch"`` backend's token chunks, the fused ``hidden @ lm_head`` chunks
             and its statistics function). ``None``: 4 MiB on the CPU for the torch backend's elementwise
-            passes, and 256 MiB for the fused path's GEMMs on the CPU or 1 GiB on a GPU (bounded by
-            free memory).
+            passes, and 256 MiB for the fused path's GEMMs on the CPU or 2 GiB on a GPU (a constant,
+            never the free memory, so that gradients are bitwise reproducible; lower it on a small GPU).
         inplace_backward: write the gradient of the logits into the logits' own storage during
             backward, saving one ``[N, L, V]`` buffer. The logits' values are destroyed; autograd
             raises an error if another node still needs them (see README).

@@ -45,9 +45,11 @@ def conflict_weights(
     """
     shape = validation.check_ids(completion_ids)
     validation.check_same_device(completion_ids=completion_ids, completion_mask=completion_mask, advantages=advantages)
-    valid = validation.check_mask(completion_mask, shape, sync=validate)
+    checks = validation.DeferredChecks(validate and not torch.compiler.is_compiling())
+    valid = validation.check_mask(completion_mask, shape, checks)
     validation.check_float("advantages", advantages, (shape[0],), "[N]")
     validation.check_group_size(group_size, shape[0])
+    checks.read()
     return compute_conflict_weights(resolve_backend_name(backend, completion_ids.device.type), completion_ids, valid,
                                     advantages, group_size, weight)
 

@@ -49,9 +49,10 @@ def _(logits, ids, valid, temperature, backend, max_chunk_bytes):
 
 @torch.library.custom_op(f"{NAMESPACE}::token_stats_backward", mutates_args=())
 def token_stats_backward(logits: Tensor, ids: Tensor, valid: Tensor, row_max: Tensor, log_s: Tensor, logp: Tensor,
-                         entropy: Tensor, grad_logp: Tensor, grad_entropy: Tensor, temperature: float, backend: str,
+                         entropy: Tensor, grad_logp: Tensor, grad_entropy: Optional[Tensor], temperature: float, backend: str,
                          max_chunk_bytes: int) -> Tensor:
-    """The gradient of ``sum grad_logp logp + grad_H H`` with respect to ``logits`` (a new tensor)."""
+    """The gradient of ``sum grad_logp logp + grad_H H`` with respect to ``logits`` (a new tensor); ``grad_H``
+    None is zero (nothing downstream differentiates the entropy: the kernels skip its term)."""
     kernels = kernels_for(get_backend(backend), logits.dtype)
     out = torch.empty_like(logits, memory_format=torch.contiguous_format)
     kernels.backward(logits, ids, valid, row_max, log_s, logp, entropy, grad_logp, grad_entropy, out, temperature,
@@ -73,7 +74,6 @@ def _token_stats_setup(ctx, inputs, output):
 def _token_stats_grad(ctx, grad_row_max, grad_log_s, grad_logp, grad_entropy):
     logits, ids, valid, row_max, log_s, logp, entropy = ctx.saved_tensors
     grad_logp = torch.zeros_like(logp) if grad_logp is None else grad_logp
-    grad_entropy = torch.zeros_like(logp) if grad_entropy is None else grad_entropy
     grad = token_stats_backward(logits, ids, valid, row_max, log_s, logp, entropy, grad_logp, grad_entropy,
                                 *ctx.settings)
     return grad, None, None, None, None, None
@@ -112,21 +112,22 @@ def fused_linear_gtpo(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], id
                       old_logprobs: Optional[Tensor], ref_logprobs: Optional[Tensor], config_json: str,
                       initial_entropy: Optional[float], backend: str, compute_dtype: torch.dtype,
                       temperature: float, num_sequences: Optional[Tensor], num_tokens: Optional[Tensor],
-                      need_grads: List[bool]) -> List[Tensor]:
+                      row_lengths: Optional[List[int]], need_grads: List[bool]) -> List[Tensor]:
     """The fused loss and, computed on the way, its gradients: ``[loss, d_hidden, d_weight, d_bias, logp, H,
-    metric sums, completion entropy]`` (gradients not asked for are empty tensors)."""
+    metric sums, completion entropy]`` (gradients not asked for are empty tensors). ``row_lengths``: the
+    unmasked tokens of each row, when the caller has read them already (else one host synchronisation here)."""
     from .config import GTPOConfig
 
     config = GTPOConfig.from_dict(json.loads(config_json))
     kernels = kernels_for(get_backend(backend), compute_dtype)
     return fused_forward(hidden, weight, bias, ids, valid, advantages, lambda_, n_conflict, old_logprobs,
                          ref_logprobs, config, initial_entropy, kernels, compute_dtype, temperature, num_sequences,
-                         num_tokens, need_grads)
+                         num_tokens, row_lengths, need_grads)
 
 
 @fused_linear_gtpo.register_fake
 def _(hidden, weight, bias, ids, valid, advantages, lambda_, n_conflict, old_logprobs, ref_logprobs, config_json,
-      initial_entropy, backend, compute_dtype, temperature, num_sequences, num_tokens, need_grads):
+      initial_entropy, backend, compute_dtype, temperature, num_sequences, num_tokens, row_lengths, need_grads):
     from .result import SUMS_SIZE
 
     stat = stats_dtype(compute_dtype)
@@ -153,7 +154,7 @@ def _fused_grad(ctx, output_grads):
     if grad_loss is None:
         grad_loss = torch.zeros((), device=ctx.saved_tensors[0].device)
     grads = [g * grad_loss.to(g.dtype) if needed else None for g, needed in zip(ctx.saved_tensors, ctx.needed)]
-    return (*grads,) + (None,) * 15
+    return (*grads,) + (None,) * 16
 
 
 torch.library.register_autograd(f"{NAMESPACE}::fused_linear_gtpo", _fused_grad, setup_context=_fused_setup)

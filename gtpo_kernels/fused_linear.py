@@ -27,7 +27,7 @@ log-probs and the initial entropy, from hidden states.
 from __future__ import annotations
 
 import json
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -71,6 +71,21 @@ def _check_linear_inputs(hidden_states, lm_head_weight, lm_head_bias) -> torch.d
     return hidden_states.dtype
 
 
+def _read_checks_and_lengths(checks: validation.DeferredChecks, hidden_states, lm_head_weight, lm_head_bias,
+                             completion_ids, valid) -> Optional[List[int]]:
+    """The fused path's one host synchronisation: its value checks and the row lengths that plan its chunks,
+    read together. Its logits are finite when the hidden states and weights are, so those are checked in
+    place of the statistics (which come only after the chunks are planned). ``None`` under torch.compile
+    (the operator reads the lengths itself)."""
+    if torch.compiler.is_compiling():
+        return None
+    validation.add_ids_check(checks, completion_ids, valid, lm_head_weight.shape[0])
+    for name, tensor in (("hidden_states", hidden_states), ("lm_head_weight", lm_head_weight),
+                         ("lm_head_bias", lm_head_bias)):
+        validation.add_finite_check(checks, name, tensor)
+    return checks.read(valid.sum(dim=1))
+
+
 def fused_linear_gtpo_loss(
     hidden_states: torch.Tensor,
     lm_head_weight: torch.Tensor,
@@ -100,7 +115,7 @@ def fused_linear_gtpo_loss(
         completion_ids, completion_mask, advantages, group_size, config, old_logprobs, ref_logprobs,
         initial_entropy, conflict, num_sequences, num_tokens, temperature, backend: as for `gtpo_loss`.
             The memory budget is ``config.max_chunk_bytes`` (float32 bytes of one chunk's logits; default
-            256 MiB on the CPU, 2 GiB on a GPU bounded by a quarter of its free memory).
+            256 MiB on the CPU, 2 GiB on a GPU, constants: the same inputs give bitwise the same gradients).
 
     Returns:
         `GTPOLossOutput`; ``.loss`` is differentiable w.r.t. ``hidden_states``, ``lm_head_weight``
@@ -111,9 +126,11 @@ def fused_linear_gtpo_loss(
     vocab = lm_head_weight.shape[0]
     inputs = prepare_loss_inputs(
         hidden_states, completion_ids, completion_mask, advantages, group_size, config, old_logprobs,
-        ref_logprobs, initial_entropy, conflict, num_sequences, num_tokens, temperature, vocab_size=vocab,
+        ref_logprobs, initial_entropy, conflict, num_sequences, num_tokens, temperature,
         what="hidden_states [N, L, H]")
     config, valid = inputs.config, inputs.valid
+    row_lengths = _read_checks_and_lengths(inputs.checks, hidden_states, lm_head_weight, lm_head_bias,
+                                           completion_ids, valid)
     device = hidden_states.device
     backend_ = resolve_backend_name(backend, device.type)
     stat_dtype = stats_dtype(compute_dtype)
@@ -130,10 +147,8 @@ def fused_linear_gtpo_loss(
             hidden_states, lm_head_weight, lm_head_bias, completion_ids, valid, advantages.detach().to(stat_dtype),
             lambda_, n_conflict, old_logprobs, ref_logprobs, _config_json(config), inputs.initial_entropy,
             backend_, compute_dtype, inputs.temperature, as_count(num_sequences), as_count(num_tokens),
-            need_grads)
-    loss, logp, entropy, sums, completion_entropy = outputs[0], outputs[4], outputs[5], outputs[6], outputs[7]
-    if config.validate_inputs and not torch.compiler.is_compiling():
-        validation.check_token_stats_finite(logp, entropy, valid)
+            row_lengths, need_grads)
+    loss, sums, completion_entropy = outputs[0], outputs[6], outputs[7]
     metrics = GTPOMetrics.from_sums(sums, has_kl=ref_logprobs is not None)
     metrics.completion_entropy = completion_entropy
     return GTPOLossOutput(loss, metrics)
@@ -164,28 +179,19 @@ def fused_linear_token_logprobs_and_entropy(
     """
     compute_dtype = _check_linear_inputs(hidden_states, lm_head_weight, lm_head_bias)
     vocab = lm_head_weight.shape[0]
-    shape = validation.check_ids(completion_ids)
-    if tuple(hidden_states.shape[:2]) != shape:
-        raise ValueError(f"hidden_states [N, L, H] = {tuple(hidden_states.shape)} and completion_ids [N, L] = "
-                         f"{shape} disagree on N or L")
-    temperature = validation.check_temperature(temperature)
+    checks = validation.DeferredChecks(validate and not torch.compiler.is_compiling())
+    valid, temperature = validation.check_stats_inputs(hidden_states, "hidden_states [N, L, H]", completion_ids,
+                                                       completion_mask, temperature, checks)
     if max_chunk_bytes is not None and not (isinstance(max_chunk_bytes, int) and max_chunk_bytes > 0):
         raise ValueError(f"max_chunk_bytes must be a positive int or None, got {max_chunk_bytes!r}")
     device = hidden_states.device
-    validation.check_same_device(hidden_states=hidden_states, completion_ids=completion_ids,
-                                 completion_mask=completion_mask)
-    if completion_mask is None:
-        valid = torch.ones(shape, dtype=torch.bool, device=device)
-    else:
-        valid = validation.check_mask(completion_mask, shape, sync=validate)
-    if validate:
-        validation.check_ids_in_vocab(completion_ids, valid, vocab)
     kernels = kernels_for(get_backend(resolve_backend_name(backend, device.type)), compute_dtype)
     stat_dtype = stats_dtype(compute_dtype)
     w = lm_head_weight.to(compute_dtype)
     b = None if lm_head_bias is None else lm_head_bias.to(compute_dtype)
-    tokens = _unmasked_tokens(valid)
-    logp_all = torch.zeros(shape, dtype=stat_dtype, device=device)
+    tokens = _unmasked_tokens(valid, _read_checks_and_lengths(checks, hidden_states, lm_head_weight, lm_head_bias,
+                                                              completion_ids, valid))
+    logp_all = torch.zeros(valid.shape, dtype=stat_dtype, device=device)
     entropy_all = torch.zeros_like(logp_all)
     budget = chunk_tokens_for(vocab, device, max_chunk_bytes)
     with torch.autocast(device.type, enabled=False):
@@ -196,8 +202,6 @@ def fused_linear_token_logprobs_and_entropy(
             _, _, logp, entropy = _stats(kernels, _logits(h, w, b), y, temperature)
             logp_all.view(-1).index_copy_(0, tokens.flat[t0:t1], logp.to(stat_dtype))
             entropy_all.view(-1).index_copy_(0, tokens.flat[t0:t1], entropy.to(stat_dtype))
-    if validate:
-        validation.check_token_stats_finite(logp_all, entropy_all, valid)
     return logp_all, entropy_all
 
 

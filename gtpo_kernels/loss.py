@@ -75,20 +75,21 @@ def gtpo_loss(
     validation.check_logits(logits)
     inputs = prepare_loss_inputs(
         logits, completion_ids, completion_mask, advantages, group_size, config, old_logprobs, ref_logprobs,
-        initial_entropy, conflict, num_sequences, num_tokens, temperature, vocab_size=logits.shape[-1],
-        what="logits [N, L, V]")
+        initial_entropy, conflict, num_sequences, num_tokens, temperature, what="logits [N, L, V]")
     config = inputs.config
     backend_ = resolve_backend_name(backend, logits.device.type)
     logp, entropy = token_stats(backend_, logits, completion_ids, inputs.valid, temperature=inputs.temperature,
                                 max_chunk_bytes=config.max_chunk_bytes, inplace=config.inplace_backward)
-    if config.validate_inputs and not torch.compiler.is_compiling():
-        validation.check_token_stats_finite(logp, entropy, inputs.valid)
+    # The kernels report ids outside the vocabulary, NaN/+inf logits and sampled -inf tokens as NaN statistics.
+    validation.add_stats_check(inputs.checks, logp, entropy, inputs.valid, completion_ids, logits.shape[-1])
     lambda_, n_conflict = loss_conflict_weights(config, backend_, completion_ids, inputs.valid, advantages,
                                                 group_size, conflict)
-    return loss_from_token_stats(
+    out = loss_from_token_stats(
         logp, entropy, inputs.valid, advantages, lambda_, n_conflict, config, old_logprobs=old_logprobs,
         ref_logprobs=ref_logprobs, initial_entropy=inputs.initial_entropy, num_sequences=num_sequences,
         num_tokens=num_tokens)
+    inputs.checks.read()  # the call's one host synchronisation, after every kernel is queued
+    return out
 
 
 @dataclass
@@ -97,25 +98,24 @@ class LossInputs:
     valid: torch.Tensor  # [N, L] bool
     initial_entropy: Optional[float]
     temperature: float
+    checks: validation.DeferredChecks  # value checks, read once at the end of the call
 
 
 def prepare_loss_inputs(source, completion_ids, completion_mask, advantages, group_size, config, old_logprobs,
                         ref_logprobs, initial_entropy, conflict, num_sequences, num_tokens, temperature,
-                        vocab_size: int, what: str) -> LossInputs:
+                        what: str) -> LossInputs:
     """Checks the inputs shared by every GTPO loss entry point.
 
     ``source`` is the ``[N, L, *]`` tensor the loss reads (logits or hidden states), named ``what`` in
-    errors; ids at unmasked positions must lie in ``[0, vocab_size)``.
+    errors. Checks of values are queued on the returned ``checks`` (the caller adds its own, e.g. the
+    ids' range, and reads them all once).
     """
     config = config or GTPOConfig()
     if not isinstance(config, GTPOConfig):
         raise TypeError(f"config must be a GTPOConfig, got {type(config).__name__}")
-    shape = validation.check_ids(completion_ids)
-    if tuple(source.shape[:2]) != shape:
-        raise ValueError(f"{what} = {tuple(source.shape)} and completion_ids [N, L] = {shape} disagree on N "
-                         f"or L; position t of row i must predict completion_ids[i, t]")
-    # Value checks synchronise with the device: eager mode only (under torch.compile they would break the graph).
-    sync = config.validate_inputs and not torch.compiler.is_compiling()
+    shape = validation.check_rows_match_ids(source, what, completion_ids)
+    # Value checks need the device's answer: eager mode only (under torch.compile they would break the graph).
+    checks = validation.DeferredChecks(config.validate_inputs and not torch.compiler.is_compiling())
     needs_groups = config.use_conflict_weights and conflict is None
     if needs_groups and group_size is None:
         raise ValueError("the config uses conflict weights, which compare the completions of a group: pass "
@@ -126,17 +126,17 @@ def prepare_loss_inputs(source, completion_ids, completion_mask, advantages, gro
         group_size = None  # unused: not required to divide a slice's rows
     valid, initial_entropy = validation.check_loss_inputs(
         source, completion_ids, completion_mask, advantages, group_size, old_logprobs, ref_logprobs,
-        initial_entropy, sync=sync, vocab_size=vocab_size)
+        initial_entropy, checks)
     if config.use_conflict_weights and conflict is not None:
-        validation.check_conflict(conflict, shape, source, what.split(" ")[0], sync)
+        validation.check_conflict(conflict, shape, source, what.split(" ")[0], checks)
     if config.kl_beta and ref_logprobs is None:
         raise ValueError(f"config.kl_beta = {config.kl_beta} needs ref_logprobs [N, L]; pass the reference "
                          f"model's log-probs or set kl_beta=0")
-    validation.check_count("num_sequences", num_sequences, shape[0], sync,
+    validation.check_count("num_sequences", num_sequences, shape[0], checks,
                            "the number of completions in the whole optimisation batch")
-    validation.check_count("num_tokens", num_tokens, valid.sum() if sync else 0, sync,
+    validation.check_count("num_tokens", num_tokens, valid.sum() if checks.enabled else 0, checks,
                            "the number of unmasked tokens in the whole optimisation batch")
-    return LossInputs(config, valid, initial_entropy, validation.check_temperature(temperature))
+    return LossInputs(config, valid, initial_entropy, validation.check_temperature(temperature), checks)
 
 
 def loss_conflict_weights(config: GTPOConfig, backend: str, completion_ids, valid, advantages, group_size,

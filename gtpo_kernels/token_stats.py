@@ -44,7 +44,6 @@ class TokenStats(torch.autograd.Function):
     def backward(ctx, grad_logp: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor]):
         logits, ids, valid, row_max, log_s, logp, entropy = ctx.saved_tensors
         grad_logp = torch.zeros_like(logp) if grad_logp is None else grad_logp
-        grad_entropy = torch.zeros_like(logp) if grad_entropy is None else grad_entropy
         out = logits if ctx.inplace else torch.empty_like(logits, memory_format=torch.contiguous_format)
         ctx.kernels.backward(logits, ids, valid, row_max, log_s, logp, entropy, grad_logp, grad_entropy, out,
                              ctx.temperature, ctx.max_chunk_bytes)
@@ -95,22 +94,12 @@ def token_logprobs_and_entropy(
         ``(logp, H)``, each ``[N, L]`` float32 (float64 for float64 logits), one pass over the logits.
     """
     validation.check_logits(logits)
-    shape = validation.check_ids(completion_ids)
-    if tuple(logits.shape[:2]) != shape:
-        raise ValueError(f"logits [N, L, V] = {tuple(logits.shape)} and completion_ids [N, L] = {shape} "
-                         f"disagree on N or L")
-    validate = validate and not torch.compiler.is_compiling()
-    temperature = validation.check_temperature(temperature)
-    validation.check_same_device(logits=logits, completion_ids=completion_ids, completion_mask=completion_mask)
-    if completion_mask is None:
-        valid = torch.ones(shape, dtype=torch.bool, device=logits.device)
-    else:
-        valid = validation.check_mask(completion_mask, shape, sync=validate)
-    if validate:
-        validation.check_ids_in_vocab(completion_ids, valid, logits.shape[-1])
+    checks = validation.DeferredChecks(validate and not torch.compiler.is_compiling())
+    valid, temperature = validation.check_stats_inputs(logits, "logits [N, L, V]", completion_ids, completion_mask,
+                                                       temperature, checks)
     with torch.no_grad():
         logp, entropy = token_stats(resolve_backend_name(backend, logits.device.type), logits, completion_ids, valid,
                                     temperature=temperature)
-    if validate:
-        validation.check_token_stats_finite(logp, entropy, valid)
+    validation.add_stats_check(checks, logp, entropy, valid, completion_ids, logits.shape[-1])
+    checks.read()  # one host synchronisation
     return logp, entropy

@@ -1,9 +1,16 @@
-"""Input checks for the public API. Each error names the argument and says how to fix it."""
+"""Input checks for the public API. Each error names the argument and says how to fix it.
+
+Checks of shapes, dtypes and devices run on the host. Checks of values (mask pattern, ids in the
+vocabulary, finite advantages and statistics, whole-batch counts) need the device's answer: each adds a
+0-d flag to a `DeferredChecks`, and a loss call reads all of its flags, with anything else it needs from
+the device, in one host synchronisation (`DeferredChecks.read`). Only when a flag is up does the
+matching ``explain`` run the check again on the host, to name the first bad entry.
+"""
 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -12,6 +19,40 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 def _fail(message: str) -> None:
     raise ValueError(message)
+
+
+class DeferredChecks:
+    """Value checks answered by the device and read together: one host synchronisation per loss call.
+
+    ``enabled=False`` (``validate_inputs=False``, or tracing under ``torch.compile``) records nothing."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._flags: List[torch.Tensor] = []
+        self._explain: List[Callable[[], None]] = []
+
+    def add(self, bad: torch.Tensor, explain: Callable[[], None]) -> None:
+        """``bad``: a 0-d bool tensor, true when the check fails; ``explain()`` raises the check's error."""
+        if self.enabled:
+            self._flags.append(bad.reshape(1))
+            self._explain.append(explain)
+
+    def read(self, values: Optional[torch.Tensor] = None) -> Optional[List[int]]:
+        """Reads every flag, and ``values`` (an integer tensor on the same device, e.g. row lengths) with
+        them, in one synchronisation; raises the first failed check's error; returns ``values`` as a list."""
+        parts = [flag.to(torch.int64) for flag in self._flags]
+        if values is not None:
+            parts.append(values.reshape(-1).to(torch.int64))
+        if not parts:
+            return None
+        data = torch.cat(parts).tolist()
+        n_flags = len(self._flags)
+        for flag, explain in zip(data[:n_flags], self._explain):
+            if flag:
+                explain()
+                raise AssertionError("a gtpo_kernels input check failed on the device but not on the host")
+        self._flags, self._explain = [], []
+        return None if values is None else data[n_flags:]
 
 
 def check_float(name: str, tensor: torch.Tensor, shape: tuple, what: str) -> None:
@@ -45,7 +86,7 @@ def check_temperature(temperature) -> float:
     return float(temperature)
 
 
-def check_conflict(conflict, shape: tuple, anchor: torch.Tensor, anchor_name: str, sync: bool) -> None:
+def check_conflict(conflict, shape: tuple, anchor: torch.Tensor, anchor_name: str, checks: DeferredChecks) -> None:
     """``conflict = (lambda_ [N, L] float, n_conflict [N] integer)``, as `conflict_weights` returns."""
     if not (isinstance(conflict, (tuple, list)) and len(conflict) == 2
             and all(isinstance(t, torch.Tensor) for t in conflict)):
@@ -57,47 +98,60 @@ def check_conflict(conflict, shape: tuple, anchor: torch.Tensor, anchor_name: st
         _fail(f"conflict[1] (n_conflict) must be an integer tensor of shape [N] = {shape[:1]}, got "
               f"{n_conflict.dtype} {tuple(n_conflict.shape)}")
     check_same_device(**{anchor_name: anchor, "conflict[0]": lambda_, "conflict[1]": n_conflict})
-    if sync and not bool((torch.isfinite(lambda_) & (lambda_ >= 0)).all()):
+    def explain():
         _fail("conflict[0] (lambda_) must be finite and >= 0; pass what conflict_weights(...) returned, sliced "
               "like the rows")
 
+    checks.add(~(torch.isfinite(lambda_) & (lambda_ >= 0)).all(), explain)
 
-def check_count(name: str, value, at_least, sync: bool, what: str) -> None:
-    """A whole-batch count: an int or a 0-d tensor, at least this call's own count."""
+
+def check_count(name: str, value, at_least, checks: DeferredChecks, what: str) -> None:
+    """A whole-batch count: an int or a one-element tensor, finite, > 0 and at least this call's own count
+    ``at_least`` (an int or a 0-d tensor)."""
     if value is None:
         return
     if isinstance(value, torch.Tensor):
         if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
             _fail(f"{name} must be a number or a one-element tensor ({what}), got a {value.dtype} tensor of "
                   f"shape {tuple(value.shape)}")
-        if not sync:
-            return
-        value = float(value)
     elif isinstance(value, bool) or not isinstance(value, (int, float)):
         _fail(f"{name} must be a number ({what}), got {value!r}")
-    at_least = float(at_least)
-    if not (math.isfinite(value) and value >= at_least and value > 0):
-        _fail(f"{name} = {value!r} is less than this call's own count ({at_least:g}): it must be {what}, "
-              f"summed over every rank and micro-batch")
+
+    def explain():
+        _fail(f"{name} = {float(value)!r} is less than this call's own count ({float(at_least):g}) or not a "
+              f"positive number: it must be {what}, summed over every rank and micro-batch")
+
+    if isinstance(value, torch.Tensor) or isinstance(at_least, torch.Tensor):
+        device = (value if isinstance(value, torch.Tensor) else at_least).device
+        v = torch.as_tensor(value, dtype=torch.float64, device=device).reshape(())
+        floor = torch.as_tensor(at_least, dtype=torch.float64, device=device)
+        checks.add(~(torch.isfinite(v) & (v >= floor) & (v > 0)), explain)
+    elif not (math.isfinite(value) and value >= at_least and value > 0):
+        explain()
 
 
-def check_mask(completion_mask: torch.Tensor, shape: tuple, sync: bool) -> torch.Tensor:
+def check_mask(completion_mask: torch.Tensor, shape: tuple, checks: DeferredChecks) -> torch.Tensor:
     """Returns the mask as bool after checking it is ``[N, L]`` and a contiguous prefix of ones."""
     if not isinstance(completion_mask, torch.Tensor):
         _fail(f"completion_mask must be a torch.Tensor [N, L], got {type(completion_mask).__name__}")
     if tuple(completion_mask.shape) != tuple(shape):
         _fail(f"completion_mask must have shape [N, L] = {tuple(shape)}, got {tuple(completion_mask.shape)}")
     if completion_mask.dtype != torch.bool:
-        if sync and not bool(((completion_mask == 0) | (completion_mask == 1)).all()):
+        def explain_values():
             _fail("completion_mask must hold only 0 and 1 (or be a bool tensor)")
+
+        checks.add(~((completion_mask == 0) | (completion_mask == 1)).all(), explain_values)
         completion_mask = completion_mask != 0
-    if sync and completion_mask.shape[1] > 1:
+    if completion_mask.shape[1] > 1:
         gaps = completion_mask[:, 1:] & ~completion_mask[:, :-1]
-        if bool(gaps.any()):
+
+        def explain_gaps():
             row = int(gaps.any(dim=1).nonzero()[0, 0])
             _fail(f"completion_mask must be a contiguous prefix of ones per row (right padding), but "
                   f"row {row} has a 1 after a 0; left-padded or gapped masks are not supported: "
                   f"shift each completion to start at position 0")
+
+        checks.add(gaps.any(), explain_gaps)
     return completion_mask
 
 
@@ -113,8 +167,70 @@ def check_ids(completion_ids: torch.Tensor) -> tuple:
     return tuple(completion_ids.shape)
 
 
+def check_rows_match_ids(source: torch.Tensor, what: str, completion_ids: torch.Tensor) -> tuple:
+    """Checks ``completion_ids`` (`check_ids`) and that ``source`` (named ``what``, e.g. "logits [N, L, V]") has
+    one position per id; returns ``(N, L)``."""
+    shape = check_ids(completion_ids)
+    if tuple(source.shape[:2]) != shape:
+        _fail(f"{what} = {tuple(source.shape)} and completion_ids [N, L] = {shape} disagree on N or L; "
+              f"position t of row i must predict completion_ids[i, t]")
+    return shape
+
+
+def check_stats_inputs(source: torch.Tensor, what: str, completion_ids: torch.Tensor,
+                       completion_mask: Optional[torch.Tensor], temperature,
+                       checks: DeferredChecks) -> Tuple[torch.Tensor, float]:
+    """The checks of the no-grad statistics functions (on logits or on hidden states): ids, mask (default:
+    every position), device and temperature. Returns ``(valid [N, L] bool, temperature)``."""
+    shape = check_rows_match_ids(source, what, completion_ids)
+    temperature = check_temperature(temperature)
+    check_same_device(**{what.split(" ")[0]: source, "completion_ids": completion_ids,
+                         "completion_mask": completion_mask})
+    if completion_mask is None:
+        valid = torch.ones(shape, dtype=torch.bool, device=source.device)
+    else:
+        valid = check_mask(completion_mask, shape, checks)
+    return valid, temperature
+
+
+def ids_outside_vocab(completion_ids: torch.Tensor, valid: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[N, L]`` bool: unmasked positions whose id is not in ``[0, vocab_size)``."""
+    return valid & ((completion_ids < 0) | (completion_ids >= vocab_size))
+
+
+def add_ids_check(checks: DeferredChecks, completion_ids: torch.Tensor, valid: torch.Tensor, vocab_size: int) -> None:
+    """Ids in ``[0, vocab_size)`` at unmasked positions, as a deferred check (the fused path, which has no
+    statistics yet when it reads the flags; the logits path lets the kernels report them, `add_stats_check`)."""
+    checks.add(ids_outside_vocab(completion_ids, valid, vocab_size).any(),
+               lambda: check_ids_in_vocab(completion_ids, valid, vocab_size))
+
+
+def add_stats_check(checks: DeferredChecks, logp: torch.Tensor, entropy: torch.Tensor, valid: torch.Tensor,
+                    completion_ids: torch.Tensor, vocab_size: int) -> None:
+    """Finite statistics at unmasked positions, as a deferred check. The kernels return NaN for an id
+    outside the vocabulary, NaN or +inf logits and a sampled token at -inf, so this one small reduction over
+    ``[N, L]`` covers all of them; ``explain`` tells which."""
+    def explain():
+        check_ids_in_vocab(completion_ids, valid, vocab_size)
+        check_token_stats_finite(logp, entropy, valid)
+
+    checks.add((valid & ~(torch.isfinite(logp) & torch.isfinite(entropy))).any(), explain)
+
+
+def add_finite_check(checks: DeferredChecks, name: str, tensor: Optional[torch.Tensor]) -> None:
+    """``tensor`` holds no NaN or inf (hidden states and lm_head weights: what makes the fused path's logits)."""
+    if tensor is None:
+        return
+
+    def explain():
+        _fail(f"{name} holds NaN or inf values; fix the model's output or parameters (set "
+              f"config.validate_inputs=False to skip this check)")
+
+    checks.add(~torch.isfinite(tensor).all(), explain)
+
+
 def check_ids_in_vocab(completion_ids: torch.Tensor, valid: torch.Tensor, vocab_size: int) -> None:
-    out_of_range = valid & ((completion_ids < 0) | (completion_ids >= vocab_size))
+    out_of_range = ids_outside_vocab(completion_ids, valid, vocab_size)
     if bool(out_of_range.any()):
         row, pos = (int(x) for x in out_of_range.nonzero()[0])
         _fail(f"completion_ids must lie in [0, V={vocab_size}) at unmasked positions, but "
@@ -144,25 +260,27 @@ def check_initial_entropy(initial_entropy) -> Optional[float]:
 
 
 def check_loss_inputs(logits, completion_ids, completion_mask, advantages, group_size, old_logprobs,
-                      ref_logprobs, initial_entropy, sync: bool, vocab_size: Optional[int] = None):
+                      ref_logprobs, initial_entropy, checks: DeferredChecks):
     """Checks everything `gtpo_loss` takes except the logits' own shape, given as ``logits=[N, L, *]``,
-    and the conflict and count arguments (`check_conflict`, `check_count`).
+    the ids' range, and the conflict and count arguments (`add_stats_check`, `check_conflict`,
+    `check_count`).
 
     ``group_size`` may be ``None`` (checked only when given). Returns
-    ``(valid [N, L] bool, initial_entropy float|None)``. ``sync=False`` skips the checks that read tensor
-    values (mask pattern, id range, NaN advantages).
+    ``(valid [N, L] bool, initial_entropy float|None)``. The checks of values (mask pattern, finite
+    advantages) go to ``checks``.
     """
     shape = check_ids(completion_ids)
     n_rows = shape[0]
     check_same_device(logits=logits, completion_ids=completion_ids, completion_mask=completion_mask,
                       advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs)
-    valid = check_mask(completion_mask, shape, sync)
-    if sync and vocab_size is not None:
-        check_ids_in_vocab(completion_ids, valid, vocab_size)
+    valid = check_mask(completion_mask, shape, checks)
     check_float("advantages", advantages, (n_rows,), "[N]")
-    if sync and not bool(torch.isfinite(advantages).all()):
+
+    def explain_advantages():
         _fail("advantages must be finite, got NaN or inf; check the rewards (a group with std 0 and "
               "normalize_std=True needs eps > 0)")
+
+    checks.add(~torch.isfinite(advantages).all(), explain_advantages)
     if group_size is not None:
         check_group_size(group_size, n_rows)
     if old_logprobs is not None:

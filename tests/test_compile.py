@@ -74,7 +74,7 @@ def test_opcheck_fused_linear(backend):
     config = json.dumps(GTPOConfig().to_dict())
     torch.library.opcheck(custom_ops.fused_linear_gtpo,
                           (hidden, weight, None, ids, mask, adv, lambda_, n_conflict, None, None, config, None,
-                           backend, torch.float32, 0.7, None, None, [True, True, False]))
+                           backend, torch.float32, 0.7, None, None, None, [True, True, False]))
 
 
 # ---- a compiled training step ----------------------------------------------------------------------

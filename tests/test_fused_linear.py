@@ -47,14 +47,14 @@ def record_logits(monkeypatch, hidden: torch.Tensor) -> dict:
     from gtpo_kernels import fused_chunks, fused_linear
 
     rows = hidden.detach().reshape(-1, hidden.shape[-1]).float()
-    lookup = {row.numpy().tobytes(): i for i, row in enumerate(rows)}
+    lookup = {row.cpu().numpy().tobytes(): i for i, row in enumerate(rows)}  # .cpu(): hidden may be on a GPU
     seen = {}
     real = fused_chunks._logits
 
     def spy(h, w, b):
         out = real(h, w, b)
         for k in range(h.shape[0]):
-            seen.setdefault(lookup[h[k].float().numpy().tobytes()], out[k].detach().clone())
+            seen.setdefault(lookup[h[k].float().cpu().numpy().tobytes()], out[k].detach().cpu().clone())
         return out
 
     # The loss's chunk loop (fused_chunks) and the statistics alone (fused_linear) both compute logits.

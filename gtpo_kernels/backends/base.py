@@ -22,12 +22,14 @@ class Backend:
     the distribution ``softmax(logits / temperature)``:
 
         forward(logits, ids, valid, temperature, max_chunk_bytes) -> (row_max, log_s, logp, H)
-            each [N, L] float32 (float64 for float64 logits), zeros where masked: row_max is the largest
+            each [N, L] float32 (float64 for float64 logits), zeros where masked, NaN logp for an id
+            outside [0, V) (never an out-of-bounds read) and for NaN or +inf logits: row_max is the largest
             logit, log_s = log sum_v exp((z_v - row_max) / T) (so lse = row_max / T + log_s)
         backward(logits, ids, valid, row_max, log_s, logp, H, grad_logp, grad_H, out, temperature,
                  max_chunk_bytes) -> out
             writes d/dlogits of (sum grad_logp * logp + grad_H * H) into out ([N, L, V], last dimension
-            contiguous, may be logits itself), exact zeros where masked. log p_v = (z_v - row_max) / T - log_s
+            contiguous, may be logits itself), exact zeros where masked; grad_H None means zero (the
+            kernels may then skip the entropy term). log p_v = (z_v - row_max) / T - log_s
             keeps its precision near the max (z_v / T - lse would cancel), and the forward's logp gives the
             target's entry grad_logp (1 - p_y) as -grad_logp expm1(logp), without cancellation
         conflict_weights(ids, valid, advantages, group_size, weight) -> (lambda [N, L], n_conflict [N])

@@ -30,7 +30,9 @@ def forward(logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, temper
 
 def backward(logits, ids, valid, row_max, log_s, logp, entropy, grad_logp, grad_entropy, out, temperature: float = 1.0,
              max_chunk_bytes: Optional[int] = None):
-    """Writes the gradient of the logits into ``out`` (may be ``logits`` itself)."""
+    """Writes the gradient of the logits into ``out`` (may be ``logits`` itself); ``grad_entropy`` None is zero."""
+    if grad_entropy is None:
+        grad_entropy = torch.zeros_like(grad_logp)
     _ops().token_stats_backward(logits, ids, valid, row_max, log_s, logp, entropy, grad_logp, grad_entropy,
                                 1.0 / temperature, out)
     return out

@@ -51,8 +51,10 @@ def _chunk_stats(z: torch.Tensor, ids: torch.Tensor, temperature: float):
     entropy = log_s - weighted / sum_exp
     # (z_y - max) / T - log s rather than z_y / T - lse: no cancellation against a large lse, so the
     # log-prob of a confident token keeps its relative precision.
-    logp = shifted.gather(-1, ids[:, None]).squeeze(-1) - log_s
-    return z_max.squeeze(-1), log_s, logp, entropy
+    in_vocab = (ids >= 0) & (ids < z.shape[-1])
+    logp = shifted.gather(-1, torch.where(in_vocab, ids, 0)[:, None]).squeeze(-1) - log_s
+    # An id outside [0, V) (the loss reports it) gives NaN, never an out-of-bounds read.
+    return z_max.squeeze(-1), log_s, torch.where(in_vocab, logp, torch.nan), entropy
 
 
 def _blocks(n_rows: int, length: int, tokens: int):
@@ -97,10 +99,11 @@ def backward(logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, row_m
     read before it is overwritten); exact zeros at masked tokens."""
     acc = log_s.dtype
     chunk = chunk_tokens(logits.shape[-1], logits.device, max_chunk_bytes)
-    ids = torch.where(valid, ids.long(), 0)
+    in_vocab = (ids >= 0) & (ids < logits.shape[-1])
+    ids = torch.where(valid & in_vocab, ids.long(), 0)
     zero = torch.zeros((), dtype=acc, device=logits.device)
     grad_logp = torch.where(valid, grad_logp.to(acc), zero) / temperature
-    grad_entropy = torch.where(valid, grad_entropy.to(acc), zero) / temperature
+    grad_entropy = zero if grad_entropy is None else torch.where(valid, grad_entropy.to(acc), zero) / temperature
     for rows, pos in _blocks(*log_s.shape, chunk):
         z = logits[rows, pos].to(acc)
         # log p = (z - max) / T - log s: near the max, no cancellation against a large lse.
@@ -109,7 +112,8 @@ def backward(logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, row_m
         g_logp = grad_logp[rows, pos, None]
         # -g_logp p + g_H dH/du with dH/du = -p (log p + H); log p of banned tokens (-inf) zeroed.
         log_p = log_p.masked_fill(torch.isneginf(z), 0.0)
-        g_entropy, h = grad_entropy[rows, pos, None], entropy[rows, pos, None]
+        g_entropy = grad_entropy if grad_entropy.dim() == 0 else grad_entropy[rows, pos, None]
+        h = entropy[rows, pos, None]
         grad = -p * (g_logp + g_entropy * (log_p + h))
         # The target's entry g_logp (1 - p_y) - g_H p_y (log p_y + H), with 1 - p_y = -expm1(log p_y): the
         # difference cancels catastrophically for a confident sampled token.
