@@ -118,8 +118,9 @@ def check_count(name: str, value, at_least, checks: DeferredChecks, what: str) -
         _fail(f"{name} must be a number ({what}), got {value!r}")
 
     def explain():
-        _fail(f"{name} = {float(value)!r} is less than this call's own count ({float(at_least):g}) or not a "
-              f"positive number: it must be {what}, summed over every rank and micro-batch")
+        shown = float(value) if isinstance(value, torch.Tensor) else value
+        _fail(f"{name} = {shown!r} is less than this call's own count ({float(at_least):g}): it must be {what}, "
+              f"summed over every rank and micro-batch")
 
     if isinstance(value, torch.Tensor) or isinstance(at_least, torch.Tensor):
         device = (value if isinstance(value, torch.Tensor) else at_least).device
