@@ -1,4 +1,4 @@
-"""Group-relative advantages from rewards (SPEC.md, "Advantages")."""
+"""Group-relative advantages from rewards (docs/method.md, "Advantages")."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ included, wins. The config is frozen, so it is validated once and cannot drift a
 with ``config.replace(**changes)`` (or ``dataclasses.replace``), which re-resolves the preset: for example
 ``GTPOConfig(entropy_coef=0.05).replace(preset="grpo")`` is the ``grpo`` preset with ``entropy_coef=0.05``.
 
-See ``docs/method.md`` for what each knob does and ``../shared/SPEC.md`` for the definition.
+See ``docs/method.md`` for the definition and what each knob does.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class _FromPreset:
 
 PRESET: Any = _FromPreset()
 
-# Per-preset values of the knobs that depend on the preset (SPEC.md, "Presets").
+# Per-preset values of the knobs that depend on the preset (docs/method.md, "Presets").
 # `entropy_threshold=None`: no entropy filter. `clip_eps_*=None`: that side of the clip is open.
 _PRESET_VALUES = {
     "paper": dict(

@@ -1,4 +1,4 @@
-"""`conflict_weights`: the conflict-token weights of whole prompt groups (SPEC.md, "Conflict tokens").
+"""`conflict_weights`: the conflict-token weights of whole prompt groups (docs/method.md, "Conflict tokens").
 
 They compare all completions of a group, so a trainer that cuts groups across ranks or micro-batches
 computes them once, on whole groups (at rollout time), and hands each loss call its rows' slice through

@@ -8,7 +8,7 @@ backward turns into the gradient of the logits. Every entry point (`gtpo_loss`, 
 All terms are per completion or per token except the reductions' denominators, which are taken from
 ``num_sequences`` / ``num_tokens`` when given: a call then returns its rows' exact share of the loss of
 the whole optimisation batch, so calls over any partition of the rows add up to the whole batch's loss
-and gradient (SPEC.md, "Batches split across calls").
+and gradient (docs/method.md, "Batches split across calls").
 """
 
 from __future__ import annotations

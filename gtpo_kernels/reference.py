@@ -1,4 +1,4 @@
-"""The float64 oracle: the GTPO loss written straight from ``../shared/SPEC.md``, for tests only.
+"""The float64 oracle: the GTPO loss written straight from ``docs/method.md``, for tests only.
 
 Nothing on the package's hot path imports this module (a test checks it), and it shares no code with
 the production path beyond the config and result containers: the per-token statistics come from
@@ -37,7 +37,7 @@ def reference_conflict_weights(
     completion_ids: torch.Tensor, completion_mask: torch.Tensor, advantages: torch.Tensor, group_size: int,
     weight: float = 2.0,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(lambda [N, L] float64, n_conflict [N] int64)`` by loops over each group's rows (SPEC.md)."""
+    """``(lambda [N, L] float64, n_conflict [N] int64)`` by loops over each group's rows (docs/method.md)."""
     ids: List[List[int]] = completion_ids.tolist()
     lengths: List[int] = completion_mask.bool().sum(dim=1).tolist()
     adv: List[float] = advantages.tolist()
@@ -122,7 +122,7 @@ def reference_loss_from_token_stats(
     num_sequences: Optional[int] = None,
     num_tokens: Optional[int] = None,
 ) -> GTPOLossOutput:
-    """The loss from per-token ``logp, entropy [N, L]`` (its gradient w.r.t. them is the ``c, e`` of SPEC.md's
+    """The loss from per-token ``logp, entropy [N, L]`` (its gradient w.r.t. them is the ``c, e`` of docs/method.md's
     "Gradient with respect to the logits"); ``valid`` a bool prefix mask."""
     n_rows, length = completion_ids.shape
     dtype = logp.dtype

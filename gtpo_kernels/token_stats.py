@@ -26,7 +26,7 @@ class TokenStats(torch.autograd.Function):
     """``(logits [N, L, V], ids, valid, kernels, temperature, max_chunk_bytes, inplace) -> (logp, H)``, each
     ``[N, L]``, of ``softmax(logits / temperature)``.
 
-    The backward is the closed form of SPEC.md and is not itself differentiable: a second derivative
+    The backward is the closed form of docs/method.md and is not itself differentiable: a second derivative
     through it raises an error instead of returning a wrong one."""
 
     @staticmethod

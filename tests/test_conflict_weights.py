@@ -1,4 +1,4 @@
-"""Hand-computed cases of the conflict rules (SPEC.md, "Conflict tokens and weights")."""
+"""Hand-computed cases of the conflict rules (docs/method.md, "Conflict tokens")."""
 
 import pytest
 import torch

@@ -4,7 +4,7 @@ On-policy the loss value does not depend on the logits (rho = 1 in value), so fi
 would see nothing: the checks pass ``old_logprobs`` equal to the current log-probs (same gradient at
 that point as on-policy) or shifted away from them (clipping active).
 
-In the advantage-shift mode the completion entropy ``Hbar`` enters the loss *detached* (SPEC.md), so
+In the advantage-shift mode the completion entropy ``Hbar`` enters the loss *detached* (docs/method.md), so
 finite differences see a dependence the gradient deliberately omits. Those checks set
 ``entropy_coef=0`` (the filter, a step function, stays on); `test_detached_entropy_shift` then
 compares the gradient with the shift against plain autograd on the unfused reference.

@@ -1,6 +1,6 @@
 """Batches cut across calls (ranks, micro-batches, shuffled slices through prompt groups): with the conflict
 weights of whole groups and the whole batch's counts, the calls' losses and gradients add up to the whole
-batch's, and their metrics merge to the whole batch's (SPEC.md, "Batches split across calls")."""
+batch's, and their metrics merge to the whole batch's (docs/method.md, "Batches split across calls")."""
 
 import itertools
 

@@ -3,7 +3,7 @@
 The unchunked oracle (`reference.py`) lets autograd keep several float32 ``[T, V]`` tensors alive until
 backward. Here the forward keeps only a few numbers per token, and both passes walk the tokens in
 chunks, so at most one chunk's float32 logits and softmax exist at a time. The backward uses the closed
-form from SPEC.md, for ``u = z / T``:
+form from docs/method.md, for ``u = z / T``:
 
     dlogits = (g_logp * (onehot(y) - p) + g_H * dH/du) / T,   dH/du = -p * (log p + H)
 
