@@ -1,7 +1,7 @@
 """`GTPOConfig`: every knob of the GTPO loss, filled from a preset, validated, immutable.
 
-A preset fills only the knobs the user did not set: a knob left at its default (shown as ``PRESET``
-in the repr of the class, never of an instance) takes the preset's value, and any value given, ``None``
+A preset fills only the knobs the user did not set: a knob left at its default (``PRESET``, the string
+``"<from the preset>"``, in the class's signature, never in an instance) takes the preset's value, and any value given, ``None``
 included, wins. The config is frozen, so it is validated once and cannot drift afterwards; change it
 with ``config.replace(**changes)`` (or ``dataclasses.replace``), which re-resolves the preset: for example
 ``GTPOConfig(entropy_coef=0.05).replace(preset="grpo")`` is the ``grpo`` preset with ``entropy_coef=0.05``.
@@ -20,24 +20,10 @@ REDUCTIONS = ("sequence_mean", "sum", "token_mean", "dr_grpo")
 ENTROPY_MODES = ("advantage_shift", "penalty")
 
 
-class _FromPreset:
-    """Default of the knobs a preset fills: "not given by the user"."""
-
-    _instance = None
-
-    def __new__(cls):
-        if cls._instance is None:
-            cls._instance = super().__new__(cls)
-        return cls._instance
-
-    def __repr__(self) -> str:
-        return "PRESET"
-
-    def __reduce__(self):
-        return (_FromPreset, ())
-
-
-PRESET: Any = _FromPreset()
+# Default of the knobs a preset fills: "not given by the user". A string, not a sentinel object, so that
+# torch.compile can trace a config built inside a compiled function (Dynamo wraps str constants, not
+# instances of a private class).
+PRESET: Any = "<from the preset>"
 
 # Per-preset values of the knobs that depend on the preset (docs/method.md, "Presets").
 # `entropy_threshold=None`: no entropy filter. `clip_eps_*=None`: that side of the clip is open.

@@ -41,10 +41,19 @@ from .loss import Conflict, loss_conflict_weights, prepare_loss_inputs
 from .result import GTPOLossOutput, GTPOMetrics
 
 
+_CONFIG_FIELDS = tuple(GTPOConfig().to_dict())
+
+
 @torch.compiler.assume_constant_result
+def _json_of(items: tuple) -> str:
+    return json.dumps(dict(items))
+
+
 def _config_json(config: GTPOConfig) -> str:
-    """The config as the operator takes it (a string); a constant for ``torch.compile``."""
-    return json.dumps(config.to_dict())
+    """The config as the operator takes it (a string); a constant for ``torch.compile``. Made from the
+    resolved values, which Dynamo tracks even for a config built inside the compiled function (the object
+    itself it would hand over with the preset's sentinels still in place)."""
+    return _json_of(tuple((name, getattr(config, name)) for name in _CONFIG_FIELDS))
 
 
 def _check_linear_inputs(hidden_states, lm_head_weight, lm_head_bias) -> torch.dtype:
@@ -148,7 +157,8 @@ def fused_linear_gtpo_loss(
             lambda_, n_conflict, old_logprobs, ref_logprobs, _config_json(config), inputs.initial_entropy,
             backend_, compute_dtype, inputs.temperature, as_count(num_sequences), as_count(num_tokens),
             row_lengths, need_grads)
-    loss, sums, completion_entropy = outputs[0], outputs[6], outputs[7]
+    # The operator's outputs all carry its grad_fn; metrics are reports, never part of the graph.
+    loss, sums, completion_entropy = outputs[0], outputs[6].detach(), outputs[7].detach()
     metrics = GTPOMetrics.from_sums(sums, has_kl=ref_logprobs is not None)
     metrics.completion_entropy = completion_entropy
     return GTPOLossOutput(loss, metrics)

@@ -129,6 +129,11 @@ def prepare_loss_inputs(source, completion_ids, completion_mask, advantages, gro
         initial_entropy, checks)
     if config.use_conflict_weights and conflict is not None:
         validation.check_conflict(conflict, shape, source, what.split(" ")[0], checks)
+    if config.loss_reduction == "dr_grpo" and num_sequences is not None and config.max_completion_length is None:
+        raise ValueError("loss_reduction='dr_grpo' divides by num_sequences * max_completion_length; for a call that "
+                         "holds a slice of the batch (num_sequences given) set GTPOConfig(max_completion_length=...) "
+                         "to the generation cap, or each slice would divide by its own padded length and the "
+                         "slices would not add up to the whole batch's loss")
     if config.kl_beta and ref_logprobs is None:
         raise ValueError(f"config.kl_beta = {config.kl_beta} needs ref_logprobs [N, L]; pass the reference "
                          f"model's log-probs or set kl_beta=0")

@@ -22,6 +22,8 @@ def test_statistics_at_real_vocabularies(backend, vocab, kind):
     logp_err, entropy_err = errors(backend, logits, ids)
     bar = FLAT_BAR if kind == "flat" else CONFIDENT_BAR
     assert logp_err <= bar and entropy_err <= bar, (logp_err, entropy_err)
+    if backend == "torch":
+        return  # the reference of the comparison below
     # Within 2x of the plain PyTorch backend's error (plus float32's spacing at 1, for tiny errors).
     torch_logp_err, torch_entropy_err = errors("torch", logits, ids)
     assert logp_err <= 2 * torch_logp_err + 6e-8 and entropy_err <= 2 * torch_entropy_err + 6e-8

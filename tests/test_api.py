@@ -7,6 +7,7 @@ import torch
 
 import gtpo_kernels
 from gtpo_kernels import GTPOConfig, GTPOLoss, compute_advantages, gtpo_loss
+from gtpo_kernels.backends import registered
 
 from .helpers import random_batch
 
@@ -279,3 +280,31 @@ def test_infinite_threshold_switches_the_filter_off(batch):
     logits, ids, mask, adv = batch
     out = call(logits, ids, mask, adv, config=GTPOConfig(entropy_threshold=float("inf")))
     assert float(out.metrics.filtered_fraction) == 0.0
+
+
+@pytest.mark.parametrize("entry", ["logits", "fused_linear"])
+@pytest.mark.parametrize("backend", registered())
+def test_every_metric_is_detached(entry, backend):
+    """Metrics are reports: none carries a grad_fn (backpropagating through one would silently give zero,
+    and reading one as a float warns), whatever the entry point and backend."""
+    from gtpo_kernels import fused_linear_gtpo_loss
+
+    from .helpers import device_for, random_batch
+
+    logits, ids, mask, adv = random_batch(2, 3, 5, 13, seed=9)
+    dev = device_for(backend)
+    g = torch.Generator().manual_seed(9)
+    ref = logits.log_softmax(-1).gather(-1, ids[..., None])[..., 0] - 0.1
+    kwargs = dict(group_size=3, config=GTPOConfig(kl_beta=0.1), ref_logprobs=ref.to(dev), old_logprobs=ref.to(dev),
+                  backend=backend)
+    if entry == "logits":
+        out = gtpo_loss(logits.to(dev).requires_grad_(), ids.to(dev), mask.to(dev), adv.to(dev), **kwargs)
+    else:
+        hidden = torch.randn(6, 5, 8, generator=g).to(dev).requires_grad_()
+        weight = torch.randn(13, 8, generator=g).to(dev).requires_grad_()
+        out = fused_linear_gtpo_loss(hidden, weight, ids.to(dev), mask.to(dev), adv.to(dev), **kwargs)
+    assert out.loss.requires_grad
+    fields = {name: value for name, value in vars(out.metrics).items() if isinstance(value, torch.Tensor)}
+    assert len(fields) >= 10
+    for name, value in fields.items():
+        assert not value.requires_grad and value.grad_fn is None, name

@@ -120,23 +120,26 @@ def test_compiled_step_equals_eager_without_graph_breaks_or_recompiles(backend, 
     compiled = torch.compile(make_step(model, backend, fused), fullgraph=True)  # fullgraph: a break raises
     eager = make_step(model, backend, fused)
     for seed in range(2):
-        batch = step_batch(seed)
-        results = []
-        for fn in (eager, compiled):
-            model.zero_grad()
-            loss, entropy = fn(*batch)
-            loss.backward()
-            results.append((loss.detach(), entropy, [p.grad.clone() for p in model.parameters() if p.grad is not None]))
-        (loss_e, ent_e, grads_e), (loss_c, ent_c, grads_c) = results
-        torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-7)
-        torch.testing.assert_close(ent_c, ent_e, rtol=1e-5, atol=1e-7)
-        assert len(grads_c) == len(grads_e) > 5
-        for a, b in zip(grads_c, grads_e):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
-        if seed == 0:
-            # New data, same shapes: the second call must reuse the graph.
-            torch._dynamo.config.error_on_recompile = True
-    torch._dynamo.config.error_on_recompile = False
+        # New data, same shapes: the second call must reuse the graph. The patch is undone when the block
+        # ends, pass or fail (the global setting used to stay on after a failure).
+        with torch._dynamo.config.patch(error_on_recompile=seed > 0):
+            compare_step(compiled, eager, model, step_batch(seed))
+
+
+def compare_step(compiled, eager, model, batch):
+    """One step compiled and eager: equal loss, entropy metric and parameter gradients."""
+    results = []
+    for fn in (eager, compiled):
+        model.zero_grad()
+        loss, entropy = fn(*batch)
+        loss.backward()
+        results.append((loss.detach(), entropy, [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    (loss_e, ent_e, grads_e), (loss_c, ent_c, grads_c) = results
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(ent_c, ent_e, rtol=1e-5, atol=1e-7)
+    assert len(grads_c) == len(grads_e) > 5
+    for a, b in zip(grads_c, grads_e):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_dynamic_shapes_compile_once_more_at_most():
@@ -149,3 +152,38 @@ def test_dynamic_shapes_compile_once_more_at_most():
         loss, _ = compiled(*step_batch(n, n=n, length=length))
         loss.backward()
     assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+
+
+# ---- the config built where a user builds it: inside the compiled function -----------------------------
+
+@pytest.mark.parametrize("entry", ["logits", "fused_linear"])
+@pytest.mark.parametrize("how", ["no config", "GTPOConfig(...)", "replace(...)"])
+def test_config_built_inside_the_compiled_function(entry, how):
+    """The most natural call, gtpo_loss(...) without a config, once failed under fullgraph: Dynamo inlined the
+    config's __init__ and could not wrap its preset sentinel."""
+    logits, ids, mask, adv = random_batch(2, 2, 5, 11, seed=8, sharpness=8.0)  # some completions kept
+    g = torch.Generator().manual_seed(8)
+    hidden, weight = torch.randn(4, 5, 6, generator=g), 3 * torch.randn(11, 6, generator=g)
+
+    def config():
+        if how == "no config":
+            return None
+        if how == "GTPOConfig(...)":
+            return GTPOConfig(preset="official", entropy_coef=0.05)
+        return GTPOConfig(preset="official").replace(entropy_coef=0.05)
+
+    def step(x):
+        if entry == "logits":
+            return gtpo_loss(x, ids, mask, adv, group_size=2, config=config(), initial_entropy=0.5, backend="torch").loss
+        return fused_linear_gtpo_loss(x, weight, ids, mask, adv, group_size=2, config=config(), initial_entropy=0.5,
+                                      backend="torch").loss
+
+    x = (logits if entry == "logits" else hidden).clone().requires_grad_()
+    compiled = torch.compile(step, fullgraph=True, backend="eager")  # Dynamo's tracing is what failed
+    loss_c = compiled(x)
+    grad_c, = torch.autograd.grad(loss_c, x)
+    loss_e = step(x)
+    grad_e, = torch.autograd.grad(loss_e, x)
+    torch.testing.assert_close(loss_c, loss_e)
+    torch.testing.assert_close(grad_c, grad_e)
+    assert grad_e.abs().max() > 0

@@ -54,7 +54,7 @@ def run(entry, leaves, ids, mask, adv, old, ref, config, rows=None, **kwargs):
 def test_any_partition_adds_up_to_the_whole_batch(entry, preset, reduction):
     hidden, weight, ids, mask, adv, old, ref = batch(seed=PRESETS.index(preset))
     config = GTPOConfig(preset=preset, loss_reduction=reduction, kl_beta=0.05, clip_eps_low=0.2, clip_eps_high=0.28,
-                        max_completion_length=8 if reduction == "dr_grpo" and preset == "grpo" else None)
+                        max_completion_length=8 if reduction == "dr_grpo" else None)
     leaves = [hidden.clone().requires_grad_(), weight.clone().requires_grad_()]
     whole = run(entry, leaves, ids, mask, adv, old, ref, config, group_size=G)
     whole.loss.backward()
@@ -167,3 +167,15 @@ def test_dr_grpo_with_max_completion_length_by_hand():
     ids_p = torch.cat([ids, torch.zeros(2, 4, dtype=torch.long)], dim=1)
     mask_p = torch.cat([mask, torch.zeros(2, 4, dtype=torch.bool)], dim=1)
     assert float(gtpo_loss(padded, ids_p, mask_p, adv, config=capped).loss) == pytest.approx(-1 / 16)
+
+
+@pytest.mark.parametrize("entry", ["logits", "fused"])
+def test_dr_grpo_slices_need_the_generation_cap(entry):
+    """Without max_completion_length each call would divide by its own padded length: two trimmed slices gave
+    0.0625 where the whole batch gives 0.0208. A call that holds a slice (num_sequences given) is refused."""
+    hidden, weight, ids, mask, adv, old, ref = batch()
+    config = GTPOConfig(preset="grpo", loss_reduction="dr_grpo")
+    leaves = [hidden, weight]
+    run(entry, leaves, ids, mask, adv, old, ref, config)  # a whole batch: its own L is the batch's
+    with pytest.raises(ValueError, match="dr_grpo.*max_completion_length"):
+        run(entry, leaves, ids, mask, adv, old, ref, config, rows=torch.arange(4), num_sequences=ids.shape[0])

@@ -54,10 +54,16 @@ def test_two_processes_update_as_one(tiny_model_dir, tmp_path, fsdp):
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
     assert a["metrics"] == pytest.approx(b["metrics"], rel=1e-6)
     assert a["params"].keys() == b["params"].keys()
-    for name, value in a["params"].items():
-        torch.testing.assert_close(b["params"][name], value, rtol=0, atol=1e-6, msg=name)
     initial = __import__("transformers").AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
-    assert any(not torch.allclose(a["params"]["model." + k], v) for k, v in initial.items())  # it did update
+    updates = {name: (a["params"][name] - initial[name[len("model."):]], b["params"][name] - initial[name[len("model."):]])
+               for name in a["params"]}
+    step = max(float(one.abs().max()) for one, _ in updates.values())
+    assert step > 0  # it did update
+    # The two updates agree to 1 % of the largest step (Adam turns the rounding of gradient entries near 0
+    # into steps of up to 1e-3 of the learning rate whatever their size): a bound that scales with the
+    # learning rate instead of a fixed 1e-6.
+    for name, (one, two) in updates.items():
+        torch.testing.assert_close(two, one, rtol=0, atol=1e-2 * step, msg=name)
 
 
 def test_torchrun_training_run_writes_one_log(tiny_model_dir, tmp_path):
