@@ -29,7 +29,8 @@ def conflict_weights(
 
     Args:
         completion_ids: ``[N, L]`` integer ids (values at masked positions are ignored).
-        completion_mask: ``[N, L]``, a contiguous prefix of ones per row.
+        completion_mask: ``[N, L]``, a prefix of ones per row; holes inside a completion (a tool's output)
+            are part of it here: the runs are those of the completions as generated, up to each row's last 1.
         advantages: ``[N]`` raw advantages; only their signs matter.
         group_size: ``G``; rows ``b*G .. b*G+G-1`` are one group (whole groups only).
         weight: ``W``, the weight of a conflict token in a positive completion (``config.conflict_weight``).
@@ -54,7 +55,15 @@ def conflict_weights(
                                     advantages, group_size, weight)
 
 
+def as_generated(valid: torch.Tensor) -> torch.Tensor:
+    """``[N, L]`` bool: the positions up to each row's last unmasked one. A mask with holes (a tool's output
+    inside a completion) marks what takes part in the loss; the completion as generated, on which the
+    conflict runs are computed, runs to its last unmasked token. A prefix mask is its own."""
+    return valid.flip(1).to(torch.int8).cummax(dim=1).values.flip(1).bool()
+
+
 def compute_conflict_weights(backend: str, completion_ids, valid, advantages, group_size: int, weight: float):
-    """Unchecked: ``valid`` a bool prefix mask; float64 advantages keep float64 weights (torch backend). Through
-    the registered operator ``gtpo_kernels::conflict_weights``."""
-    return custom_ops.conflict_weights(completion_ids, valid, advantages.detach(), group_size, float(weight), backend)
+    """Unchecked: ``valid`` a bool mask (holes allowed: the runs are those of `as_generated`); float64 advantages
+    keep float64 weights (torch backend). Through the registered operator ``gtpo_kernels::conflict_weights``."""
+    return custom_ops.conflict_weights(completion_ids, as_generated(valid), advantages.detach(), group_size,
+                                       float(weight), backend)

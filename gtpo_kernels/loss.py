@@ -43,7 +43,9 @@ def gtpo_loss(
             caller). float16, bfloat16, float32 or float64; statistics accumulate in float32 (float64 for
             float64 input). ``-inf`` entries (banned tokens) are allowed.
         completion_ids: ``[N, L]`` integer ids; values at masked positions are ignored.
-        completion_mask: ``[N, L]`` bool or 0/1, a contiguous prefix of ones per row (EOS included).
+        completion_mask: ``[N, L]`` bool or 0/1: 1 on the tokens to train (EOS included), right-padded. Holes
+            inside a completion (a tool's output) take no part in the loss; the conflict runs still count
+            them (docs/method.md, "Inputs").
         advantages: ``[N]`` float, e.g. from `compute_advantages`.
         group_size: ``G``, completions per prompt, with the rows of a group contiguous: needed only to
             compute the conflict weights here, from whole groups. May be ``None`` when ``conflict`` is

@@ -150,7 +150,7 @@ def loss_from_token_stats(
     Args:
         token_logprobs, token_entropy: ``[N, L]`` float32/float64, differentiable; values at masked
             positions are never used (they may hold anything, even NaN).
-        valid: ``[N, L]`` bool, a prefix of ones per row.
+        valid: ``[N, L]`` bool: the tokens that take part (a prefix per row, or with holes).
         advantages: ``[N]``.
         lambda_, n_conflict: ``[N, L]`` conflict weights and ``[N]`` conflict counts (`conflict_weights`),
             or ``None`` when the config does not use them.

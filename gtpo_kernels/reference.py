@@ -123,7 +123,8 @@ def reference_loss_from_token_stats(
     num_tokens: Optional[int] = None,
 ) -> GTPOLossOutput:
     """The loss from per-token ``logp, entropy [N, L]`` (its gradient w.r.t. them is the ``c, e`` of docs/method.md's
-    "Gradient with respect to the logits"); ``valid`` a bool prefix mask."""
+    "Gradient with respect to the logits"); ``valid`` a bool mask: a prefix of ones per row, or with holes
+    (masked positions inside a completion take no part in the loss, but count in the conflict runs)."""
     n_rows, length = completion_ids.shape
     dtype = logp.dtype
     if not config.use_conflict_weights:
@@ -131,11 +132,15 @@ def reference_loss_from_token_stats(
     elif conflict is not None:
         lambda_, n_conflict = conflict
     else:
-        lambda_, n_conflict = reference_conflict_weights(completion_ids.cpu(), valid.cpu(), advantages.cpu(),
+        # Runs are those of the completions as generated: a masked position inside a completion (a tool's
+        # output) is still part of it there, and only the positions after the last unmasked one are not.
+        as_generated = torch.tensor([[any(row[t:]) for t in range(length)] for row in valid.cpu().tolist()],
+                                    dtype=torch.bool).reshape(n_rows, length)
+        lambda_, n_conflict = reference_conflict_weights(completion_ids.cpu(), as_generated, advantages.cpu(),
                                                          group_size, config.conflict_weight)
     device = logp.device
     lambda_, n_conflict = lambda_.to(device), n_conflict.tolist()
-    lengths = valid.sum(dim=1).tolist()
+    lengths = valid.sum(dim=1).tolist()  # the tokens that take part in the loss
 
     tau = config.entropy_threshold
     filter_on = tau is not None and math.isfinite(tau)
@@ -155,13 +160,15 @@ def reference_loss_from_token_stats(
             kept.append(True)
             signal.append(False)
             continue
-        lp, h = logp[i, :n], entropy[i, :n]
+        # The positions that take part (a prefix, or with holes where a mask has them).
+        at = valid[i].nonzero().squeeze(1)
+        lp, h = logp[i, at], entropy[i, at]
         h_bar = float(h.detach().mean())
         delta = 0.0 if filter_on and h_bar > tau else 1.0
         a = float(advantages[i])
         shaped = delta * (a - gamma * h_bar) if config.entropy_mode == "advantage_shift" else delta * a
-        old = lp.detach() if old_logprobs is None else old_logprobs[i, :n].to(dtype)
-        lam = lambda_[i, :n].to(dtype)
+        old = lp.detach() if old_logprobs is None else old_logprobs[i, at].to(dtype)
+        lam = lambda_[i, at].to(dtype)
         token_adv = lam * shaped
         ratio = torch.exp(lp - old)
         if config.clipping:
@@ -173,7 +180,7 @@ def reference_loss_from_token_stats(
         if config.entropy_mode == "penalty":
             terms = terms + gamma * h
         if ref_logprobs is not None:
-            r = ref_logprobs[i, :n].to(dtype) - lp
+            r = ref_logprobs[i, at].to(dtype) - lp
             k3 = torch.exp(r) - r - 1
             kl_sum += float(k3.detach().sum())
             if config.kl_beta:

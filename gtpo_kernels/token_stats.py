@@ -86,7 +86,7 @@ def token_logprobs_and_entropy(
     Args:
         logits: ``[N, L, V]``.
         completion_ids: ``[N, L]`` integer ids.
-        completion_mask: ``[N, L]`` prefix mask; masked positions return 0 (default: all unmasked).
+        completion_mask: ``[N, L]``; masked positions return 0 (default: all unmasked).
         temperature: the statistics are those of ``softmax(logits / temperature)``, computed inside the
             kernels (no scaled copy of the logits).
 

@@ -132,7 +132,9 @@ def check_count(name: str, value, at_least, checks: DeferredChecks, what: str) -
 
 
 def check_mask(completion_mask: torch.Tensor, shape: tuple, checks: DeferredChecks) -> torch.Tensor:
-    """Returns the mask as bool after checking it is ``[N, L]`` and a contiguous prefix of ones."""
+    """Returns the mask as bool after checking it is ``[N, L]`` of 0/1 and that every non-empty row starts
+    with a 1 (right padding). Holes inside a row are allowed: those positions take no part in the loss (e.g.
+    a tool's output inside a completion; see docs/method.md, "Inputs")."""
     if not isinstance(completion_mask, torch.Tensor):
         _fail(f"completion_mask must be a torch.Tensor [N, L], got {type(completion_mask).__name__}")
     if tuple(completion_mask.shape) != tuple(shape):
@@ -143,16 +145,17 @@ def check_mask(completion_mask: torch.Tensor, shape: tuple, checks: DeferredChec
 
         checks.add(~((completion_mask == 0) | (completion_mask == 1)).all(), explain_values)
         completion_mask = completion_mask != 0
-    if completion_mask.shape[1] > 1:
-        gaps = completion_mask[:, 1:] & ~completion_mask[:, :-1]
+    if completion_mask.shape[1] > 0:
+        # A row whose first position is masked but a later one is not: left padding, which would misalign the
+        # completions' positions (holes after the first token are a completion's tool outputs).
+        left_padded = completion_mask.any(dim=1) & ~completion_mask[:, 0]
 
-        def explain_gaps():
-            row = int(gaps.any(dim=1).nonzero()[0, 0])
-            _fail(f"completion_mask must be a contiguous prefix of ones per row (right padding), but "
-                  f"row {row} has a 1 after a 0; left-padded or gapped masks are not supported: "
-                  f"shift each completion to start at position 0")
+        def explain_left_padding():
+            row = int(left_padded.nonzero()[0, 0])
+            _fail(f"completion_mask must start each non-empty row with a 1 (right padding), but row {row} starts "
+                  f"with a 0; left-padded masks are not supported: shift each completion to start at position 0")
 
-        checks.add(gaps.any(), explain_gaps)
+        checks.add(left_padded.any(), explain_left_padding)
     return completion_mask
 
 

@@ -76,16 +76,17 @@ def test_mask_shape_and_values(batch):
         call(logits, ids, mask.float() * 2, adv)
 
 
-def test_mask_must_be_a_contiguous_prefix(batch):
+def test_mask_must_be_right_padded(batch):
+    """Holes inside a completion are allowed (tests/test_mask_holes.py); a masked first position before an
+    unmasked one is left padding, which would misalign the completions, and is refused."""
     logits, ids, mask, adv = batch
-    gapped = torch.ones_like(mask)
-    gapped[1, 2] = False
-    with pytest.raises(ValueError, match="contiguous prefix of ones.*row 1"):
-        call(logits, ids, gapped, adv)
     left_padded = torch.ones_like(mask)
     left_padded[4, 0] = False
-    with pytest.raises(ValueError, match="left-padded"):
+    with pytest.raises(ValueError, match="row 4 starts with a 0; left-padded"):
         call(logits, ids, left_padded, adv)
+    gapped = torch.ones_like(mask)
+    gapped[1, 2] = False
+    call(logits, ids, gapped, adv)
 
 
 def test_mask_dtypes_accepted(batch):

@@ -18,7 +18,7 @@ def stats_dtype(dtype: torch.dtype) -> torch.dtype:
 class Backend:
     """One backend: its kernels and where they run.
 
-    The kernels, over ``logits [N, L, V]`` and ``ids, valid [N, L]`` (``valid`` a bool prefix mask), for
+    The kernels, over ``logits [N, L, V]`` and ``ids, valid [N, L]`` (``valid`` a bool mask), for
     the distribution ``softmax(logits / temperature)``:
 
         forward(logits, ids, valid, temperature, max_chunk_bytes) -> (row_max, log_s, logp, H)
