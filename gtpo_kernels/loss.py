@@ -141,8 +141,12 @@ def prepare_loss_inputs(source, completion_ids, completion_mask, advantages, gro
                          f"model's log-probs or set kl_beta=0")
     validation.check_count("num_sequences", num_sequences, shape[0], checks,
                            "the number of completions in the whole optimisation batch")
-    validation.check_count("num_tokens", num_tokens, valid.sum() if checks.enabled else 0, checks,
-                           "the number of unmasked tokens in the whole optimisation batch")
+    # No lower bound from this call: under DDP, which averages the processes' gradients, each process passes
+    # the whole batch's tokens divided by the number of processes, which a process with long completions
+    # may exceed on its own.
+    validation.check_count("num_tokens", num_tokens, 0, checks,
+                           "the number of unmasked tokens in the whole optimisation batch (summed over every "
+                           "rank and micro-batch; divided by the number of processes when DDP averages them)")
     return LossInputs(config, valid, initial_entropy, validation.check_temperature(temperature), checks)
 
 

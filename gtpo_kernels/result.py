@@ -65,14 +65,18 @@ class GTPOMetrics:
     num_nonempty: Optional[torch.Tensor] = None
 
     def to_dict(self) -> dict:
-        """Scalar metrics as Python floats (one device sync); ``completion_entropy`` is averaged."""
-        out = {}
+        """Scalar metrics as Python floats, read in one device sync; ``completion_entropy`` is averaged."""
+        names, values = [], []
         for f in fields(self):
             value = getattr(self, f.name)
             if value is None:
                 continue
-            out[f.name] = float(value.float().mean()) if value.numel() else 0.0
-        return out
+            names.append(f.name)
+            values.append(value.detach().to(torch.float64).mean() if value.numel()
+                          else torch.zeros((), dtype=torch.float64, device=value.device))
+        if not values:
+            return {}
+        return dict(zip(names, torch.stack([v.to(values[0].device) for v in values]).tolist()))
 
     def to_sums(self) -> torch.Tensor:
         """A float64 vector of sums and counts; the elementwise sum of several calls' vectors (for

@@ -106,8 +106,8 @@ def check_conflict(conflict, shape: tuple, anchor: torch.Tensor, anchor_name: st
 
 
 def check_count(name: str, value, at_least, checks: DeferredChecks, what: str) -> None:
-    """A whole-batch count: an int or a one-element tensor, finite, > 0 and at least this call's own count
-    ``at_least`` (an int or a 0-d tensor)."""
+    """A whole-batch count: an int or a one-element tensor, finite, > 0 and at least ``at_least`` (an int or
+    a 0-d tensor: this call's own count, or 0 where a smaller share is legitimate)."""
     if value is None:
         return
     if isinstance(value, torch.Tensor):
@@ -119,6 +119,8 @@ def check_count(name: str, value, at_least, checks: DeferredChecks, what: str) -
 
     def explain():
         shown = float(value) if isinstance(value, torch.Tensor) else value
+        if not float(at_least):
+            _fail(f"{name} = {shown!r} must be a finite number > 0: {what}")
         _fail(f"{name} = {shown!r} is less than this call's own count ({float(at_least):g}): it must be {what}, "
               f"summed over every rank and micro-batch")
 

@@ -139,8 +139,12 @@ def test_whole_batch_counts_are_checked():
     logits = hidden @ weight.T
     with pytest.raises(ValueError, match=r"num_sequences = 5 is less than this call's own count \(12\)"):
         gtpo_loss(logits, ids, mask, adv, group_size=G, num_sequences=5)
-    with pytest.raises(ValueError, match="num_tokens = 3 is less than"):
-        gtpo_loss(logits, ids, mask, adv, group_size=G, num_tokens=3)
+    with pytest.raises(ValueError, match="num_tokens = 0 must be a finite number > 0"):
+        gtpo_loss(logits, ids, mask, adv, group_size=G, num_tokens=0)
+    with pytest.raises(ValueError, match="num_tokens = nan must be a finite number > 0"):
+        gtpo_loss(logits, ids, mask, adv, group_size=G, num_tokens=torch.tensor(float("nan")))
+    # A share smaller than the call's own tokens is legitimate (DDP: the whole batch's count / processes).
+    gtpo_loss(logits, ids, mask, adv, group_size=G, num_tokens=3)
     with pytest.raises(ValueError, match="num_tokens must be a number"):
         gtpo_loss(logits, ids, mask, adv, group_size=G, num_tokens="all")
     # Tensors are accepted (an all-reduced count), and give the same loss as the int.

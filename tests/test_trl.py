@@ -20,11 +20,11 @@ def reward_length(completions, **kwargs):
 
 
 def make_trainer(model_dir, tmp_path, cls=GTPOTrainer, steps_per_generation=1, accumulation=1, **kwargs):
-    args = trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4 * G // steps_per_generation,
-                          steps_per_generation=steps_per_generation, gradient_accumulation_steps=accumulation,
-                          num_generations=G, max_completion_length=6, temperature=0.7, report_to="none", use_cpu=True,
-                          logging_steps=1, save_strategy="no", bf16=False,
-                          **{"max_steps": 1, **kwargs.pop("trl_args", {})})
+    settings = dict(per_device_train_batch_size=4 * G // steps_per_generation, max_completion_length=6, max_steps=1)
+    settings.update(kwargs.pop("trl_args", {}))
+    args = trl.GRPOConfig(output_dir=str(tmp_path), steps_per_generation=steps_per_generation,
+                          gradient_accumulation_steps=accumulation, num_generations=G, temperature=0.7,
+                          report_to="none", use_cpu=True, logging_steps=1, save_strategy="no", bf16=False, **settings)
     data = Dataset.from_dict({"prompt": ["1+2?", "3+4?", "5+6?", "7+8?", "2+2?", "9+1?"]})
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
     trainer = cls(model=model, reward_funcs=[reward_length], args=args, train_dataset=data,
@@ -85,6 +85,7 @@ def test_loss_equals_gtpo_loss_on_the_logits(tiny_model_dir, tmp_path, preset):
     (expected.loss * (trainer.accelerator.num_processes if preset == "official" else 1)).backward()
     torch.testing.assert_close(loss, expected.loss.detach(), rtol=1e-5, atol=1e-7)
     assert_same_grads(grads, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
+    trainer._flush_gtpo_metrics("train")  # what TRL's log() does first
     assert trainer._metrics["train"]["gtpo/entropy"]  # logged through TRL's metrics
 
 
@@ -139,3 +140,152 @@ def test_two_training_steps_log_gtpo_metrics(tiny_model_dir, tmp_path):
     assert trainer._gtpo_initial_entropy is not None and trainer._gtpo_initial_entropy > 0
     for key in ("gtpo/filtered_fraction", "gtpo/signal_fraction", "gtpo/amplified_fraction", "reward"):
         assert key in logged[0], key
+
+
+# ---- exact optimiser-step counts, tool masks, metrics without per-call syncs --------------------------------
+
+def window_slices(trainer, inputs, steps_per_generation, seed=0):
+    """TRL's split of a generation batch: shuffled rows, ``steps_per_generation`` slices, then the window counts."""
+    n = inputs["completion_ids"].shape[0]
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    slices = [{k: (v if k == "num_items_in_batch" else v[rows]) for k, v in inputs.items()}
+              for rows in order.chunk(steps_per_generation)]
+    trainer.attach_window_counts(slices)
+    return slices
+
+
+@pytest.mark.parametrize("spg, accumulation", [(2, 1), (2, 2), (4, 2)])
+@pytest.mark.parametrize("reduction", ["token_mean", "sequence_mean"])
+def test_slices_of_one_optimiser_step_add_up_to_its_loss(tiny_model_dir, tmp_path, spg, accumulation, reduction):
+    """One generation batch, several optimiser steps (steps_per_generation > gradient_accumulation_steps):
+    each step's slices add up to the loss of that step's rows alone, with uneven completion lengths (a
+    slice can hold more tokens than the generation batch's average, which the earlier normaliser assumed)."""
+    config = GTPOConfig(loss_reduction=reduction)
+    inputs = fixed_inputs(100, n=4 * G, seed=4)
+    inputs["completion_mask"][:, 1:] *= (torch.arange(4 * G) % 4 != 0).long()[:, None]  # some one-token rows
+    trainer = make_trainer(tiny_model_dir, tmp_path, steps_per_generation=spg, accumulation=accumulation,
+                           gtpo_config=config, trl_args={"per_device_train_batch_size": 4 * G // spg})
+    trainer._gtpo_initial_entropy = 5.0
+    trainer.model.train()
+    slices = window_slices(trainer, inputs, spg)
+    for window in range(spg // accumulation):
+        parts = slices[window * accumulation:(window + 1) * accumulation]
+        trainer.model.zero_grad()
+        total = sum(trainer.compute_loss(trainer.model, part) for part in parts)  # no error: counts are exact
+        whole_rows = {k: (torch.cat([p[k] for p in parts]) if k != "num_items_in_batch" else v)
+                      for k, v in parts[0].items()}
+        whole = make_trainer(tiny_model_dir, tmp_path / f"whole{window}", gtpo_config=config)
+        whole._gtpo_initial_entropy = 5.0
+        whole.model.train()
+        whole_rows.pop("gtpo_window_tokens")
+        whole_rows["num_items_in_batch"] = _tokens(whole_rows)
+        expected = whole.compute_loss(whole.model, whole_rows)
+        torch.testing.assert_close(total.detach(), expected.detach(), rtol=1e-5, atol=1e-7)
+
+
+def _tokens(inputs):
+    return inputs["completion_mask"].sum().float()
+
+
+def test_two_processes_windows_are_exact(tiny_model_dir, tmp_path, monkeypatch):
+    """Two processes, emulated: each process's window count is the all-reduced sum over both, divided by 2,
+    so DDP's average of the two processes' losses is the loss of the window's rows of both."""
+    config = GTPOConfig(loss_reduction="token_mean")
+    batches = [fixed_inputs(100, n=4 * G, seed=s) for s in (5, 6)]
+    batches[1]["completion_mask"][:, 2:] = 0  # process 1's completions are much shorter
+    trainers = [make_trainer(tiny_model_dir, tmp_path / f"p{p}", steps_per_generation=2, accumulation=1,
+                             gtpo_config=config, trl_args={"per_device_train_batch_size": 2 * G}) for p in (0, 1)]
+    # Per-window tokens of each process, in the order TRL feeds them: what the all-reduce adds up.
+    local = []
+    for trainer, inputs in zip(trainers, batches):
+        trainer._gtpo_initial_entropy = 5.0
+        trainer.model.train()
+        order = torch.randperm(4 * G, generator=torch.Generator().manual_seed(0))
+        local.append(torch.stack([inputs["completion_mask"][rows].sum() for rows in order.chunk(2)]).double())
+    total = local[0] + local[1]
+    accelerator = type(trainers[0].accelerator)
+    monkeypatch.setattr(accelerator, "num_processes", property(lambda self: 2))
+    monkeypatch.setattr(accelerator, "reduce", lambda self, tensor, reduction="sum": total.to(tensor.dtype))
+    slices = [window_slices(trainer, inputs, 2) for trainer, inputs in zip(trainers, batches)]
+    for window in range(2):
+        ddp = sum(t.compute_loss(t.model, s[window]).detach() for t, s in zip(trainers, slices)) / 2
+        rows = [s[window] for s in slices]
+        logits_of = []
+        for trainer, part in zip(trainers, rows):
+            ids = torch.cat([part["prompt_ids"], part["completion_ids"]], 1)
+            attention = torch.cat([part["prompt_mask"], part["completion_mask"]], 1)
+            length = part["completion_ids"].shape[1]
+            logits_of.append(trainer.model(input_ids=ids, attention_mask=attention).logits[:, -length - 1:-1])
+        cat = lambda key: torch.cat([p[key] for p in rows])  # noqa: E731
+        expected = gtpo_loss(torch.cat(logits_of), cat("completion_ids"), cat("completion_mask"), cat("advantages"),
+                             config=config, conflict=(cat("gtpo_lambda"), cat("gtpo_n_conflict")), temperature=0.7,
+                             initial_entropy=5.0)
+        torch.testing.assert_close(ddp, expected.loss.detach(), rtol=1e-5, atol=1e-7)
+
+
+def test_tool_mask_takes_tool_outputs_out_of_the_loss(tiny_model_dir, tmp_path):
+    """TRL's tool_mask leaves holes inside completions: those tokens take no part in the loss; the conflict
+    weights are those of the completions as generated (computed at scoring time on completion_mask)."""
+    config = GTPOConfig(preset="official")
+    trainer = make_trainer(tiny_model_dir, tmp_path, gtpo_config=config)
+    inputs = fixed_inputs(trainer.model.config.vocab_size, seed=7)
+    tool_mask = torch.ones_like(inputs["completion_mask"])
+    tool_mask[::2, 1:3] = 0
+    inputs["tool_mask"] = tool_mask
+    loss, grads = loss_and_grads(trainer, inputs)
+    model = trainer.model
+    model.zero_grad()
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    length = inputs["completion_ids"].shape[1]
+    logits = model(input_ids=ids, attention_mask=attention).logits[:, -length - 1:-1]
+    expected = gtpo_loss(logits, inputs["completion_ids"], inputs["completion_mask"] * tool_mask,
+                         inputs["advantages"], config=config, temperature=0.7,
+                         conflict=conflict_weights(inputs["completion_ids"], inputs["completion_mask"],
+                                                   inputs["advantages"], G))
+    expected.loss.backward()
+    torch.testing.assert_close(loss, expected.loss.detach(), rtol=1e-5, atol=1e-7)
+    assert_same_grads(grads, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
+
+
+def test_metrics_are_read_once_per_log(tiny_model_dir, tmp_path, monkeypatch):
+    """The GTPO metrics of a loss call stay on the device (they used to be all-reduced and read field by
+    field in every micro-batch); they are all-reduced and read once when TRL logs, for every call since."""
+    from .test_host_syncs import HostReads
+
+    trainer = make_trainer(tiny_model_dir, tmp_path)
+    trainer._gtpo_initial_entropy = 5.0
+    inputs = fixed_inputs(trainer.model.config.vocab_size)
+    trainer.model.train()
+    per_call = []
+    record = trainer._log_gtpo_metrics
+
+    def counted(metrics, mode):
+        with HostReads(monkeypatch) as reads:
+            record(metrics, mode)
+        per_call.append(reads.count)
+
+    monkeypatch.setattr(trainer, "_log_gtpo_metrics", counted)
+    for _ in range(3):
+        trainer.compute_loss(trainer.model, inputs)
+    assert per_call == [0, 0, 0]
+    with HostReads(monkeypatch) as reads:
+        trainer._flush_gtpo_metrics("train")
+    assert reads.count == 1
+    assert len(trainer._metrics["train"]["gtpo/entropy"]) == 1
+
+
+def test_more_generation_steps_than_accumulation_steps_train(tiny_model_dir, tmp_path):
+    """The setting that stopped at the first step: one generation batch, two optimiser steps."""
+    trainer = make_trainer(tiny_model_dir, tmp_path, steps_per_generation=2, accumulation=1,
+                           gtpo_config=GTPOConfig(loss_reduction="token_mean"),
+                           trl_args={"max_steps": 2, "per_device_train_batch_size": 2 * G,
+                                     "max_completion_length": 8})
+    trainer.train()
+    assert len([row for row in trainer.state.log_history if "gtpo/entropy" in row]) == 2
+
+
+def test_token_mean_windows_across_generation_batches_are_refused(tiny_model_dir, tmp_path):
+    with pytest.raises(ValueError, match="steps_per_generation=1.*gradient_accumulation_steps=2"):
+        make_trainer(tiny_model_dir, tmp_path, steps_per_generation=1, accumulation=2,
+                     gtpo_config=GTPOConfig(loss_reduction="token_mean"))

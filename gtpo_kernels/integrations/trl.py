@@ -9,12 +9,20 @@ What it changes in ``GRPOTrainer`` (everything else, generation included, is TRL
   splitting into ``steps_per_generation`` slices.
 - The loss: `fused_linear_gtpo_loss` on the policy's final hidden states (no ``[B, L, V]`` logits), at TRL's
   sampling temperature, inside the model's forward (so DDP, FSDP and DeepSpeed see it as one forward),
-  with the whole batch's normalisers in TRL's conventions: a loss call's rows are its share of the
-  accumulation window of this process, and DDP averages the processes.
+  with the exact normalisers of the optimiser step it belongs to: when TRL splits a generation batch into
+  ``steps_per_generation`` slices, each row is given the token count of its optimisation window (the
+  ``gradient_accumulation_steps`` slices one optimiser step covers, summed over processes), so the slices of
+  one step add up to that step's whole loss (``token_mean``), whatever the completion lengths; DDP averages
+  the processes.
+- Tool masks: TRL's ``tool_mask`` (0 on a tool's output inside a completion) masks those tokens out of the
+  loss, the entropy means and the token counts; the conflict weights are computed on the completions as
+  generated (docs/method.md, "Inputs").
 - Old and reference log-probs come from `fused_linear_token_logprobs_and_entropy` (the same kernels); the
   initial entropy is measured on the first training batch, for the entropy gate.
 - Metrics: ``gtpo/entropy``, ``gtpo/filtered_fraction``, ``gtpo/signal_fraction``, ``gtpo/amplified_fraction``,
-  ``gtpo/skipped_fraction``, ``gtpo/clip_fraction``, ``gtpo/kl`` through TRL's own metrics.
+  ``gtpo/skipped_fraction``, ``gtpo/clip_fraction``, ``gtpo/kl`` through TRL's own metrics. Each loss call
+  adds its metric sums on the device; they are all-reduced and read once, when TRL logs (no host sync per
+  micro-batch).
 
 Advantages follow ``gtpo_config.normalize_advantages_by_std`` (TRL's ``scale_rewards`` is set to "group" or
 "none" to match); the loss follows ``gtpo_config`` (TRL's ``loss_type``, ``epsilon`` and ``beta`` do not drive
@@ -134,8 +142,15 @@ class GTPOTrainer(GRPOTrainer):
                           "vllm_importance_sampling_correction) is not applied to the GTPO loss", stacklevel=2)
         # Advantages as the GTPO config defines them (mean-centred for the paper and official presets).
         self.scale_rewards = "group" if config.normalize_advantages_by_std else "none"
+        if config.loss_reduction == "token_mean" and self.args.steps_per_generation % self.args.gradient_accumulation_steps:
+            raise ValueError(
+                f"GTPOTrainer: loss_reduction='token_mean' needs each optimiser step's token count, which is known "
+                f"only when an optimiser step's micro-batches come from one generation batch: "
+                f"GRPOConfig(steps_per_generation={self.args.steps_per_generation}) must be a multiple of "
+                f"gradient_accumulation_steps={self.args.gradient_accumulation_steps}")
         self.gtpo_config = config
         self._gtpo_initial_entropy: Optional[float] = None
+        self._gtpo_pending = {}  # mode -> metric sums of the loss calls since the last log, on the device
         base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         add_gtpo_head(base, self)
         if self.ref_model is not None:
@@ -185,25 +200,50 @@ class GTPOTrainer(GRPOTrainer):
                 entropies.append(entropy)
         return torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None
 
+    def _prepare_inputs(self, generation_batch):
+        buffered = self._buffered_inputs
+        inputs = super()._prepare_inputs(generation_batch)
+        if self.model.training and self._buffered_inputs is not buffered:
+            # TRL has just split a new generation batch into steps_per_generation slices.
+            self.attach_window_counts(self._buffered_inputs)
+        return inputs
+
+    def attach_window_counts(self, slices) -> None:
+        """Gives every row of ``slices`` (one generation batch, in the order TRL feeds them to the loss) the
+        token count of its optimisation window, ``gtpo_window_tokens [rows]``: the loss tokens of the
+        ``gradient_accumulation_steps`` consecutive slices that one optimiser step covers, summed over
+        processes and divided by their number (DDP averages the processes' gradients). One all-reduce of a
+        few numbers per generation batch, no host sync."""
+        accumulation = self.args.gradient_accumulation_steps
+        if len(slices) % accumulation:
+            return  # windows span generation batches: only row counts are exact (token_mean is refused)
+        tokens = torch.stack([_loss_mask(part).sum() for part in slices]).to(torch.float64)
+        windows = self.accelerator.reduce(tokens.view(-1, accumulation).sum(dim=1), reduction="sum")
+        windows = windows / self.accelerator.num_processes
+        for k, part in enumerate(slices):
+            rows = part["completion_ids"].shape[0]
+            part["gtpo_window_tokens"] = windows[k // accumulation].expand(rows).clone()
+
     # ------------------------------------------------------------------------------------------ the loss
 
     def whole_batch_counts(self, inputs: dict, mode: str):
-        """``(num_sequences, num_tokens)`` of a loss call's accumulation window on this process, as TRL normalises:
-        its ``grpo``/``dr_grpo`` losses divide each slice's mean by the accumulation steps, its ``dapo`` loss by
-        the generation batch's tokens per process and slice."""
+        """``(num_sequences, num_tokens)`` of the optimisation step a loss call belongs to, per process (DDP
+        averages the processes): the rows of ``current_gradient_accumulation_steps`` slices like this one, and
+        the window's tokens that `attach_window_counts` gave every row. In evaluation, the call's own batch."""
         rows = inputs["completion_ids"].shape[0]
-        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
-        num_sequences = rows * accumulation
-        tokens = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
         if mode == "train":
-            tokens = tokens * self.current_gradient_accumulation_steps / self.args.steps_per_generation
-        return num_sequences, tokens
+            num_sequences = rows * self.current_gradient_accumulation_steps
+            if "gtpo_window_tokens" in inputs:
+                return num_sequences, inputs["gtpo_window_tokens"][0]
+            # A batch that did not come through _prepare_inputs (e.g. a test's): TRL's own average.
+            tokens = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            return num_sequences, tokens * self.current_gradient_accumulation_steps / self.args.steps_per_generation
+        return rows, inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
 
     def _compute_loss(self, model, inputs):
         mode = "train" if self.model.training else "eval"
-        completion_ids, mask = inputs["completion_ids"], inputs["completion_mask"]
-        if "tool_mask" in inputs:
-            mask = mask * inputs["tool_mask"]
+        completion_ids = inputs["completion_ids"]
+        mask = _loss_mask(inputs)  # holes at a tool's output: out of the loss, still in the conflict runs
         num_sequences, num_tokens = self.whole_batch_counts(inputs, mode)
         conflict = None
         if self.gtpo_config.use_conflict_weights:
@@ -224,8 +264,29 @@ class GTPOTrainer(GRPOTrainer):
         return loss
 
     def _log_gtpo_metrics(self, metrics: GTPOMetrics, mode: str) -> None:
-        sums = self.accelerator.reduce(metrics.to_sums(), reduction="sum")
-        merged = GTPOMetrics.from_sums(sums, parts=self.accelerator.num_processes).to_dict()
+        """Adds this call's metric sums to the mode's pending ones, on the device (read in `log`)."""
+        sums = metrics.to_sums()
+        pending = self._gtpo_pending.get(mode)
+        self._gtpo_pending[mode] = sums if pending is None else pending + sums
+
+    def _flush_gtpo_metrics(self, mode: str) -> None:
+        """One all-reduce and one host read for every loss call since the last log."""
+        pending = self._gtpo_pending.pop(mode, None)
+        if pending is None:
+            return
+        sums = self.accelerator.reduce(pending, reduction="sum")
+        # TRL computes reference log-probs (hence a KL) exactly when beta != 0.
+        merged = GTPOMetrics.from_sums(sums, has_kl=float(self.beta) != 0.0).to_dict()
         for name in METRIC_NAMES:
             if name in merged:
                 self._metrics[mode][f"gtpo/{name}"].append(merged[name])
+
+    def log(self, logs, *args, **kwargs):
+        self._flush_gtpo_metrics("train" if self.model.training else "eval")  # the mode TRL's log reports
+        return super().log(logs, *args, **kwargs)
+
+
+def _loss_mask(inputs: dict) -> torch.Tensor:
+    """The tokens the loss trains: ``completion_mask``, less a tool's output (TRL's ``tool_mask``) inside it."""
+    mask = inputs["completion_mask"]
+    return mask * inputs["tool_mask"] if "tool_mask" in inputs else mask
