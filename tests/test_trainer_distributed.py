@@ -152,3 +152,24 @@ def test_trainer_runs_with_gradient_checkpointing(tiny_model_dir, tmp_path):
                                            group_size=3, max_new_tokens=6, eval_size=2, eval_k=0,
                                            gradient_checkpointing=True))
     assert summary["steps"] == 2
+
+
+@pytest.mark.parametrize("prompts, world, accumulation", [(6, 2, 2), (2, 2, 2), (4, 2, 4)])
+def test_accumulation_that_would_drop_groups_is_refused_at_start(tmp_path, monkeypatch, prompts, world, accumulation):
+    """--grad-accum-steps must divide each process's groups: 6 prompts on 2 processes in 2 micro-batches
+    trained on 2 of each process's 3 groups (the dropped rows still counted in the denominators); 2/2/2 and
+    4/2/4 made every micro-batch empty. Refused before anything is loaded or written, in one line."""
+    from trainer.config import ConfigError, TrainConfig
+    from trainer.distributed import Distributed
+    from trainer.train import run
+
+    def must_not_load(*args, **kwargs):
+        raise AssertionError("loaded the model before refusing the setting")
+
+    monkeypatch.setattr("trainer.train.load_model_and_tokenizer", must_not_load)
+    out = tmp_path / "run"
+    config = TrainConfig(model="unused", output_dir=str(out), prompts_per_step=prompts, grad_accum_steps=accumulation)
+    with pytest.raises(ConfigError, match=f"--grad-accum-steps \\({accumulation}\\) must divide each process's") as err:
+        run(config, dist=Distributed(rank=0, world=world))
+    assert "\n" not in str(err.value)
+    assert not out.exists()

@@ -167,6 +167,8 @@ def update(policy: nn.Module, optimizer, batch: dict, loss_config: GTPOConfig, c
     counts = dist.all_sum(torch.tensor([mask.shape[0], mask.sum()], dtype=torch.float64, device=dist.device))
     num_sequences, num_tokens = counts[0], counts[1]
     n_groups = batch["prompt_ids"].shape[0]
+    if n_groups % config.grad_accum_steps:  # check_process_shares refuses this at start
+        raise ValueError(f"{n_groups} prompt groups cannot be split into {config.grad_accum_steps} equal micro-batches")
     per_micro = n_groups // config.grad_accum_steps
     optimizer.zero_grad(set_to_none=True)
     loss_sum = torch.zeros((), dtype=torch.float64, device=dist.device)
@@ -270,12 +272,23 @@ def warmup_cosine(warmup: int, total: int):
     return factor
 
 
+def check_process_shares(config: TrainConfig, world: int) -> None:
+    """At start, before anything is loaded or written: each of the ``world`` processes samples whole prompt
+    groups, and splits its own groups into ``grad_accum_steps`` equal micro-batches (a split that dropped the
+    remainder would train on part of the batch while the dropped rows still counted in the denominators)."""
+    if config.prompts_per_step % world:
+        raise ConfigError(f"--prompts-per-step ({config.prompts_per_step}) must be a multiple of the number of "
+                          f"processes ({world}): each process samples whole prompt groups")
+    share = config.prompts_per_step // world
+    if share % config.grad_accum_steps:
+        raise ConfigError(f"--grad-accum-steps ({config.grad_accum_steps}) must divide each process's prompt groups "
+                          f"(--prompts-per-step {config.prompts_per_step} over {world} processes = {share}): every "
+                          f"micro-batch holds whole groups, none is left out")
+
+
 def step_problems(train_set, step: int, config: TrainConfig, dist: Distributed):
     """This process's prompts of a step: a fixed stream that depends only on the step (resuming repeats
     nothing), cut into one contiguous share per process."""
-    if config.prompts_per_step % dist.world:
-        raise ConfigError(f"--prompts-per-step ({config.prompts_per_step}) must be a multiple of the number of "
-                          f"processes ({dist.world}): each process samples whole prompt groups")
     share = config.prompts_per_step // dist.world
     first = step * config.prompts_per_step + dist.rank * share
     return train_set.select([(first + j) % len(train_set) for j in range(share)])
@@ -292,6 +305,7 @@ def checkpoint_now(path: Path, policy, optimizer, scheduler, state: dict, config
 def run(config: TrainConfig, dist: Optional[Distributed] = None) -> dict:
     run_started = time.time()  # wall clock of the whole run: loading, evaluations and saving included
     dist = dist or Distributed.start(config.device)
+    check_process_shares(config, dist.world)
     out_dir = Path(config.output_dir)
     if dist.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
