@@ -313,16 +313,49 @@ def test_cli_errors_are_one_line(tmp_path):
                           (["--model", str(tmp_path / "nowhere")], "is not a local folder")):
         proc = run_cli(*args, "--output-dir", str(tmp_path / "out"))
         assert proc.returncode == 2, (args, proc.stderr[-500:])
-        last = proc.stderr.strip().splitlines()[-1]
-        assert message in last and "Traceback" not in proc.stderr, proc.stderr[-800:]
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0], proc.stderr[-800:]  # not argparse's usage block
+        assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("setting, message", [
+    (["--stepz", "3"], "unrecognized arguments: --stepz 3"),
+    (["--steps", "0"], "--steps must be a positive integer"),
+    (["--config", "CONFIG"], "--learning-rate must be a positive number"),
+    (["--dataset", "missing.jsonl"], "dataset 'missing.jsonl' is neither"),
+    (["--model", "./nowhere"], "is not a local folder"),
+    (["--model", "EMPTY"], "not a folder with a config.json"),
+    (["--resume"], "--resume: no checkpoint at"),
+])
+def test_every_bad_setting_stops_before_loading_in_one_line(tmp_path, monkeypatch, capsys, setting, message):
+    """Flag, config file, dataset, model, resume: one line naming the setting, exit status 2, before any model
+    is loaded (it used to take tens of seconds to find a missing dataset) and before anything is written."""
+    (tmp_path / "bad.yaml").write_text("learning_rate: -1\n")
+    (tmp_path / "empty").mkdir()
+    setting = [{"CONFIG": str(tmp_path / "bad.yaml"), "EMPTY": str(tmp_path / "empty")}.get(a, a) for a in setting]
+
+    def must_not_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the setting was checked")
+
+    monkeypatch.setattr(train_module, "load_model_and_tokenizer", must_not_load)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        train_module.main([*setting, "--output-dir", str(out)])
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], lines
+    assert not out.exists()
 
 
 def test_help_shows_each_default_once():
     from trainer.config import _parser
 
-    text = _parser().format_help()
-    assert "(default: None) (default" not in text and text.count("(default: 20)") == 1  # --steps
+    parser = _parser()
+    text = parser.format_help()
+    assert "(default: None)" not in text and text.count("(default: 20)") == 1  # --steps
     assert "--one-shot, --no-one-shot" in text and "(default: True)" in text
+    for action in parser._actions:  # every flag says what it does, and a default at most once
+        assert action.help and action.help.strip() and action.help.count("(default") <= 1, action.option_strings
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -84,21 +85,58 @@ class MetricsLog:
         return [r for r in rows if kind is None or r["kind"] == kind]
 
 
+class Interrupted(Exception):
+    """A stop request cut the current phase (sampling, an update, an evaluation) short; nothing of that phase
+    was applied, so the run is still at its last completed step."""
+
+
+EXIT_STATUS = {"SIGINT": 130, "SIGTERM": 143}  # 128 + the signal's number, as shells report it
+
+
 class StopRequests:
-    """While active, SIGINT (Ctrl-C) and SIGTERM only set ``requested``; the loop stops at the next step
-    boundary (or between evaluation batches) and writes a checkpoint first. A second Ctrl-C stops at once
-    (the last checkpoint and the cut-back log still make the resume exact)."""
+    """While active, SIGINT (Ctrl-C) and SIGTERM set ``requested``. In one process the decoder layers then
+    raise `Interrupted` at their next forward or backward (`interrupt_layers`), so sampling, an update or an
+    evaluation stops within a layer's time; under torchrun, where the processes must agree, the run stops
+    at the next step or evaluation-batch boundary. Either way it saves the last completed step and exits with
+    ``exit_status``. A second Ctrl-C stops at once (`KeyboardInterrupt`; the last checkpoint and the
+    cut-back log still make the resume exact)."""
 
     def __init__(self) -> None:
         self.requested: Optional[str] = None
         self._previous = {}
+        self._hooks = []
+        self.paused = False  # set while a step has applied part of itself (see train.update)
+
+    @property
+    def exit_status(self) -> int:
+        return EXIT_STATUS.get(self.requested, 1)
 
     def _handle(self, signum, frame) -> None:
         if self.requested is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.requested = signal.Signals(signum).name
-        print(f"\n{self.requested} received: stopping after the current step (Ctrl-C again to stop now)",
-              flush=True)
+        print(f"\n{self.requested} received: saving the last completed step and stopping (Ctrl-C again to stop "
+              f"at once)", file=sys.stderr, flush=True)
+
+    def check(self) -> None:
+        """Raises `Interrupted` if a stop was requested (and the current phase may be abandoned)."""
+        if self.requested is not None and not self.paused:
+            raise Interrupted(self.requested)
+
+    def interrupt_layers(self, layers) -> None:
+        """Hooks on ``layers`` (the decoder's blocks) that call `check` before each one's forward, and before its
+        backward (a hook on its output: lighter than a module backward hook, which rewraps inputs and outputs)."""
+        def before_backward(grad):
+            self.check()
+
+        def after_forward(module, args, output):
+            hidden = output[0] if isinstance(output, tuple) else output
+            if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+                hidden.register_hook(before_backward)
+
+        for layer in layers:
+            self._hooks.append(layer.register_forward_pre_hook(lambda module, args: self.check()))
+            self._hooks.append(layer.register_forward_hook(after_forward))
 
     def __enter__(self) -> "StopRequests":
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -109,5 +147,8 @@ class StopRequests:
         return self
 
     def __exit__(self, *exc) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)

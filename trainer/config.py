@@ -20,31 +20,31 @@ class ConfigError(ValueError):
 @dataclass
 class TrainConfig:
     # What to train
-    model: str = DEFAULT_MODEL  # "smollm2-135m-instruct" (offline default), a hub id, or a local folder
+    model: str = DEFAULT_MODEL  # the built-in SmolLM2-135M-Instruct (works offline), a hub id, or a local folder
     algo: str = "gtpo"  # "gtpo" (GTPOConfig preset "paper") or "grpo" (preset "grpo")
     preset: Optional[str] = None  # override the loss preset chosen by algo: "paper", "official", "grpo"
     entropy_threshold: Optional[float] = None  # override the preset's entropy filter threshold tau (nats)
     dataset: str = "arithmetic"  # "arithmetic" (built-in generator), "gsm8k" (needs network), or a .jsonl/.parquet path
     one_shot: bool = True  # show one worked example in the reward's layout before each question
     difficulty: int = 1  # arithmetic generator: 1 (one operation) to 4 (three operations, larger numbers)
-    seed: int = 0
-    output_dir: str = "runs/default"
+    seed: int = 0  # seeds the training problems' order and every sampling draw (held-out problems stay fixed)
+    output_dir: str = "runs/default"  # where metrics.jsonl, checkpoint.pt, final/ and the plot go
     # Rollouts
     steps: int = 20  # optimiser steps (one rollout batch each)
     prompts_per_step: int = 4  # B prompts per step
     group_size: int = 8  # G completions per prompt
-    max_new_tokens: int = 48
+    max_new_tokens: int = 48  # generation cap per completion (tokens)
     temperature: float = 1.0  # sampling temperature; the loss uses the same softmax(logits / T)
     num_iterations: int = 1  # updates per rollout batch; > 1 uses old log-probs and the ratio
     # Update
-    learning_rate: float = 5e-5
-    warmup_steps: int = 2
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
+    learning_rate: float = 5e-5  # AdamW's peak learning rate (cosine decay after the warm-up)
+    warmup_steps: int = 2  # optimiser updates of linear warm-up
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay
+    max_grad_norm: float = 1.0  # clip the gradient's global norm to this
     grad_accum_steps: int = 1  # micro-batches per update (per process), each of whole prompt groups
     fused_linear: bool = True  # loss on final hidden states (no full logits); False: loss on model logits
     gradient_checkpointing: bool = False  # recompute activations in backward (less memory, more compute)
-    loss_chunk_mib: Optional[int] = None  # MiB of float32 logits per chunk of the loss (default: 256 CPU, 2048 GPU)
+    loss_chunk_mib: Optional[int] = None  # MiB of float32 logits per chunk of the loss (unset: 256 on a CPU, 2048 on a GPU)
     fsdp: bool = False  # under torchrun: shard parameters with FSDP2 instead of replicating them (DDP)
     # Evaluation
     eval_size: int = 64  # held-out problems (the same for every seed)
@@ -138,14 +138,23 @@ def _field_help() -> dict:
     return helps
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad flag or value is one line on stderr (exit status 2), not the usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gtpo-train", description="Train a language model with GTPO (or GRPO). "
-                                     "Under torchrun, several processes share each step (see README).")
+    parser = _OneLineParser(prog="gtpo-train", description="Train a language model with GTPO (or GRPO). "
+                            "Under torchrun, several processes share each step (see README).")
     parser.add_argument("--config", help="YAML or JSON file of settings (command-line flags override it)")
     helps = _field_help()
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
-        text = f"{helps.get(f.name, '')} (default: {f.default})"
+        text = helps.get(f.name, "")
+        if f.default is not None:  # an unset default says what it means in the text itself
+            text = f"{text} (default: {f.default})"
         if f.type in ("bool", bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
             continue

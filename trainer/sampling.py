@@ -21,14 +21,14 @@ def _cache_kwarg(model) -> str:
 @torch.no_grad()
 def sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, max_new_tokens: int, *,
            temperature: float = 1.0, greedy: bool = False, greedy_first: bool = False, eos_token_id: int,
-           pad_token_id: int) -> torch.Tensor:
+           pad_token_id: int, on_token=None) -> torch.Tensor:
     """``[B * n, T]`` completion ids (``T <= max_new_tokens``; after a row's EOS, ``pad_token_id``), the ``n``
     completions of prompt ``b`` in rows ``b * n .. b * n + n - 1``.
 
     ``prompt_ids, prompt_mask``: ``[B, P]``, left-padded. Sampling draws from ``softmax(logits / temperature)``
     with the global torch generator (seed it for reproducible rollouts); ``greedy`` takes the argmax;
     ``greedy_first`` takes it for the first of each prompt's ``n`` rows only (an evaluation's greedy answer
-    and its samples from one prompt pass).
+    and its samples from one prompt pass). ``on_token(t)`` is called after the ``t``-th new token (progress).
     """
     cache_kw = _cache_kwarg(model)
     prompt_mask = prompt_mask.long()
@@ -52,6 +52,8 @@ def sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, m
                 next_token = torch.where(first_rows, logits.argmax(dim=-1), next_token)
         next_token = torch.where(finished, torch.full_like(next_token, pad_token_id), next_token)
         tokens.append(next_token)
+        if on_token is not None:
+            on_token(step + 1)
         finished |= next_token == eos_token_id
         if bool(finished.all()) or step == max_new_tokens - 1:
             break

@@ -35,11 +35,11 @@ from gtpo_kernels import (GTPOConfig, GTPOMetrics, compute_advantages, conflict_
                           fused_linear_token_logprobs_and_entropy, gtpo_loss)
 from gtpo_kernels.hf import grouped_completion_hidden_states
 
-from .checkpoint import MetricsLog, StopRequests, load_checkpoint, save_checkpoint, step_seed
+from .checkpoint import Interrupted, MetricsLog, StopRequests, load_checkpoint, save_checkpoint, step_seed
 from .config import ConfigError, TrainConfig, parse_args
 from .data import load_problems
 from .distributed import Distributed, full_parameters, full_state, load_full_state, no_sync, wrap
-from .model import load_model_and_tokenizer
+from .model import check_model_source, load_model_and_tokenizer
 from .plots import plot_run
 from .sampling import sample
 from .rewards import (DEFAULT_REWARDS, EXAMPLE_ANSWER, EXAMPLE_QUESTION, SYSTEM_PROMPT, answers_match, extract_answer,
@@ -66,14 +66,15 @@ def encode_prompts(tokenizer, questions: List[str], device, one_shot: bool = Tru
 
 @torch.no_grad()
 def generate(model, tokenizer, questions: List[str], n: int, config: TrainConfig, device, greedy=False,
-             greedy_first=False):
+             greedy_first=False, on_token=None):
     """``n`` completions per question, rows of a question adjacent, each prompt run once (`sampling.sample`).
     Returns prompt ids/mask (one row per question), completion ids/mask (the mask covers the completion up
     to and including its EOS) and the decoded texts."""
     enc = encode_prompts(tokenizer, questions, device, config.one_shot)
     completion_ids = sample(model, enc["input_ids"], enc["attention_mask"], n, config.max_new_tokens,
                             temperature=config.temperature, greedy=greedy, greedy_first=greedy_first,
-                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                            on_token=on_token)
     is_eos = completion_ids == tokenizer.eos_token_id
     first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), completion_ids.shape[1])
     completion_mask = torch.arange(completion_ids.shape[1], device=device)[None] <= first_eos[:, None]
@@ -215,18 +216,24 @@ def evaluate(model, tokenizer, problems, config: TrainConfig, dist: Distributed,
     mine = problems.select(range(dist.rank, len(problems), dist.world))
     sums = torch.zeros(5, dtype=torch.float64, device=dist.device)  # greedy, format, pass@k, maj@k, problems
     size = config.eval_batch_size
-    batches = tqdm(range(0, len(mine), size), desc=desc, leave=False, disable=not dist.is_main)
+    # Progress on stderr, in a terminal only: problems done, and the token the current batch is at.
+    bar = tqdm(total=len(mine), desc=desc, unit="problem", leave=False, disable=None if dist.is_main else True)
     stopped = False
-    for start in batches:
+    for start in range(0, len(mine), size):
         if stop is not None and stop.requested:
             stopped = True
             break
         chunk = mine.select(range(start, min(len(mine), start + size)))
         # One prompt pass per problem: its greedy answer first, then eval_k samples.
         k = config.eval_k
-        with autocast(config, dist.device):
-            out = generate(model, tokenizer, chunk["question"], k + 1, config, dist.device, greedy=not k,
-                           greedy_first=True)
+        try:
+            with autocast(config, dist.device):
+                out = generate(model, tokenizer, chunk["question"], k + 1, config, dist.device, greedy=not k,
+                               greedy_first=True, on_token=lambda t: bar.set_postfix_str(
+                                   f"token {t}/{config.max_new_tokens}", refresh=t % 4 == 0))
+        except Interrupted:  # one process, a stop request: the layers' hooks cut the batch short
+            stopped = True
+            break
         texts = [out["texts"][i * (k + 1):(i + 1) * (k + 1)] for i in range(len(chunk))]
         sums[0] += sum(answers_match(extract_answer(t[0]), a) for t, a in zip(texts, chunk["answer"]))
         sums[1] += sum("<answer>" in t[0] and "</answer>" in t[0] for t in texts)
@@ -237,6 +244,8 @@ def evaluate(model, tokenizer, problems, config: TrainConfig, dist: Distributed,
                 votes = Counter(parse_number(p) for p in picks if parse_number(p) is not None)
                 sums[3] += bool(votes) and answers_match(str(votes.most_common(1)[0][0]), gold)
         sums[4] += len(chunk)
+        bar.update(len(chunk))
+    bar.close()
     model.train()
     if dist.any(stopped):
         return None
@@ -305,19 +314,25 @@ def checkpoint_now(path: Path, policy, optimizer, scheduler, state: dict, config
 def run(config: TrainConfig, dist: Optional[Distributed] = None) -> dict:
     run_started = time.time()  # wall clock of the whole run: loading, evaluations and saving included
     dist = dist or Distributed.start(config.device)
-    check_process_shares(config, dist.world)
     out_dir = Path(config.output_dir)
+    checkpoint_path = out_dir / "checkpoint.pt"
+    # Everything that can be checked without the model is, before anything is loaded or written: a bad setting
+    # costs a second and leaves no empty output folder behind.
+    check_process_shares(config, dist.world)
+    check_model_source(config.model)
+    if config.resume and not checkpoint_path.exists():
+        raise ConfigError(f"--resume: no checkpoint at {checkpoint_path}; start without --resume, or pass the "
+                          f"--output-dir of the run to continue")
+    train_set, eval_set = load_problems(config.dataset, config.seed, config.eval_size, config.difficulty)
     if dist.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     log = MetricsLog(out_dir / "metrics.jsonl", enabled=dist.is_main)
-    checkpoint_path = out_dir / "checkpoint.pt"
     torch.manual_seed(config.seed)
     model, tokenizer = load_model_and_tokenizer(config.model, dist.device)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     if config.gradient_checkpointing:  # transformers >= 5.2x renamed it
         (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
-    train_set, eval_set = load_problems(config.dataset, config.seed, config.eval_size, config.difficulty)
     loss_config = config.loss_config(max_completion_length=config.max_new_tokens)
     policy = wrap(PolicyLoss(model), model.get_decoder().layers, dist, config.fsdp)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=config.learning_rate, betas=(0.9, 0.99),
@@ -343,6 +358,8 @@ def run(config: TrainConfig, dist: Optional[Distributed] = None) -> dict:
     started = time.time()
     stop_reason = None
     with StopRequests() as stop:
+        if dist.world == 1:  # one process stops mid-phase; several must agree, at step and batch boundaries
+            stop.interrupt_layers(model.get_decoder().layers)
         if state["eval_step"] < 0:  # the evaluation before training
             with full_parameters(policy):
                 before = evaluate(model, tokenizer, eval_set, config, dist, seed=0, stop=stop, desc="eval before")
@@ -374,8 +391,13 @@ def run(config: TrainConfig, dist: Optional[Distributed] = None) -> dict:
             if config.max_minutes is not None and time.time() - started > 60 * config.max_minutes:
                 stop_reason = f"the --max-minutes cap ({config.max_minutes:g} min) was reached"
                 break
-            row = train_step(policy, model, tokenizer, optimizer, scheduler, train_set, step, loss_config, config,
-                             dist, state)
+            try:
+                row = train_step(policy, model, tokenizer, optimizer, scheduler, train_set, step, loss_config, config,
+                                 dist, state, stop)
+            except Interrupted:  # nothing of this step was applied: the run is at the previous one
+                optimizer.zero_grad(set_to_none=True)
+                stop_reason = f"{stop.requested} received"
+                break
             log.append(row)
             state["step"] = step + 1
             bar.set_postfix(reward=f"{row['reward']:.2f}", acc=f"{row['accuracy']:.2f}", H=f"{row['entropy']:.2f}",
@@ -386,18 +408,24 @@ def run(config: TrainConfig, dist: Optional[Distributed] = None) -> dict:
         bar.close()
         if stop_reason is None and dist.any(stop.requested is not None):
             stop_reason = f"{stop.requested or 'a stop request'} received"
-        if stop_reason is not None and not stop_reason.startswith("the --max-minutes"):
-            checkpoint_now(checkpoint_path, policy, optimizer, scheduler, state, config, dist)
-            if dist.is_main:
-                print(f"stopped at step {state['step']} of {config.steps}: {stop_reason}. Checkpoint saved to "
-                      f"{checkpoint_path}; continue with --resume", flush=True)
-            return {"interrupted": True, "step": state["step"], "reason": stop_reason}
-        if stop_reason is not None and dist.is_main:
+        if stop_reason is not None and dist.is_main and stop_reason.startswith("the --max-minutes"):
             print(f"stopping early at step {state['step']} of {config.steps}: {stop_reason}; evaluating and "
                   f"saving", flush=True)
+        after = None
+        if stop_reason is None or stop_reason.startswith("the --max-minutes"):
+            with full_parameters(policy):
+                after = evaluate(model, tokenizer, eval_set, config, dist, seed=config.steps, stop=stop,
+                                 desc="eval after")
+            if after is None:
+                stop_reason = f"{stop.requested or 'a stop request'} received during the final evaluation"
+        if after is None:  # stopped by a signal: save the last completed step, say how to go on, exit non-zero
+            checkpoint_now(checkpoint_path, policy, optimizer, scheduler, state, config, dist)
+            if dist.is_main:
+                print(f"stopped at step {state['step']} of {config.steps} ({stop_reason}); checkpoint saved; resume "
+                      f"with: gtpo-train --config {out_dir / 'config.json'} --resume", file=sys.stderr, flush=True)
+            return {"interrupted": True, "step": state["step"], "reason": stop_reason,
+                    "exit_status": stop.exit_status}
 
-    with full_parameters(policy):
-        after = evaluate(model, tokenizer, eval_set, config, dist, seed=config.steps, desc="eval after")
     log.append({"kind": "eval", "step": state["step"], **after})
     state["eval_step"] = state["step"]
     checkpoint_now(checkpoint_path, policy, optimizer, scheduler, state, config, dist)
@@ -419,8 +447,9 @@ def run(config: TrainConfig, dist: Optional[Distributed] = None) -> dict:
 
 
 def train_step(policy, model, tokenizer, optimizer, scheduler, train_set, step: int, loss_config: GTPOConfig,
-               config: TrainConfig, dist: Distributed, state: dict) -> dict:
-    """Rollout, old log-probs, num_iterations updates; returns the step's log row."""
+               config: TrainConfig, dist: Distributed, state: dict, stop: Optional[StopRequests] = None) -> dict:
+    """Rollout, old log-probs, num_iterations updates; returns the step's log row. A stop request may cut it
+    short (`Interrupted`) until its first optimiser step; after that the step completes."""
     t0 = time.time()
     # Every random draw of this step comes from (seed, step, rank): a replayed step draws the same.
     torch.manual_seed(step_seed(config.seed, "rollout", step, dist.rank))
@@ -439,7 +468,9 @@ def train_step(policy, model, tokenizer, optimizer, scheduler, train_set, step: 
         old_logprobs = logp if config.num_iterations > 1 else None
     t2 = time.time()
     stepped, losses, grad_norms = 0, [], []
-    for _ in range(config.num_iterations):
+    for iteration in range(config.num_iterations):
+        if stop is not None and iteration == 1:
+            stop.paused = True  # the first update is applied: finish the step, so the checkpoint stays exact
         result = update(policy, optimizer, batch, loss_config, config, dist, old_logprobs, state["initial_entropy"])
         with warnings.catch_warnings():  # the schedule follows steps, also those without an update
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()` before")
@@ -448,6 +479,8 @@ def train_step(policy, model, tokenizer, optimizer, scheduler, train_set, step: 
         losses.append(result["loss"])
         grad_norms.append(result["grad_norm"])
     t3 = time.time()
+    if stop is not None:
+        stop.paused = False
     metrics = result["metrics"].to_dict()
     state["no_signal_streak"] = 0 if stepped else state["no_signal_streak"] + 1
     if state["no_signal_streak"] == NO_SIGNAL_WARNING_AFTER and dist.is_main:
@@ -496,10 +529,15 @@ def print_summary(summary: dict, log: MetricsLog, plot: Optional[Path]) -> None:
 def main(argv=None) -> None:
     config = parse_args(argv)
     try:
-        run(config)
+        result = run(config)
     except ConfigError as exc:  # a setting, model or dataset that cannot be used: one line, not a traceback
         print(f"gtpo-train: error: {exc}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before training started: stop at once
+        print("gtpo-train: interrupted (the last saved checkpoint, if any, resumes with --resume)", file=sys.stderr)
+        sys.exit(130)
+    if result.get("interrupted"):  # a script or scheduler can tell a stopped run from a finished one
+        sys.exit(result["exit_status"])
 
 
 if __name__ == "__main__":
