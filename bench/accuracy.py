@@ -107,7 +107,9 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench accuracy", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=4, help="tokens per (vocabulary, kind)")
-    p.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "docs" / "accuracy.md"))
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "local" / "accuracy.md"),
+                   help="markdown file to write (default: bench/results/local/, ignored by git; the committed "
+                        "table is docs/accuracy.md: pass --out docs/accuracy.md to refresh it)")
     args = p.parse_args(argv)
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported, for CPU tensors
     names = available_backends()

@@ -24,8 +24,10 @@ from gtpo_kernels.backends.torch_backend import conflict_weights as torch_confli
 from gtpo_kernels.objective import loss_from_token_stats
 from gtpo_kernels.reference import token_logprobs_and_entropy
 
-# Where tables go: bench/results/, or GTPO_BENCH_OUT (the GPU check writes only there).
-RESULTS = Path(os.environ.get("GTPO_BENCH_OUT", Path(__file__).resolve().parent / "results"))
+# Where tables go: bench/results/local/ (ignored by git: a user's figures never overwrite the committed ones in
+# bench/results/), or GTPO_BENCH_OUT (the GPU check writes only there; maintainers refreshing the committed
+# tables set it to bench/results).
+RESULTS = Path(os.environ.get("GTPO_BENCH_OUT", Path(__file__).resolve().parent / "results" / "local"))
 
 
 def cpu_kernels_available() -> bool:

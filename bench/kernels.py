@@ -42,7 +42,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench kernels", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU under the interpreter")
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "kernels.json"))
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "local" / "kernels.json"),
+                   help="JSON file the rows are appended to (default: bench/results/local/, ignored by git)")
     args = p.parse_args(argv)
     if args.dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")

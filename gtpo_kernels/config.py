@@ -114,6 +114,11 @@ class GTPOConfig:
             raises an error if another node still needs them (see README).
         validate_inputs: check shapes, dtypes, masks, ids and finiteness (cheap, on by default).
             Turning it off skips the checks that need a device synchronisation.
+        warn_no_signal: warn (once per process) when a loss call has no learning signal at all (every
+            completion filtered, or every advantage 0): its loss and gradient are then exactly 0, which
+            looks like a broken loss. Read with the input checks (no synchronisation of its own; off with
+            ``validate_inputs=False``). The fused path sees zero advantages, not the entropy filter (its
+            statistics come after its one read); ``metrics.filtered_fraction`` says so.
     """
 
     preset: str = "paper"
@@ -133,6 +138,7 @@ class GTPOConfig:
     max_chunk_bytes: Optional[int] = None
     inplace_backward: bool = False
     validate_inputs: bool = True
+    warn_no_signal: bool = True
     # (knobs the user set, values filled in for the others) of the config this one was copied from by
     # `dataclasses.replace`: lets the copy tell filled-in values from the user's own.
     _origin: Optional[Tuple[FrozenSet[str], Tuple[Tuple[str, Any], ...]]] = field(
@@ -194,7 +200,7 @@ class GTPOConfig:
             if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
                 raise bad(name, "must be a positive int, or None")
         for name in ("normalize_advantages_by_std", "entropy_gate", "use_conflict_weights",
-                     "divide_by_conflict_count", "inplace_backward", "validate_inputs"):
+                     "divide_by_conflict_count", "inplace_backward", "validate_inputs", "warn_no_signal"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be True or False")
 

@@ -81,7 +81,8 @@ def _check_linear_inputs(hidden_states, lm_head_weight, lm_head_bias) -> torch.d
 
 
 def _read_checks_and_lengths(checks: validation.DeferredChecks, hidden_states, lm_head_weight, lm_head_bias,
-                             completion_ids, valid) -> Optional[List[int]]:
+                             completion_ids, valid, config: Optional[GTPOConfig] = None, advantages=None,
+                             lambda_=None, has_reference: bool = False) -> Optional[List[int]]:
     """The fused path's one host synchronisation: its value checks and the row lengths that plan its chunks,
     read together. Its logits are finite when the hidden states and weights are, so those are checked in
     place of the statistics (which come only after the chunks are planned). ``None`` under torch.compile
@@ -89,10 +90,16 @@ def _read_checks_and_lengths(checks: validation.DeferredChecks, hidden_states, l
     if torch.compiler.is_compiling():
         return None
     validation.add_ids_check(checks, completion_ids, valid, lm_head_weight.shape[0])
+    if config is not None and config.warn_no_signal and not (config.entropy_mode == "penalty" and config.entropy_coef > 0) and not (
+            config.kl_beta and has_reference):
+        # Known before the statistics: no non-empty row with a non-zero advantage (and conflict weight).
+        weight = advantages[:, None] * (1 if lambda_ is None else lambda_)
+        checks.add_warning(~((weight != 0) & valid).any(), "no_signal",
+                           lambda: validation.no_signal_message(None, config))
     for name, tensor in (("hidden_states", hidden_states), ("lm_head_weight", lm_head_weight),
                          ("lm_head_bias", lm_head_bias)):
         validation.add_finite_check(checks, name, tensor)
-    return checks.read(valid.sum(dim=1))
+    return checks.read(valid.sum(dim=1), stacklevel=5)
 
 
 def fused_linear_gtpo_loss(
@@ -138,13 +145,14 @@ def fused_linear_gtpo_loss(
         ref_logprobs, initial_entropy, conflict, num_sequences, num_tokens, temperature,
         what="hidden_states [N, L, H]")
     config, valid = inputs.config, inputs.valid
-    row_lengths = _read_checks_and_lengths(inputs.checks, hidden_states, lm_head_weight, lm_head_bias,
-                                           completion_ids, valid)
     device = hidden_states.device
     backend_ = resolve_backend_name(backend, device.type)
     stat_dtype = stats_dtype(compute_dtype)
     lambda_, n_conflict = loss_conflict_weights(config, backend_, completion_ids, valid,
                                                 advantages.to(stat_dtype), group_size, conflict)
+    row_lengths = _read_checks_and_lengths(inputs.checks, hidden_states, lm_head_weight, lm_head_bias,
+                                           completion_ids, valid, config, advantages.detach(), lambda_,
+                                           ref_logprobs is not None)
 
     def as_count(value):  # whole-batch counts travel as 0-d float64 tensors (the operator's signature)
         return None if value is None else torch.as_tensor(value, dtype=torch.float64, device=device)

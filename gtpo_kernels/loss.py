@@ -90,6 +90,10 @@ def gtpo_loss(
         logp, entropy, inputs.valid, advantages, lambda_, n_conflict, config, old_logprobs=old_logprobs,
         ref_logprobs=ref_logprobs, initial_entropy=inputs.initial_entropy, num_sequences=num_sequences,
         num_tokens=num_tokens)
+    if config.warn_no_signal:
+        metrics = out.metrics
+        inputs.checks.add_warning(metrics.signal_fraction == 0, "no_signal", lambda: validation.no_signal_message(
+            float(metrics.filtered_fraction), config))
     inputs.checks.read()  # the call's one host synchronisation, after every kernel is queued
     return out
 

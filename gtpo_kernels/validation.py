@@ -10,6 +10,7 @@ matching ``explain`` run the check again on the host, to name the first bad entr
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -21,6 +22,20 @@ def _fail(message: str) -> None:
     raise ValueError(message)
 
 
+_WARNED = set()  # warnings given in this process (each once)
+
+
+def no_signal_message(filtered_fraction: Optional[float], config) -> str:
+    why = ("every completion was dropped by the entropy filter (metrics.filtered_fraction = 1: their mean "
+           f"entropy is above entropy_threshold = {config.entropy_threshold:.3g} nats; a trained policy is far more "
+           "confident than random logits, or pass initial_entropy for the paper preset's gate)"
+           if filtered_fraction is not None and filtered_fraction >= 1 else
+           "no completion carries a non-zero advantage (groups whose rewards are all equal, or every token "
+           "masked; metrics.signal_fraction = 0)")
+    return (f"gtpo_kernels: this loss call has no learning signal, so its loss and gradient are exactly 0: {why}. "
+            f"Warned once per process; GTPOConfig(warn_no_signal=False) turns it off")
+
+
 class DeferredChecks:
     """Value checks answered by the device and read together: one host synchronisation per loss call.
 
@@ -30,6 +45,12 @@ class DeferredChecks:
         self.enabled = enabled
         self._flags: List[torch.Tensor] = []
         self._explain: List[Callable[[], None]] = []
+        self._warnings: List[Tuple[torch.Tensor, str, Callable[[], str]]] = []
+
+    def add_warning(self, raised: torch.Tensor, key: str, message: Callable[[], str]) -> None:
+        """A 0-d bool read with the flags: when true, ``warnings.warn(message())`` once per process per ``key``."""
+        if self.enabled and key not in _WARNED:
+            self._warnings.append((raised.reshape(1), key, message))
 
     def add(self, bad: torch.Tensor, explain: Callable[[], None]) -> None:
         """``bad``: a 0-d bool tensor, true when the check fails; ``explain()`` raises the check's error."""
@@ -37,22 +58,26 @@ class DeferredChecks:
             self._flags.append(bad.reshape(1))
             self._explain.append(explain)
 
-    def read(self, values: Optional[torch.Tensor] = None) -> Optional[List[int]]:
+    def read(self, values: Optional[torch.Tensor] = None, stacklevel: int = 3) -> Optional[List[int]]:
         """Reads every flag, and ``values`` (an integer tensor on the same device, e.g. row lengths) with
         them, in one synchronisation; raises the first failed check's error; returns ``values`` as a list."""
-        parts = [flag.to(torch.int64) for flag in self._flags]
+        parts = [flag.to(torch.int64) for flag in self._flags + [w[0] for w in self._warnings]]
         if values is not None:
             parts.append(values.reshape(-1).to(torch.int64))
         if not parts:
             return None
         data = torch.cat(parts).tolist()
-        n_flags = len(self._flags)
+        n_flags, n_warnings = len(self._flags), len(self._warnings)
         for flag, explain in zip(data[:n_flags], self._explain):
             if flag:
                 explain()
                 raise AssertionError("a gtpo_kernels input check failed on the device but not on the host")
-        self._flags, self._explain = [], []
-        return None if values is None else data[n_flags:]
+        for flag, (_, key, message) in zip(data[n_flags:n_flags + n_warnings], self._warnings):
+            if flag and key not in _WARNED:
+                _WARNED.add(key)
+                warnings.warn(message(), RuntimeWarning, stacklevel=stacklevel)  # at the user's call
+        self._flags, self._explain, self._warnings = [], [], []
+        return None if values is None else data[n_flags + n_warnings:]
 
 
 def check_float(name: str, tensor: torch.Tensor, shape: tuple, what: str) -> None:
