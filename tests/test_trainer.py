@@ -352,7 +352,7 @@ def test_help_shows_each_default_once():
 
     parser = _parser()
     text = parser.format_help()
-    assert "(default: None)" not in text and text.count("(default: 12)") == 1  # --steps
+    assert "(default: None)" not in text and text.count("(default: 20)") == 1  # --steps
     assert "--one-shot, --no-one-shot" in text and "(default: True)" in text
     for action in parser._actions:  # every flag says what it does, and a default at most once
         assert action.help and action.help.strip() and action.help.count("(default") <= 1, action.option_strings

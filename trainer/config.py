@@ -30,7 +30,7 @@ class TrainConfig:
     seed: int = 0  # seeds the training problems' order and every sampling draw (held-out problems stay fixed)
     output_dir: str = "runs/default"  # where metrics.jsonl, checkpoint.pt, final/ and the plot go
     # Rollouts
-    steps: int = 12  # optimiser steps (one rollout batch each)
+    steps: int = 20  # optimiser steps (one rollout batch each)
     prompts_per_step: int = 4  # B prompts per step
     group_size: int = 8  # G completions per prompt
     max_new_tokens: int = 48  # generation cap per completion (tokens)
@@ -47,7 +47,7 @@ class TrainConfig:
     loss_chunk_mib: Optional[int] = None  # MiB of float32 logits per chunk of the loss (unset: 256 on a CPU, 2048 on a GPU)
     fsdp: bool = False  # under torchrun: shard parameters with FSDP2 instead of replicating them (DDP)
     # Evaluation
-    eval_size: int = 48  # held-out problems (the same for every seed)
+    eval_size: int = 64  # held-out problems (the same for every seed)
     eval_every: int = 0  # steps between evaluations (0: only before and after training)
     eval_k: int = 4  # samples per problem for pass@k / maj@k (0: greedy accuracy only)
     eval_batch_size: int = 32  # problems per generate() call in evaluation
