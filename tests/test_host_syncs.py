@@ -59,6 +59,14 @@ def batch(backend):
     return logits.to(dev), ids.to(dev), mask.to(dev), adv.to(dev)
 
 
+def hidden_and_weight(ids, device, requires_grad=False):
+    """``hidden [N, L, 16]`` and an lm_head ``[37, 16]`` for the fused entry points."""
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(*ids.shape, 16, generator=g).to(device).requires_grad_(requires_grad)
+    weight = torch.randn(37, 16, generator=g).to(device).requires_grad_(requires_grad)
+    return hidden, weight
+
+
 def test_the_counter_sees_each_kind_of_read(monkeypatch):
     t = torch.ones(3)
     with HostReads(monkeypatch) as reads:
@@ -84,9 +92,7 @@ def test_logits_loss_makes_one_host_sync(backend, preset, monkeypatch):
 @pytest.mark.parametrize("backend", registered())
 def test_fused_loss_makes_one_host_sync(backend, monkeypatch):
     logits, ids, mask, adv = batch(backend)
-    g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(*ids.shape, 16, generator=g).to(logits.device).requires_grad_()
-    weight = torch.randn(37, 16, generator=g).to(logits.device).requires_grad_()
+    hidden, weight = hidden_and_weight(ids, logits.device, requires_grad=True)
     with HostReads(monkeypatch) as reads:
         out = fused_linear_gtpo_loss(hidden, weight, ids, mask.long(), adv, group_size=4, backend=backend)
         out.loss.backward()
@@ -96,9 +102,7 @@ def test_fused_loss_makes_one_host_sync(backend, monkeypatch):
 @pytest.mark.parametrize("backend", registered())
 def test_statistics_make_one_host_sync(backend, monkeypatch):
     logits, ids, mask, _ = batch(backend)
-    g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(*ids.shape, 16, generator=g).to(logits.device)
-    weight = torch.randn(37, 16, generator=g).to(logits.device)
+    hidden, weight = hidden_and_weight(ids, logits.device)
     with HostReads(monkeypatch) as reads:
         token_logprobs_and_entropy(logits, ids, mask, backend=backend)
     assert reads.count <= 1

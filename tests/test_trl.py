@@ -52,6 +52,14 @@ def fixed_inputs(vocab, n=4 * G, prompt=4, length=6, seed=0, with_conflict=True)
     return inputs
 
 
+def completion_logits(model, inputs):
+    """``[B, L, V]``: the model's logits that predict each completion token of ``inputs``."""
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    length = inputs["completion_ids"].shape[1]
+    return model(input_ids=ids, attention_mask=attention).logits[:, -length - 1:-1]
+
+
 def loss_and_grads(trainer, inputs):
     trainer.model.train()
     trainer.model.zero_grad()
@@ -76,11 +84,8 @@ def test_loss_equals_gtpo_loss_on_the_logits(tiny_model_dir, tmp_path, preset):
 
     model = trainer.model
     model.zero_grad()
-    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
-    attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
-    length = inputs["completion_ids"].shape[1]
-    logits = model(input_ids=input_ids, attention_mask=attention).logits[:, -length - 1:-1]
-    expected = gtpo_loss(logits, inputs["completion_ids"], inputs["completion_mask"], inputs["advantages"],
+    expected = gtpo_loss(completion_logits(model, inputs), inputs["completion_ids"], inputs["completion_mask"],
+                         inputs["advantages"],
                          group_size=G, config=config, temperature=0.7, initial_entropy=5.0)
     (expected.loss * (trainer.accelerator.num_processes if preset == "official" else 1)).backward()
     torch.testing.assert_close(loss, expected.loss.detach(), rtol=1e-5, atol=1e-7)
@@ -210,12 +215,7 @@ def test_two_processes_windows_are_exact(tiny_model_dir, tmp_path, monkeypatch):
     for window in range(2):
         ddp = sum(t.compute_loss(t.model, s[window]).detach() for t, s in zip(trainers, slices)) / 2
         rows = [s[window] for s in slices]
-        logits_of = []
-        for trainer, part in zip(trainers, rows):
-            ids = torch.cat([part["prompt_ids"], part["completion_ids"]], 1)
-            attention = torch.cat([part["prompt_mask"], part["completion_mask"]], 1)
-            length = part["completion_ids"].shape[1]
-            logits_of.append(trainer.model(input_ids=ids, attention_mask=attention).logits[:, -length - 1:-1])
+        logits_of = [completion_logits(trainer.model, part) for trainer, part in zip(trainers, rows)]
         cat = lambda key: torch.cat([p[key] for p in rows])  # noqa: E731
         expected = gtpo_loss(torch.cat(logits_of), cat("completion_ids"), cat("completion_mask"), cat("advantages"),
                              config=config, conflict=(cat("gtpo_lambda"), cat("gtpo_n_conflict")), temperature=0.7,
@@ -235,11 +235,7 @@ def test_tool_mask_takes_tool_outputs_out_of_the_loss(tiny_model_dir, tmp_path):
     loss, grads = loss_and_grads(trainer, inputs)
     model = trainer.model
     model.zero_grad()
-    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
-    attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
-    length = inputs["completion_ids"].shape[1]
-    logits = model(input_ids=ids, attention_mask=attention).logits[:, -length - 1:-1]
-    expected = gtpo_loss(logits, inputs["completion_ids"], inputs["completion_mask"] * tool_mask,
+    expected = gtpo_loss(completion_logits(model, inputs), inputs["completion_ids"], inputs["completion_mask"] * tool_mask,
                          inputs["advantages"], config=config, temperature=0.7,
                          conflict=conflict_weights(inputs["completion_ids"], inputs["completion_mask"],
                                                    inputs["advantages"], G))
