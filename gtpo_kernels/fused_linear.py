@@ -139,7 +139,6 @@ def fused_linear_gtpo_loss(
         Under ``torch.autocast`` the matrix products run in the autocast dtype.
     """
     compute_dtype = _check_linear_inputs(hidden_states, lm_head_weight, lm_head_bias)
-    vocab = lm_head_weight.shape[0]
     inputs = prepare_loss_inputs(
         hidden_states, completion_ids, completion_mask, advantages, group_size, config, old_logprobs,
         ref_logprobs, initial_entropy, conflict, num_sequences, num_tokens, temperature,

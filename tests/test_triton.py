@@ -16,7 +16,7 @@ from gtpo_kernels.backends.triton_interpreter import triton_interpreted
 from gtpo_kernels.reference import reference_conflict_weights, reference_gtpo_loss
 from gtpo_kernels.reference import token_logprobs_and_entropy as reference_token_stats
 
-from .helpers import (FP32_ABS_FLOOR, RTOL, assert_close_per_entry, assert_rel_close, device_for,
+from .helpers import (RTOL, assert_close_per_entry, assert_rel_close, device_for,
                       logits_gradient_scale, loss_scale, random_batch)
 
 DEV = device_for("triton")
