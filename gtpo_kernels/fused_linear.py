@@ -38,6 +38,7 @@ from .backends.base import stats_dtype
 from .config import GTPOConfig
 from .fused_chunks import _logits, _stats, _unmasked_tokens, chunk_tokens_for
 from .loss import Conflict, loss_conflict_weights, prepare_loss_inputs
+from .objective import signal_beyond_advantages
 from .result import GTPOLossOutput, GTPOMetrics
 
 
@@ -81,8 +82,7 @@ def _check_linear_inputs(hidden_states, lm_head_weight, lm_head_bias) -> torch.d
 
 
 def _read_checks_and_lengths(checks: validation.DeferredChecks, hidden_states, lm_head_weight, lm_head_bias,
-                             completion_ids, valid, config: Optional[GTPOConfig] = None, advantages=None,
-                             lambda_=None, has_reference: bool = False) -> Optional[List[int]]:
+                             completion_ids, valid) -> Optional[List[int]]:
     """The fused path's one host synchronisation: its value checks and the row lengths that plan its chunks,
     read together. Its logits are finite when the hidden states and weights are, so those are checked in
     place of the statistics (which come only after the chunks are planned). ``None`` under torch.compile
@@ -90,12 +90,6 @@ def _read_checks_and_lengths(checks: validation.DeferredChecks, hidden_states, l
     if torch.compiler.is_compiling():
         return None
     validation.add_ids_check(checks, completion_ids, valid, lm_head_weight.shape[0])
-    if config is not None and config.warn_no_signal and not (config.entropy_mode == "penalty" and config.entropy_coef > 0) and not (
-            config.kl_beta and has_reference):
-        # Known before the statistics: no non-empty row with a non-zero advantage (and conflict weight).
-        weight = advantages[:, None] * (1 if lambda_ is None else lambda_)
-        checks.add_warning(~((weight != 0) & valid).any(), "no_signal",
-                           lambda: validation.no_signal_message(None, config))
     for name, tensor in (("hidden_states", hidden_states), ("lm_head_weight", lm_head_weight),
                          ("lm_head_bias", lm_head_bias)):
         validation.add_finite_check(checks, name, tensor)
@@ -149,9 +143,13 @@ def fused_linear_gtpo_loss(
     stat_dtype = stats_dtype(compute_dtype)
     lambda_, n_conflict = loss_conflict_weights(config, backend_, completion_ids, valid,
                                                 advantages.to(stat_dtype), group_size, conflict)
+    if config.warn_no_signal and not signal_beyond_advantages(config, ref_logprobs is not None):
+        # What is known before the statistics: no unmasked token with a non-zero advantage and conflict weight.
+        weight = advantages.detach()[:, None] * (1 if lambda_ is None else lambda_)
+        inputs.checks.add_warning(~((weight != 0) & valid).any(), "no_signal",
+                                  lambda: validation.no_signal_message(None, config))
     row_lengths = _read_checks_and_lengths(inputs.checks, hidden_states, lm_head_weight, lm_head_bias,
-                                           completion_ids, valid, config, advantages.detach(), lambda_,
-                                           ref_logprobs is not None)
+                                           completion_ids, valid)
 
     def as_count(value):  # whole-batch counts travel as 0-d float64 tensors (the operator's signature)
         return None if value is None else torch.as_tensor(value, dtype=torch.float64, device=device)

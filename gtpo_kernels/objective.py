@@ -38,6 +38,12 @@ class _K3(torch.autograd.Function):
         return grad * torch.expm1(d)
 
 
+def signal_beyond_advantages(config: GTPOConfig, has_reference: bool) -> bool:
+    """Whether a term other than the advantages (the entropy penalty, the KL) gives every non-empty completion
+    a gradient, whatever the filter and the advantages."""
+    return (config.entropy_mode == "penalty" and config.entropy_coef > 0) or bool(config.kl_beta and has_reference)
+
+
 def entropy_filter_on(config: GTPOConfig, initial_entropy: Optional[float]) -> bool:
     """The filter is on when a finite threshold is set, unless gated off by a too-high initial entropy."""
     if not config.entropy_filter:
@@ -210,7 +216,7 @@ def loss_from_token_stats(
     non_empty = lengths > 0
     n_non_empty = non_empty.sum()
     has_signal = ((token_advantage != 0) & valid).any(dim=1)
-    if penalty or (config.kl_beta and ref_logprobs is not None):
+    if signal_beyond_advantages(config, ref_logprobs is not None):
         has_signal = torch.ones_like(has_signal)
     count = dict(dtype=torch.float64, device=device)
     metrics = GTPOMetrics(
