@@ -39,9 +39,15 @@ def save_checkpoint(path: Path, model_state: dict, optimizer_state: dict, schedu
     os.replace(tmp, path)
 
 
-def load_checkpoint(path: Path) -> dict:
+def require_checkpoint(path: Path) -> None:
+    """``--resume`` needs ``path``: checked before anything is loaded, and again when it is read."""
     if not path.exists():
-        raise ConfigError(f"--resume: no checkpoint at {path}; start without --resume")
+        raise ConfigError(f"--resume: no checkpoint at {path}; start without --resume, or pass the --output-dir of "
+                          f"the run to continue")
+
+
+def load_checkpoint(path: Path) -> dict:
+    require_checkpoint(path)
     return torch.load(path, map_location="cpu", weights_only=False)
 
 

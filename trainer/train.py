@@ -35,7 +35,8 @@ from gtpo_kernels import (GTPOConfig, GTPOMetrics, compute_advantages, conflict_
                           fused_linear_token_logprobs_and_entropy, gtpo_loss)
 from gtpo_kernels.hf import grouped_completion_hidden_states
 
-from .checkpoint import Interrupted, MetricsLog, StopRequests, load_checkpoint, save_checkpoint, step_seed
+from .checkpoint import (Interrupted, MetricsLog, StopRequests, load_checkpoint, require_checkpoint, save_checkpoint,
+                         step_seed)
 from .config import ConfigError, TrainConfig, parse_args
 from .data import load_problems
 from .distributed import Distributed, full_parameters, full_state, load_full_state, no_sync, wrap
@@ -320,9 +321,8 @@ def run(config: TrainConfig, dist: Optional[Distributed] = None) -> dict:
     # costs a second and leaves no empty output folder behind.
     check_process_shares(config, dist.world)
     check_model_source(config.model)
-    if config.resume and not checkpoint_path.exists():
-        raise ConfigError(f"--resume: no checkpoint at {checkpoint_path}; start without --resume, or pass the "
-                          f"--output-dir of the run to continue")
+    if config.resume:
+        require_checkpoint(checkpoint_path)
     train_set, eval_set = load_problems(config.dataset, config.seed, config.eval_size, config.difficulty)
     if dist.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
