@@ -70,6 +70,39 @@ def _shaping(entropy, mask, lengths, advantages, lambda_, config: GTPOConfig, in
     return completion_entropy, keep, token_advantage.expand(mask.shape)
 
 
+def token_advantages(token_entropy: torch.Tensor, valid: torch.Tensor, advantages: torch.Tensor,
+                     lambda_: Optional[torch.Tensor], n_conflict: Optional[torch.Tensor], config: GTPOConfig,
+                     initial_entropy: Optional[float] = None):
+    """Everything GTPO does to the advantages, folded into one per-token advantage, for trainers whose policy
+    loss takes per-token advantages and knows nothing of GTPO (verl).
+
+    Args:
+        token_entropy: ``[N, L]`` per-token entropies (no gradient is taken); only ``valid`` positions are read.
+        valid: ``[N, L]`` bool. advantages: ``[N]`` raw advantages. lambda_, n_conflict: from `conflict_weights`
+            on whole groups, or ``None`` when the config does not use them.
+
+    Returns:
+        ``(completion_entropy [N], keep [N], a [N, L])``: ``a = lambda * delta (A - gamma Hbar) / n`` (``n`` only
+        with ``divide_by_conflict_count``), 0 at masked positions. A loss that takes ``-min(rho a, clip(rho) a)``
+        per token with the config's reduction then equals `loss_from_token_stats` for the ``advantage_shift``
+        mode (``n > 0`` is a per-completion factor, so it passes through the ``min``); the ``penalty`` mode's
+        entropy term needs the current entropy with its gradient and cannot be folded.
+    """
+    if config.entropy_mode == "penalty" and config.entropy_coef > 0:
+        raise ValueError("entropy_mode='penalty' adds gamma * H with its gradient to the loss, which per-token "
+                         "advantages cannot carry: use entropy_mode='advantage_shift'")
+    dtype = token_entropy.dtype if token_entropy.is_floating_point() else torch.float32
+    mask = valid.to(dtype)
+    lengths = mask.sum(dim=1)
+    entropy = torch.where(valid, token_entropy.detach().to(dtype), torch.zeros((), dtype=dtype,
+                                                                               device=mask.device))
+    completion_entropy, keep, token_advantage = _shaping(entropy, mask, lengths, advantages, lambda_, config,
+                                                         initial_entropy)
+    if config.divide_by_conflict_count and n_conflict is not None:
+        token_advantage = token_advantage / n_conflict.clamp(min=1).to(dtype)[:, None]
+    return completion_entropy, keep, token_advantage * mask
+
+
 def _token_weights(valid, lengths, n_conflict, config: GTPOConfig, num_sequences, num_tokens):
     """``[N, L]``: d loss / d per-token loss, the reduction's factor for each unmasked token (0 where masked)."""
     dtype = lengths.dtype
