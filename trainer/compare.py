@@ -1,99 +1,198 @@
 """Compare finished runs: ``python -m trainer.compare runs/gtpo-seed* runs/grpo-seed* [--out results/]``.
 
-Prints a markdown table of held-out metrics before and after training, per algorithm: the mean over
-seeds, the spread (max - min across seeds) and the mean gain; writes it with a plot of the held-out
-accuracy of every run.
+Runs are grouped by variant: the algorithm, the loss preset and the loss overrides of their ``config.json``
+(``--entropy-coef``, ``--no-entropy-filter``, ``--no-conflict-weights``, ``--entropy-threshold``). Writes
+``comparison.md``, two tables:
+
+- per variant and held-out metric: the mean before and after training over seeds, the gain per seed, the
+  spread of the final values across seeds (max - min) and whether the mean gain exceeds it;
+- per run: the peak and final held-out metrics and whether the run collapsed, by `COLLAPSE_RULE`;
+
+and ``comparison.png``: per-step curves across seeds (mean, band from min to max) of the train entropy
+against ln 2, the train format reward, the held-out greedy accuracy and format rate (at every evaluation:
+``--eval-every``), the filtered fraction and the conflict-token fractions.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections import defaultdict
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
+
+LN2 = math.log(2.0)
+# A run collapsed when any of these holds (stated in the table's heading; fixed before the study's final runs):
+ACCURACY_DROP = 0.15  # final held-out greedy accuracy at least this far below the run's peak
+FORMAT_DROP = 0.25  # final held-out format rate at least this far below the run's peak
+LOW_ENTROPY = 0.02  # ... or train entropy below this (nats) with train reward below 0.1 on the last 3 steps
+COLLAPSE_RULE = (f"collapsed: final held-out accuracy >= {ACCURACY_DROP} below its peak, or final held-out format "
+                 f"rate >= {FORMAT_DROP} below its peak, or train entropy above ln 2 on each of the last 3 steps "
+                 f"after being below it, or train reward < 0.1 on each of the last 3 steps")
+
+
+def variant(summary: dict, config: Optional[dict]) -> str:
+    """``grpo``, ``gtpo paper``, ``gtpo official``, with the loss overrides the run was given."""
+    config = config or {}
+    preset = summary.get("preset") or config.get("preset") or ("paper" if summary["algo"] == "gtpo" else "grpo")
+    label = "grpo" if summary["algo"] == "grpo" and preset == "grpo" else f"{summary['algo']} {preset}"
+    extras = []
+    if config.get("conflict_weights") is False:
+        extras.append("no conflict weights")
+    if config.get("entropy_filter") is False:
+        extras.append("no entropy filter")
+    if config.get("entropy_coef") is not None:
+        extras.append(f"gamma={config['entropy_coef']:g}")
+    if config.get("entropy_threshold") is not None:
+        extras.append(f"tau={config['entropy_threshold']:g}")
+    return label + (f" ({', '.join(extras)})" if extras else "")
 
 
 def load(run_dirs: List[str]) -> Dict[str, List[dict]]:
-    by_algo: Dict[str, List[dict]] = defaultdict(list)
+    """Finished runs (those with a ``summary.json``) by variant, each with its metric rows."""
+    by_variant: Dict[str, List[dict]] = defaultdict(list)
     for d in run_dirs:
         summary_path = Path(d) / "summary.json"
         if not summary_path.exists():
             print(f"skipping {d}: no summary.json (unfinished run?)")
             continue
         summary = json.loads(summary_path.read_text())
-        summary["dir"] = d
-        preset = summary.get("preset")
-        default = {"gtpo": "paper", "grpo": "grpo"}.get(summary["algo"])
-        label = summary["algo"] if preset in (None, default) else f"{summary['algo']} ({preset})"
-        by_algo[label].append(summary)
-    return by_algo
+        config_path = Path(d) / "config.json"
+        config = json.loads(config_path.read_text()) if config_path.exists() else None
+        rows = [json.loads(x) for x in (Path(d) / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        summary.update(dir=d, train=[r for r in rows if r["kind"] == "train"],
+                       evals=[r for r in rows if r["kind"] == "eval"])
+        by_variant[variant(summary, config)].append(summary)
+    return by_variant
 
 
-def table(by_algo: Dict[str, List[dict]]) -> str:
-    lines = ["| algo | seeds | metric | before (mean) | after (mean) | gain (mean) | gain per seed | "
+def _mean(xs: List[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def collapsed(run: dict) -> Tuple[bool, str]:
+    """`COLLAPSE_RULE` on one run: ``(collapsed, the signs seen)``."""
+    signs = []
+    evals, train = run["evals"], run["train"]
+    for key, drop in (("accuracy", ACCURACY_DROP), ("format_rate", FORMAT_DROP)):
+        values = [e[key] for e in evals if key in e]
+        if values and max(values) - values[-1] >= drop - 1e-9:
+            signs.append(f"{key} {max(values):.2f} -> {values[-1]:.2f}")
+    last = train[-3:]
+    if len(last) == 3:
+        was_below = any(t["entropy"] < LN2 for t in train[:-3])
+        if was_below and all(t["entropy"] > LN2 for t in last):
+            signs.append(f"entropy back above ln 2 ({last[-1]['entropy']:.2f})")
+        if all(t["reward"] < 0.1 for t in last):
+            signs.append(f"train reward {last[-1]['reward']:.2f}")
+    return bool(signs), "; ".join(signs)
+
+
+def gain_table(by_variant: Dict[str, List[dict]]) -> str:
+    lines = ["| variant | seeds | metric | before (mean) | after (mean) | gain (mean) | gain per seed | "
              "spread of after across seeds | gain > spread |", "|---|---|---|---|---|---|---|---|---|"]
-    for algo, runs in sorted(by_algo.items()):
-        metrics = [k for k in runs[0]["after"]]
-        for metric in metrics:
+    for name, runs in sorted(by_variant.items()):
+        for metric in runs[0]["after"]:
             before = [r["before"][metric] for r in runs]
             after = [r["after"][metric] for r in runs]
             gains = [a - b for a, b in zip(after, before)]
-            mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-            lines.append(f"| {algo} | {','.join(str(r['seed']) for r in runs)} | {metric} | {mean(before):.3f} | "
-                         f"{mean(after):.3f} | {mean(gains):+.3f} | {' '.join(f'{g:+.3f}' for g in gains)} | "
-                         f"{max(after) - min(after):.3f} | {'yes' if mean(gains) > max(after) - min(after) else 'no'} |")
+            spread = max(after) - min(after)
+            lines.append(f"| {name} | {','.join(str(r['seed']) for r in runs)} | {metric} | {_mean(before):.3f} | "
+                         f"{_mean(after):.3f} | {_mean(gains):+.3f} | {' '.join(f'{g:+.3f}' for g in gains)} | "
+                         f"{spread:.3f} | {'yes' if _mean(gains) > spread else 'no'} |")
     return "\n".join(lines)
 
 
-def plot(by_algo: Dict[str, List[dict]], path: Path) -> None:
+def run_table(by_variant: Dict[str, List[dict]]) -> str:
+    lines = [f"Rule: {COLLAPSE_RULE}.", "",
+             "| variant | seed | accuracy before / peak / final | format before / peak / final | "
+             "entropy first / min / last | collapsed |", "|---|---|---|---|---|---|"]
+    for name, runs in sorted(by_variant.items()):
+        for r in sorted(runs, key=lambda r: r["seed"]):
+            cells = []
+            for key in ("accuracy", "format_rate"):
+                values = [e[key] for e in r["evals"] if key in e]
+                cells.append(f"{values[0]:.2f} / {max(values):.2f} / {values[-1]:.2f}" if values else "-")
+            entropy = [t["entropy"] for t in r["train"]]
+            cells.append(f"{entropy[0]:.2f} / {min(entropy):.2f} / {entropy[-1]:.2f}" if entropy else "-")
+            is_collapsed, signs = collapsed(r)
+            cells.append(f"yes: {signs}" if is_collapsed else "no")
+            lines.append(f"| {name} | {r['seed']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def table(by_variant: Dict[str, List[dict]]) -> str:
+    return gain_table(by_variant) + "\n\n" + run_table(by_variant)
+
+
+def _band(runs: List[dict], rows: str, key: str):
+    """``(steps, mean, low, high)`` over the runs at the steps every run has a value for."""
+    series = [{r["step"]: r[key] for r in run[rows] if key in r} for run in runs]
+    steps = sorted(set.intersection(*(set(s) for s in series))) if series else []
+    values = [[s[step] for s in series] for step in steps]
+    return steps, [_mean(v) for v in values], [min(v) for v in values], [max(v) for v in values]
+
+
+CURVES = (  # (panel title, rows, key, y-limits)
+    ("train entropy (nats)", "train", "entropy", None),
+    ("train format reward", "train", "format_reward", None),
+    ("held-out greedy accuracy", "evals", "accuracy", (0, 1)),
+    ("held-out format rate", "evals", "format_rate", (0, 1.05)),
+    ("filtered fraction (completions)", "train", "filtered_fraction", (0, 1)),
+    ("conflict tokens: amplified (solid), skipped (dashed)", "train", "amplified_fraction", None),
+)
+
+
+def plot(by_variant: Dict[str, List[dict]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    # One colour per label (algo and preset), the same in every panel.
-    palette = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown"]
-    colors = {algo: palette[i % len(palette)] for i, algo in enumerate(sorted(by_algo))}
-    for algo, runs in by_algo.items():
-        for r in runs:
-            rows = [json.loads(x) for x in (Path(r["dir"]) / "metrics.jsonl").read_text().splitlines()]
-            train = [x for x in rows if x["kind"] == "train"]
-            evals = [x for x in rows if x["kind"] == "eval"]
-            label = f"{algo} seed {r['seed']}"
-            axes[0].plot([e["step"] for e in evals], [e["accuracy"] for e in evals], "o-", color=colors.get(algo),
-                         alpha=0.7, label=label)
-            axes[1].plot([t["step"] for t in train], [t["reward"] for t in train], color=colors.get(algo), alpha=0.6)
-            axes[2].plot([t["step"] for t in train], [t["entropy"] for t in train], color=colors.get(algo), alpha=0.6)
-    axes[0].set_title("held-out greedy accuracy")
-    axes[1].set_title("train reward")
-    axes[2].set_title("mean token entropy (nats)")
-    axes[2].axhline(0.6931, color="red", linestyle="--", label="ln 2")
-    for ax in axes:
+    fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
+    palette = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:gray"]
+    colors = {name: palette[i % len(palette)] for i, name in enumerate(sorted(by_variant))}
+    for ax, (title, rows, key, ylim) in zip(axes.flat, CURVES):
+        for name, runs in sorted(by_variant.items()):
+            keys = [key, "skipped_fraction"] if key == "amplified_fraction" else [key]
+            for k, style in zip(keys, ("-", "--")):
+                steps, mean, low, high = _band(runs, rows, k)
+                if not steps:
+                    continue
+                marker = "o" if rows == "evals" else None
+                ax.plot(steps, mean, style, marker=marker, color=colors[name],
+                        label=f"{name} (n={len(runs)})" if style == "-" else None)
+                ax.fill_between(steps, low, high, color=colors[name], alpha=0.15)
+        if key == "entropy":
+            ax.axhline(LN2, color="red", linestyle=":", label="ln 2")
+        if ylim:
+            ax.set_ylim(*ylim)
+        ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
-    axes[2].legend(fontsize=7)
+    axes[0, 0].legend(fontsize=8)
+    fig.suptitle("mean over seeds, band: min..max")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m trainer.compare", description=__doc__)
-    p.add_argument("runs", nargs="+")
-    p.add_argument("--out", default="results")
+    p = argparse.ArgumentParser(prog="python -m trainer.compare", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", help="run folders (each with summary.json, metrics.jsonl, config.json)")
+    p.add_argument("--out", default="results", help="where comparison.md and comparison.png go")
     args = p.parse_args(argv)
-    by_algo = load(args.runs)
-    if not by_algo:
+    by_variant = load(args.runs)
+    if not by_variant:
         raise SystemExit("no finished runs")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    text = table(by_algo)
+    text = table(by_variant)
     print(text)
     (out / "comparison.md").write_text(text + "\n")
-    plot(by_algo, out / "comparison.png")
+    plot(by_variant, out / "comparison.png")
     print(f"wrote {out / 'comparison.md'} and {out / 'comparison.png'}")
 
 

@@ -24,6 +24,9 @@ class TrainConfig:
     algo: str = "gtpo"  # "gtpo" (GTPOConfig preset "paper") or "grpo" (preset "grpo")
     preset: Optional[str] = None  # override the loss preset chosen by algo: "paper", "official", "grpo"
     entropy_threshold: Optional[float] = None  # override the preset's entropy filter threshold tau (nats)
+    entropy_coef: Optional[float] = None  # override the preset's entropy coefficient gamma (0: no shaping)
+    entropy_filter: Optional[bool] = None  # override the preset: --no-entropy-filter switches the filter off
+    conflict_weights: Optional[bool] = None  # override the preset: --no-conflict-weights sets every lambda to 1
     dataset: str = "arithmetic"  # "arithmetic" (built-in generator), "gsm8k" (needs network), or a .jsonl/.parquet path
     one_shot: bool = True  # show one worked example in the reward's layout before each question
     difficulty: int = 1  # arithmetic generator: 1 (one operation) to 4 (three operations, larger numbers)
@@ -90,6 +93,11 @@ class TrainConfig:
             raise bad("loss_chunk_mib", "must be a positive integer")
         if self.entropy_threshold is not None and not self.entropy_threshold > 0:
             raise bad("entropy_threshold", "must be positive (nats)")
+        if self.entropy_threshold is not None and self.entropy_filter is False:
+            raise bad("entropy_threshold", "sets the filter that --no-entropy-filter switches off: give one of them")
+        if self.entropy_coef is not None and not (isinstance(self.entropy_coef, (int, float))
+                                                  and math.isfinite(self.entropy_coef) and self.entropy_coef >= 0):
+            raise bad("entropy_coef", "must be a number >= 0")
         if self.device not in ("auto", "cpu", "cuda"):
             raise bad("device", "must be 'auto', 'cpu' or 'cuda'")
         if self.precision not in ("auto", "bf16", "fp32"):
@@ -103,7 +111,17 @@ class TrainConfig:
         """The `GTPOConfig` of this run's loss."""
         from gtpo_kernels import GTPOConfig
 
-        overrides = {} if self.entropy_threshold is None else {"entropy_threshold": self.entropy_threshold}
+        overrides = {}
+        if self.entropy_threshold is not None:
+            overrides["entropy_threshold"] = self.entropy_threshold
+        if self.entropy_filter is False:
+            overrides["entropy_threshold"] = None
+        if self.entropy_coef is not None:
+            overrides["entropy_coef"] = float(self.entropy_coef)
+        if self.conflict_weights is not None:
+            overrides["use_conflict_weights"] = self.conflict_weights
+            if not self.conflict_weights:
+                overrides["divide_by_conflict_count"] = False  # no conflicts counted without the weights
         return GTPOConfig(preset=self.loss_preset, max_completion_length=max_completion_length,
                           max_chunk_bytes=None if self.loss_chunk_mib is None else self.loss_chunk_mib * 2**20,
                           **overrides)
@@ -155,7 +173,7 @@ def _parser() -> argparse.ArgumentParser:
         text = helps.get(f.name, "")
         if f.default is not None:  # an unset default says what it means in the text itself
             text = f"{text} (default: {f.default})"
-        if f.type in ("bool", bool):
+        if f.type in ("bool", bool, "Optional[bool]"):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
             continue
         kind = {"int": int, "float": float, "Optional[float]": float, "Optional[int]": int}.get(str(f.type), str)

@@ -1,0 +1,88 @@
+"""`python -m trainer.compare`: variants from each run's config, the collapse rule on hand-made runs, the tables
+and the plot; the trainer's ablation flags (`--entropy-coef`, `--no-entropy-filter`, `--no-conflict-weights`)."""
+
+import json
+import math
+
+import pytest
+
+from trainer import compare
+from trainer.config import ConfigError, TrainConfig, parse_args
+
+
+def _run(tmp_path, name, *, algo="gtpo", preset="paper", seed=0, config=None, entropy=(1.0, 0.5, 0.4, 0.3, 0.3),
+         reward=(0.3, 0.5, 0.6, 0.7, 0.7), accuracy=(0.4, 0.6, 0.7), format_rate=(0.6, 0.9, 1.0)):
+    d = tmp_path / name
+    d.mkdir()
+    rows = [{"kind": "train", "step": i + 1, "entropy": h, "reward": r, "format_reward": r / 2,
+             "filtered_fraction": 0.0, "amplified_fraction": 0.1, "skipped_fraction": 0.05}
+            for i, (h, r) in enumerate(zip(entropy, reward))]
+    evals = [{"kind": "eval", "step": 2 * i, "accuracy": a, "format_rate": f}
+             for i, (a, f) in enumerate(zip(accuracy, format_rate))]
+    (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in evals[:1] + rows + evals[1:]) + "\n")
+    summary = {"algo": algo, "preset": preset, "seed": seed,
+               "before": {"accuracy": accuracy[0], "format_rate": format_rate[0]},
+               "after": {"accuracy": accuracy[-1], "format_rate": format_rate[-1]}}
+    (d / "summary.json").write_text(json.dumps(summary))
+    (d / "config.json").write_text(json.dumps({"algo": algo, "preset": None, **(config or {})}))
+    return str(d)
+
+
+def test_variants_name_the_overrides(tmp_path):
+    runs = [_run(tmp_path, "a", algo="grpo", preset="grpo"), _run(tmp_path, "b"),
+            _run(tmp_path, "c", config={"conflict_weights": False}),
+            _run(tmp_path, "d", config={"entropy_filter": False, "entropy_coef": 0.0}),
+            _run(tmp_path, "e", preset="official")]
+    assert sorted(compare.load(runs)) == ["grpo", "gtpo official", "gtpo paper",
+                                          "gtpo paper (no conflict weights)",
+                                          "gtpo paper (no entropy filter, gamma=0)"]
+
+
+def test_collapse_rule_by_hand(tmp_path):
+    healthy = compare.load([_run(tmp_path, "ok")])["gtpo paper"][0]
+    assert compare.collapsed(healthy) == (False, "")
+    # accuracy 0.7 at its peak, 0.5 at the end: a drop of 0.2 >= 0.15
+    fell = compare.load([_run(tmp_path, "fell", accuracy=(0.4, 0.7, 0.5))])["gtpo paper"][0]
+    assert compare.collapsed(fell) == (True, "accuracy 0.70 -> 0.50")
+    # a drop of 0.125 (4 of 32 problems) is not a collapse
+    noise = compare.load([_run(tmp_path, "noise", accuracy=(0.4, 0.625, 0.5))])["gtpo paper"][0]
+    assert not compare.collapsed(noise)[0]
+    # entropy below ln 2, then above it on each of the last three steps
+    rose = compare.load([_run(tmp_path, "rose", entropy=(1.0, 0.5, 0.8, 0.9, 1.2))])["gtpo paper"][0]
+    assert compare.collapsed(rose) == (True, "entropy back above ln 2 (1.20)")
+    # never below ln 2 is not a rise
+    high = compare.load([_run(tmp_path, "high", entropy=(1.0, 0.9, 0.8, 0.9, 1.2))])["gtpo paper"][0]
+    assert not compare.collapsed(high)[0]
+    dead = compare.load([_run(tmp_path, "dead", reward=(0.3, 0.2, 0.05, 0.0, 0.0),
+                              format_rate=(0.6, 0.9, 0.6))])["gtpo paper"][0]
+    assert compare.collapsed(dead) == (True, "format_rate 0.90 -> 0.60; train reward 0.00")
+
+
+def test_tables_and_plot(tmp_path):
+    runs = [_run(tmp_path, f"s{seed}", seed=seed, accuracy=(0.4, 0.6, 0.5 + 0.1 * seed)) for seed in range(3)]
+    runs.append(_run(tmp_path, "g", algo="grpo", preset="grpo", accuracy=(0.4, 0.8, 0.5)))
+    out = tmp_path / "out"
+    compare.main(runs + ["--out", str(out)])
+    text = (out / "comparison.md").read_text()
+    assert "| gtpo paper | 0,1,2 | accuracy | 0.400 | 0.600 | +0.200 | +0.100 +0.200 +0.300 | 0.200 | no |" in text
+    assert "| grpo | 0 | 0.40 / 0.80 / 0.50 | 0.60 / 1.00 / 1.00 | 1.00 / 0.30 / 0.30 | yes: accuracy 0.80 -> 0.50 |" \
+        in text
+    assert (out / "comparison.png").stat().st_size > 10_000
+    steps, mean, low, high = compare._band(compare.load(runs[:3])["gtpo paper"], "evals", "accuracy")
+    assert steps == [0, 2, 4] and low[-1] == pytest.approx(0.5) and high[-1] == pytest.approx(0.7)
+    assert mean[-1] == pytest.approx(0.6)
+
+
+def test_ablation_flags_reach_the_loss():
+    conflict_only = parse_args(["--no-entropy-filter", "--entropy-coef", "0"]).loss_config()
+    assert conflict_only.entropy_threshold is None and conflict_only.entropy_coef == 0
+    assert conflict_only.use_conflict_weights
+    entropy_only = parse_args(["--preset", "official", "--no-conflict-weights"]).loss_config()
+    assert not entropy_only.use_conflict_weights and not entropy_only.divide_by_conflict_count
+    assert entropy_only.entropy_threshold == pytest.approx(0.7) and entropy_only.entropy_coef == pytest.approx(0.1)
+    default = TrainConfig().loss_config()
+    assert default.entropy_threshold == pytest.approx(math.log(2)) and default.use_conflict_weights
+    with pytest.raises(ConfigError, match="--entropy-threshold"):
+        TrainConfig(entropy_threshold=0.5, entropy_filter=False)
+    with pytest.raises(ConfigError, match="--entropy-coef"):
+        TrainConfig(entropy_coef=-1.0)
