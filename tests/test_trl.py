@@ -285,3 +285,23 @@ def test_token_mean_windows_across_generation_batches_are_refused(tiny_model_dir
     with pytest.raises(ValueError, match="steps_per_generation=1.*gradient_accumulation_steps=2"):
         make_trainer(tiny_model_dir, tmp_path, steps_per_generation=1, accumulation=2,
                      gtpo_config=GTPOConfig(loss_reduction="token_mean"))
+
+
+def test_moe_router_loss_is_refused_not_dropped(tiny_model_dir, tmp_path):
+    """TRL adds a MoE model's router load-balancing loss; the GTPO loss runs the decoder alone, so a MoE policy
+    with a non-zero coefficient is refused at construction (it was trained without it, silently), and
+    router_aux_loss_coef=0.0 is the documented way to train it anyway."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    config = transformers.Qwen3MoeConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                         moe_intermediate_size=16, num_hidden_layers=1, num_attention_heads=4,
+                                         num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                         max_position_embeddings=512, pad_token_id=tokenizer.pad_token_id,
+                                         eos_token_id=tokenizer.eos_token_id, router_aux_loss_coef=0.01)
+    moe_dir = tmp_path / "moe"
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(moe_dir)
+    tokenizer.save_pretrained(moe_dir)
+    with pytest.raises(ValueError, match=r"router load-balancing loss \(router_aux_loss_coef=0.01\).*"
+                                         r"router_aux_loss_coef=0.0"):
+        make_trainer(str(moe_dir), tmp_path)
+    trainer = make_trainer(str(moe_dir), tmp_path, trl_args={"router_aux_loss_coef": 0.0})
+    assert not trainer.aux_loss_enabled

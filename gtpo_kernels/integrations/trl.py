@@ -137,6 +137,12 @@ class GTPOTrainer(GRPOTrainer):
         for name, (value, default) in unsupported.items():
             if value != default:
                 raise ValueError(f"GTPOTrainer does not support GRPOConfig({name}={value!r}); leave it at {default!r}")
+        if getattr(self, "aux_loss_enabled", False):
+            # TRL adds the router's load-balancing loss from the model's own forward; the GTPO loss runs the
+            # decoder alone (no logits), which leaves that loss out: refuse rather than train without it.
+            raise ValueError(f"GTPOTrainer does not add a Mixture-of-Experts model's router load-balancing loss "
+                             f"(router_aux_loss_coef={self.router_aux_loss_coef}); set "
+                             f"GRPOConfig(router_aux_loss_coef=0.0) to train {type(self.model).__name__} without it")
         if getattr(self, "vllm_importance_sampling_correction", False) and self.use_vllm:
             warnings.warn("GTPOTrainer: the vLLM importance-sampling correction (TRL's "
                           "vllm_importance_sampling_correction) is not applied to the GTPO loss", stacklevel=2)
