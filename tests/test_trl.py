@@ -305,3 +305,63 @@ def test_moe_router_loss_is_refused_not_dropped(tiny_model_dir, tmp_path):
         make_trainer(str(moe_dir), tmp_path)
     trainer = make_trainer(str(moe_dir), tmp_path, trl_args={"router_aux_loss_coef": 0.0})
     assert not trainer.aux_loss_enabled
+
+
+def test_every_grpo_config_field_is_classified():
+    """A field of the installed TRL's GRPOConfig that the settings table does not classify fails here, so that
+    a new TRL release cannot add a setting GTPOTrainer ignores silently; the docs table is the generated one."""
+    import pathlib
+
+    from gtpo_kernels.integrations import trl_settings
+
+    assert trl_settings.unclassified() == []
+    assert {s.status for s in trl_settings.SETTINGS.values()} == {trl_settings.HONOURED, trl_settings.IRRELEVANT,
+                                                                   trl_settings.REFUSED}
+    assert all(s.refuse is not None for s in trl_settings.SETTINGS.values() if s.status == trl_settings.REFUSED
+               and s.how.split(" ")[0] not in ("a",))  # router_aux_loss_coef is checked on the model
+    docs = pathlib.Path(__file__).resolve().parents[1] / "docs" / "trl-settings.md"
+    assert docs.read_text() == trl_settings.markdown(), "regenerate: python -m gtpo_kernels.integrations.trl_settings"
+
+
+@pytest.mark.parametrize("trl_args,gtpo,match", [
+    ({"beta": 0.1}, {"kl_beta": 0.1}, r"use_bias_correction_kl=True\): weights the KL by the importance ratio"),
+    ({"entropy_coef": 0.1}, {}, r"entropy_coef=0.1\): TRL's entropy bonus"),
+    ({"use_adaptive_entropy": True}, {}, r"use_adaptive_entropy=True\)"),
+    ({"delta": 1.5}, {}, r"delta=1.5\): two-sided clipping"),
+    ({"loss_type": "dr_grpo"}, {}, r"loss_type='dr_grpo'\): contradicts "
+                                   r"GTPOConfig\(loss_reduction='sequence_mean'\) \(preset 'paper'\)"),
+    ({"loss_type": "grpo"}, {}, None),  # TRL's 'grpo' normalisation is the paper preset's sequence_mean
+    ({"loss_type": "bnpo"}, {"preset": "grpo"}, r"loss_type='bnpo'\): 'bnpo' is not a GTPO reduction"),
+    ({"loss_type": "grpo"}, {"preset": "official"}, r"loss_type='grpo'\): contradicts "
+                                                    r"GTPOConfig\(loss_reduction='sum'\) \(preset 'official'\)"),
+    ({"epsilon": 0.3}, {}, r"epsilon=0.3\): contradicts GTPOConfig\(clip_eps_low=None\) \(preset 'paper'\)"),
+    ({"epsilon_high": 0.28}, {"preset": "grpo"}, r"epsilon_high=0.28\): contradicts GTPOConfig\(clip_eps_high=0.2\)"),
+    ({"scale_rewards": "batch"}, {"preset": "grpo"}, r"scale_rewards='batch'\)"),
+    ({"scale_rewards": "group"}, {}, None),  # TRL's default: set from the preset, not a user's choice
+    ({"scale_rewards": "none"}, {"preset": "grpo"}, r"scale_rewards='none'\): contradicts "
+                                                    r"GTPOConfig\(normalize_advantages_by_std=True\)"),
+    ({"cast_lm_head_to_fp32": True}, {}, r"cast_lm_head_to_fp32=True\)"),
+    ({"beta": 0.1, "use_bias_correction_kl": False}, {"kl_beta": 0.1}, None),
+    ({"loss_type": "grpo", "epsilon": 0.2}, {"preset": "grpo"}, None),
+    ({"epsilon": 0.3, "epsilon_high": 0.3}, {"clip_eps_low": 0.3, "clip_eps_high": 0.3}, None),
+])
+def test_settings_the_loss_would_ignore_are_refused(tiny_model_dir, tmp_path, trl_args, gtpo, match):
+    """Each of these values was ignored silently before (TRL's GRPOTrainer would have used it); now refused in
+    one line naming the field, or accepted when it agrees with the GTPO config."""
+    if match is None:
+        make_trainer(tiny_model_dir, tmp_path, trl_args=trl_args, gtpo_config=GTPOConfig(**gtpo))
+        return
+    with pytest.raises(ValueError, match=match):
+        make_trainer(tiny_model_dir, tmp_path, trl_args=trl_args, gtpo_config=GTPOConfig(**gtpo))
+
+
+def test_vllm_importance_sampling_is_refused_with_vllm():
+    """(No vLLM here: the rule on a stand-in for GRPOConfig.) The correction is TRL's default."""
+    import types
+
+    from gtpo_kernels.integrations.trl_settings import SETTINGS
+
+    rule = SETTINGS["vllm_importance_sampling_correction"].refuse
+    assert rule(True, types.SimpleNamespace(use_vllm=True), GTPOConfig()) is not None
+    assert rule(True, types.SimpleNamespace(use_vllm=False), GTPOConfig()) is None
+    assert rule(False, types.SimpleNamespace(use_vllm=True), GTPOConfig()) is None

@@ -32,7 +32,6 @@ it; ``beta`` must equal ``gtpo_config.kl_beta`` so that TRL loads the reference 
 from __future__ import annotations
 
 import types
-import warnings
 from contextlib import nullcontext
 from typing import Optional
 
@@ -43,6 +42,7 @@ from ..conflict import conflict_weights
 from ..fused_linear import fused_linear_gtpo_loss, fused_linear_token_logprobs_and_entropy
 from ..hf import check_hidden_states_supported
 from ..result import GTPOMetrics
+from .trl_settings import check_settings
 
 try:
     from trl import GRPOTrainer
@@ -131,21 +131,13 @@ class GTPOTrainer(GRPOTrainer):
             raise ValueError(f"GRPOConfig(beta={self.beta}) and GTPOConfig(kl_beta={config.kl_beta}) disagree: the loss "
                              f"uses kl_beta, and TRL loads the reference model only when beta > 0; set both to the same "
                              f"value")
-        unsupported = {"top_entropy_quantile": (self.top_entropy_quantile, 1.0),
-                       "off_policy_mask_threshold": (self.off_policy_mask_threshold, None),
-                       "importance_sampling_level": (self.importance_sampling_level, "token")}
-        for name, (value, default) in unsupported.items():
-            if value != default:
-                raise ValueError(f"GTPOTrainer does not support GRPOConfig({name}={value!r}); leave it at {default!r}")
+        check_settings(self.args, config)  # every GRPOConfig field the GTPO loss would ignore (trl_settings.py)
         if getattr(self, "aux_loss_enabled", False):
             # TRL adds the router's load-balancing loss from the model's own forward; the GTPO loss runs the
             # decoder alone (no logits), which leaves that loss out: refuse rather than train without it.
             raise ValueError(f"GTPOTrainer does not add a Mixture-of-Experts model's router load-balancing loss "
                              f"(router_aux_loss_coef={self.router_aux_loss_coef}); set "
                              f"GRPOConfig(router_aux_loss_coef=0.0) to train {type(self.model).__name__} without it")
-        if getattr(self, "vllm_importance_sampling_correction", False) and self.use_vllm:
-            warnings.warn("GTPOTrainer: the vLLM importance-sampling correction (TRL's "
-                          "vllm_importance_sampling_correction) is not applied to the GTPO loss", stacklevel=2)
         # Advantages as the GTPO config defines them (mean-centred for the paper and official presets).
         self.scale_rewards = "group" if config.normalize_advantages_by_std else "none"
         if config.loss_reduction == "token_mean" and self.args.steps_per_generation % self.args.gradient_accumulation_steps:

@@ -1,0 +1,236 @@
+"""How `GTPOTrainer` treats every setting of TRL's ``GRPOConfig``: honoured, irrelevant to the loss, or refused.
+
+`SETTINGS` classifies each field that ``GRPOConfig`` adds to ``transformers.TrainingArguments``; the fields of
+``TrainingArguments`` itself (optimiser, schedule, precision, batch sizes, logging, checkpoints, distribution)
+are the Trainer's, which ``GTPOTrainer`` does not touch. `check_settings` refuses, in one line naming the field
+(and the GTPO knob it contradicts), every value the GTPO loss would otherwise ignore. ``tests/test_trl.py``
+fails when the installed TRL has a field this table does not classify, so that a new TRL release cannot add
+a silent one. ``python -m gtpo_kernels.integrations.trl_settings`` prints the table (docs/trl-settings.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Dict, NamedTuple, Optional
+
+HONOURED, IRRELEVANT, REFUSED = "honoured", "irrelevant to the loss", "refused"
+
+# TRL's loss_type -> the GTPO reduction that computes the same normalisation (None: not expressible).
+LOSS_TYPE_REDUCTION = {"grpo": "sequence_mean", "dapo": "token_mean", "dr_grpo": "dr_grpo", "bnpo": None,
+                       "cispo": None, "sapo": None, "luspo": None, "vespo": None}
+
+
+class Setting(NamedTuple):
+    status: str
+    how: str
+    # For refused settings: ``refuse(value, args, gtpo_config) -> reason or None`` (None: this value is fine).
+    refuse: Optional[Callable] = None
+
+
+def _unless(expected, why: str):
+    def refuse(value, args, config):
+        same = value == expected or (isinstance(value, float) and isinstance(expected, float)
+                                     and math.isclose(value, expected))
+        return None if same else f"{why}; leave it at {expected!r}"
+    return refuse
+
+
+def _clip_side(side: str):
+    def refuse(value, args, config):
+        default = 0.2 if side == "low" else None
+        preset = config.clip_eps_low if side == "low" else config.clip_eps_high
+        if value == default or value == preset or (value is None and side == "high"):
+            return None
+        knob = "clip_eps_low" if side == "low" else "clip_eps_high"
+        return (f"contradicts GTPOConfig({knob}={preset!r}) (preset {config.preset!r}), which sets the loss's clip "
+                f"range: set GTPOConfig({knob}={value!r}) instead, or leave the TRL field at its default")
+    return refuse
+
+
+def _loss_type(value, args, config):
+    if value == "dapo":  # TRL's default: not a choice the user made
+        return None
+    reduction = LOSS_TYPE_REDUCTION.get(value)
+    if reduction is None:
+        return f"{value!r} is not a GTPO reduction (the loss is GTPOConfig.loss_reduction={config.loss_reduction!r})"
+    if reduction != config.loss_reduction:
+        return (f"contradicts GTPOConfig(loss_reduction={config.loss_reduction!r}) (preset {config.preset!r}): set "
+                f"GTPOConfig(loss_reduction={reduction!r}) for TRL's {value!r} normalisation")
+    return None
+
+
+def _scale_rewards(value, args, config):
+    value = {True: "group", False: "none"}.get(value, value)
+    if value == "group":  # TRL's default
+        return None
+    wanted = "group" if config.normalize_advantages_by_std else "none"
+    if value == "batch" or value != wanted:
+        return (f"contradicts GTPOConfig(normalize_advantages_by_std={config.normalize_advantages_by_std}) "
+                f"(preset {config.preset!r}), which sets the advantages ('{wanted}')")
+    return None
+
+
+def _bias_correction(value, args, config):
+    if value and float(args.beta) != 0.0:
+        return ("weights the KL by the importance ratio, which the GTPO loss's k3 KL does not: set "
+                "use_bias_correction_kl=False (or beta=0)")
+    return None
+
+
+def _vllm_is(value, args, config):
+    if value and getattr(args, "use_vllm", False):
+        return "the vLLM importance-sampling correction is not applied to the GTPO loss: set it to False"
+    return None
+
+
+def _cast_head(value, args, config):
+    if value:
+        return ("the fused GTPO loss computes the head's matmul from the final hidden states under the trainer's "
+                "autocast, not in float32: leave it False")
+    return None
+
+
+def _sampling(name):
+    return Setting(IRRELEVANT, f"sampling ({name}); the loss scores under softmax(logits / temperature), as TRL does")
+
+
+_TRL = "TRL's, unchanged"
+SETTINGS: Dict[str, Setting] = {
+    # the model
+    "model_init_kwargs": Setting(HONOURED, _TRL + " (loading the model)"),
+    "trust_remote_code": Setting(HONOURED, _TRL + " (loading the model)"),
+    "disable_dropout": Setting(HONOURED, _TRL + " (dropout off in the policy and reference)"),
+    "router_aux_loss_coef": Setting(REFUSED, "a MoE router load-balancing loss TRL would add is refused at "
+                                             "construction (the GTPO loss runs the decoder alone): set 0.0"),
+    "cast_lm_head_to_fp32": Setting(REFUSED, "True is refused", _cast_head),
+    # generation and groups
+    "num_generations": Setting(HONOURED, "G: the group of the advantages and of the conflict weights"),
+    "num_generations_eval": Setting(HONOURED, _TRL + " (evaluation)"),
+    "max_completion_length": Setting(HONOURED, "the generation cap; dr_grpo's divisor"),
+    "ds3_gather_for_generation": Setting(IRRELEVANT, "generation under DeepSpeed ZeRO-3"),
+    "shuffle_dataset": Setting(IRRELEVANT, "data order"),
+    "pad_to_multiple_of": Setting(IRRELEVANT, "padding (masked out of the loss)"),
+    "generation_batch_size": Setting(HONOURED, "the generation batch, split into steps_per_generation slices; each "
+                                               "optimiser step's counts are exact across them"),
+    "steps_per_generation": Setting(HONOURED, "as generation_batch_size"),
+    "temperature": Setting(HONOURED, "the loss's statistics are those of softmax(logits / temperature)"),
+    "top_p": _sampling("top_p"),
+    "top_k": _sampling("top_k"),
+    "min_p": _sampling("min_p"),
+    "repetition_penalty": _sampling("repetition_penalty"),
+    "generation_kwargs": _sampling("generation_kwargs"),
+    "chat_template_kwargs": Setting(IRRELEVANT, "prompt formatting"),
+    "cache_implementation": Setting(IRRELEVANT, "generation"),
+    "use_transformers_continuous_batching": Setting(IRRELEVANT, "generation"),
+    "transformers_continuous_batching_config": Setting(IRRELEVANT, "generation"),
+    "use_transformers_paged": Setting(IRRELEVANT, "generation"),
+    "max_tool_calling_iterations": Setting(HONOURED, "tools; a tool's output is masked out of the loss (tool_mask) "
+                                                     "and kept in the conflict runs"),
+    # vLLM
+    "use_vllm": Setting(IRRELEVANT, "generation with vLLM"),
+    **{name: Setting(IRRELEVANT, "generation with vLLM") for name in (
+        "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_structured_outputs_regex",
+        "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
+        "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_tensor_parallel_size")},
+    "vllm_importance_sampling_correction": Setting(REFUSED, "True with use_vllm is refused", _vllm_is),
+    **{name: Setting(IRRELEVANT, "used only by vllm_importance_sampling_correction (refused)") for name in (
+        "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min",
+        "vllm_importance_sampling_cap")},
+    # rewards and advantages
+    "reward_weights": Setting(HONOURED, _TRL + " (the reward)"),
+    "multi_objective_aggregation": Setting(HONOURED, _TRL + " (the reward)"),
+    "scale_rewards": Setting(REFUSED, "set from GTPOConfig.normalize_advantages_by_std ('group' or 'none'); another "
+                                      "value given is refused when it contradicts it ('batch' always)",
+                             _scale_rewards),
+    "mask_truncated_completions": Setting(HONOURED, "TRL zeroes a truncated completion's mask before the loss"),
+    # the loss
+    "loss_type": Setting(REFUSED, "the reduction is GTPOConfig.loss_reduction; a value given is refused unless it "
+                                  "names the same one ('grpo': sequence_mean, 'dapo': token_mean, 'dr_grpo')",
+                         _loss_type),
+    "epsilon": Setting(REFUSED, "the clip range is GTPOConfig.clip_eps_low/high; a value given is refused unless "
+                                "it equals the config's", _clip_side("low")),
+    "epsilon_high": Setting(REFUSED, "as epsilon", _clip_side("high")),
+    "delta": Setting(REFUSED, "two-sided clipping is not in the GTPO loss", _unless(None, "two-sided clipping is not "
+                                                                                      "in the GTPO loss")),
+    "beta": Setting(HONOURED, "must equal GTPOConfig.kl_beta (TRL loads the reference model when beta > 0)"),
+    "use_bias_correction_kl": Setting(REFUSED, "True with beta > 0 is refused (TRL's default is True)",
+                                      _bias_correction),
+    "num_iterations": Setting(HONOURED, "TRL keeps the old log-probs; the loss takes the ratio against them"),
+    "importance_sampling_level": Setting(REFUSED, "'sequence' is refused", _unless(
+        "token", "sequence-level importance sampling is not in the GTPO loss")),
+    "off_policy_mask_threshold": Setting(REFUSED, "refused when set", _unless(
+        None, "off-policy sequence masking is not in the GTPO loss")),
+    "top_entropy_quantile": Setting(REFUSED, "refused below 1.0", _unless(
+        1.0, "the GTPO loss filters by completion entropy (GTPOConfig.entropy_threshold), not by token quantile")),
+    "entropy_coef": Setting(REFUSED, "refused when non-zero", _unless(
+        0.0, "TRL's entropy bonus is not in the GTPO loss (its entropy term is GTPOConfig.entropy_coef)")),
+    "use_adaptive_entropy": Setting(REFUSED, "refused when True", _unless(
+        False, "TRL's adaptive entropy bonus is not in the GTPO loss")),
+    **{name: Setting(IRRELEVANT, "used only by use_adaptive_entropy (refused)") for name in (
+        "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target")},
+    **{name: Setting(IRRELEVANT, "used only by loss_type='sapo' / 'vespo' (refused)") for name in (
+        "sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
+        "vespo_lambda_neg")},
+    # the reference model
+    "sync_ref_model": Setting(HONOURED, _TRL + " (reference model updates)"),
+    "ref_model_mixup_alpha": Setting(HONOURED, _TRL + " (reference model updates)"),
+    "ref_model_sync_steps": Setting(HONOURED, _TRL + " (reference model updates)"),
+    # logging
+    **{name: Setting(IRRELEVANT, "logging") for name in (
+        "log_completions", "log_multimodal", "num_completions_to_print", "log_unique_prompts",
+        "log_completions_hub_repo")},
+}
+
+
+def grpo_fields() -> Dict[str, object]:
+    """The installed TRL's ``GRPOConfig`` fields beyond ``TrainingArguments``, with their defaults."""
+    from transformers import TrainingArguments
+    from trl import GRPOConfig
+
+    inherited = {f.name for f in dataclasses.fields(TrainingArguments)}
+    out = {}
+    for f in dataclasses.fields(GRPOConfig):
+        if f.name in inherited:
+            continue
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            out[f.name] = f.default_factory()  # type: ignore[misc]
+        else:
+            out[f.name] = None
+    return out
+
+
+def unclassified() -> list:
+    """Fields of the installed ``GRPOConfig`` that `SETTINGS` does not classify (should be empty)."""
+    return sorted(set(grpo_fields()) - set(SETTINGS))
+
+
+def check_settings(args, config) -> None:
+    """Raises ``ValueError`` naming the first ``GRPOConfig`` field whose value the GTPO loss would ignore or
+    contradict (`SETTINGS`)."""
+    for name, setting in SETTINGS.items():
+        if setting.refuse is None or not hasattr(args, name):
+            continue
+        value = getattr(args, name)
+        reason = setting.refuse(value, args, config)
+        if reason:
+            raise ValueError(f"GTPOTrainer: GRPOConfig({name}={value!r}): {reason}")
+
+
+def markdown() -> str:
+    fields = grpo_fields()
+    lines = ["# GRPOConfig settings under GTPOTrainer", "",
+             "Generated by `python -m gtpo_kernels.integrations.trl_settings` from the installed TRL's `GRPOConfig` "
+             "(the fields it adds to `transformers.TrainingArguments`; those of `TrainingArguments` itself are the "
+             "Trainer's and are honoured as they are). A refused value stops `GTPOTrainer(...)` with one line naming "
+             "the field.", "", "| field | default | status | how |", "|---|---|---|---|"]
+    for name in fields:
+        setting = SETTINGS.get(name, Setting("NOT CLASSIFIED", ""))
+        lines.append(f"| `{name}` | `{fields[name]!r}` | {setting.status} | {setting.how} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")
