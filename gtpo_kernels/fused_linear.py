@@ -38,7 +38,7 @@ from .backends.base import stats_dtype
 from .config import GTPOConfig
 from .fused_chunks import _logits, _stats, _unmasked_tokens, chunk_tokens_for
 from .loss import Conflict, loss_conflict_weights, prepare_loss_inputs
-from .objective import signal_beyond_advantages
+from .objective import completion_clip_fractions, signal_beyond_advantages
 from .result import GTPOLossOutput, GTPOMetrics
 
 
@@ -166,6 +166,10 @@ def fused_linear_gtpo_loss(
     loss, sums, completion_entropy = outputs[0], outputs[6].detach(), outputs[7].detach()
     metrics = GTPOMetrics.from_sums(sums, has_kl=ref_logprobs is not None)
     metrics.completion_entropy = completion_entropy
+    if config.clipping and old_logprobs is not None:  # per-row clip fractions from the call's statistics, O(N L)
+        metrics.completion_clip_low, metrics.completion_clip_high = completion_clip_fractions(
+            outputs[4], outputs[5], valid, advantages.to(stat_dtype), lambda_, old_logprobs, config,
+            inputs.initial_entropy)
     return GTPOLossOutput(loss, metrics)
 
 

@@ -103,6 +103,40 @@ def token_advantages(token_entropy: torch.Tensor, valid: torch.Tensor, advantage
     return completion_entropy, keep, token_advantage * mask
 
 
+def clip_flags(ratio: torch.Tensor, token_advantage: torch.Tensor, config: GTPOConfig):
+    """``(low, high)`` ``[N, L]`` bool: where the clip takes the update away, below ``1 - eps_low`` with a
+    negative advantage or above ``1 + eps_high`` with a positive one (TRL's ``clip_ratio/low`` and ``/high``)."""
+    low, high = config.clip_bounds
+    return (ratio < low) & (token_advantage < 0), (ratio > high) & (token_advantage > 0)
+
+
+def completion_clip_fractions(token_logprobs, token_entropy, valid, advantages, lambda_, old_logprobs,
+                              config: GTPOConfig, initial_entropy=None):
+    """``(low [N], high [N])``: each completion's fraction of clipped tokens on each side (NaN for an empty
+    completion; 0 without clipping or on-policy), from a call's statistics: what `loss_from_token_stats`
+    reports, for a path (the fused one) whose operator returns the statistics but not these."""
+    dtype = token_logprobs.dtype
+    mask = valid.to(dtype)
+    lengths = mask.sum(dim=1)
+    if not config.clipping or old_logprobs is None:  # on-policy the ratio is 1 in value
+        return _row_fraction(None, valid, lengths), _row_fraction(None, valid, lengths)
+    zero = torch.zeros((), dtype=dtype, device=token_logprobs.device)
+    entropy = torch.where(valid, token_entropy.detach().to(dtype), zero)
+    _, _, token_advantage = _shaping(entropy, mask, lengths, advantages, lambda_, config, initial_entropy)
+    logp = torch.where(valid, token_logprobs.detach(), zero)
+    ratio = torch.exp(logp - torch.where(valid, old_logprobs.to(dtype), zero))
+    low, high = clip_flags(ratio, token_advantage, config)
+    return _row_fraction(low, valid, lengths), _row_fraction(high, valid, lengths)
+
+
+def _row_fraction(flags, valid, lengths):
+    """``[N]``: each row's fraction of unmasked tokens flagged (0 without flags), NaN for an empty row."""
+    empty = torch.where(lengths > 0, torch.zeros_like(lengths), torch.full_like(lengths, float("nan")))
+    if flags is None:
+        return empty
+    return (flags & valid).sum(dim=1).to(lengths.dtype) / lengths.clamp(min=1) + empty
+
+
 def _token_weights(valid, lengths, n_conflict, config: GTPOConfig, num_sequences, num_tokens):
     """``[N, L]``: d loss / d per-token loss, the reduction's factor for each unmasked token (0 where masked)."""
     dtype = lengths.dtype
@@ -221,10 +255,11 @@ def loss_from_token_stats(
         low, high = config.clip_bounds
         clipped = torch.clamp(ratio, low, high) * token_advantage
         per_token = -torch.minimum(unclipped, clipped)
-        was_clipped = ((ratio < low) & (token_advantage < 0)) | ((ratio > high) & (token_advantage > 0))
+        clipped_low, clipped_high = clip_flags(ratio.detach(), token_advantage, config)
+        was_clipped = clipped_low | clipped_high
     else:
         per_token = -unclipped
-        was_clipped = None
+        was_clipped = clipped_low = clipped_high = None
 
     penalty = config.entropy_mode == "penalty" and config.entropy_coef > 0
     if penalty:
@@ -261,6 +296,10 @@ def loss_from_token_stats(
         skipped_fraction=token_fraction(None if lambda_ is None else lambda_ == 0),
         ratio_mean=(ratio.detach() * mask).sum() / call_tokens.clamp(min=1),
         clip_fraction=token_fraction(was_clipped),
+        clip_low_fraction=token_fraction(clipped_low),
+        clip_high_fraction=token_fraction(clipped_high),
+        completion_clip_low=_row_fraction(clipped_low, valid, lengths),
+        completion_clip_high=_row_fraction(clipped_high, valid, lengths),
         kl=kl,
         num_tokens=call_tokens.detach().to(**count),
         num_sequences=torch.full((), n_rows, **count),

@@ -150,7 +150,8 @@ def reference_loss_from_token_stats(
     gamma = config.entropy_coef
 
     row_losses, row_entropies, kept, signal = [], [], [], []
-    token_count = amplified = skipped = clipped = 0
+    row_clip_low, row_clip_high = [float("nan")] * n_rows, [float("nan")] * n_rows  # NaN: empty completion
+    token_count = amplified = skipped = clipped_low = clipped_high = 0
     entropy_sum = ratio_sum = kl_sum = 0.0
     for i in range(n_rows):
         n = lengths[i]
@@ -174,9 +175,13 @@ def reference_loss_from_token_stats(
         if config.clipping:
             terms = -torch.minimum(ratio * token_adv, ratio.clamp(low, high) * token_adv)
             r = ratio.detach()
-            clipped += int((((r < low) & (token_adv < 0)) | ((r > high) & (token_adv > 0))).sum())
+            row_low, row_high = int(((r < low) & (token_adv < 0)).sum()), int(((r > high) & (token_adv > 0)).sum())
+            clipped_low += row_low
+            clipped_high += row_high
+            row_clip_low[i], row_clip_high[i] = row_low / n, row_high / n
         else:
             terms = -ratio * token_adv
+            row_clip_low[i] = row_clip_high[i] = 0.0
         if config.entropy_mode == "penalty":
             terms = terms + gamma * h
         if ref_logprobs is not None:
@@ -228,7 +233,11 @@ def reference_loss_from_token_stats(
         amplified_fraction=scalar(amplified / per_token),
         skipped_fraction=scalar(skipped / per_token),
         ratio_mean=scalar(ratio_sum / per_token),
-        clip_fraction=scalar(clipped / per_token),
+        clip_fraction=scalar((clipped_low + clipped_high) / per_token),
+        clip_low_fraction=scalar(clipped_low / per_token),
+        clip_high_fraction=scalar(clipped_high / per_token),
+        completion_clip_low=torch.tensor(row_clip_low, dtype=dtype, device=device),
+        completion_clip_high=torch.tensor(row_clip_high, dtype=dtype, device=device),
         kl=None if ref_logprobs is None else scalar(kl_sum / per_token),
         num_tokens=torch.tensor(float(token_count), dtype=torch.float64),
         num_sequences=torch.tensor(float(n_rows), dtype=torch.float64),

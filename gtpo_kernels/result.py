@@ -17,12 +17,16 @@ _AVERAGED_OVER = {
     "skipped_fraction": "num_tokens",
     "ratio_mean": "num_tokens",
     "clip_fraction": "num_tokens",
+    "clip_low_fraction": "num_tokens",
+    "clip_high_fraction": "num_tokens",
     "kl": "num_tokens",
 }
 _COUNTS = ("num_tokens", "num_sequences", "num_nonempty")
 # Layout of `GTPOMetrics.to_sums()`: every mean times its count, then the counts, then "has kl".
 _SUM_LAYOUT = tuple(_AVERAGED_OVER) + _COUNTS + ("has_kl",)
 SUMS_SIZE = len(_SUM_LAYOUT)
+# Per-completion values that `to_dict` leaves out (their mean is not a metric of the call: see the fractions).
+_PER_ROW_ONLY = ("completion_clip_low", "completion_clip_high")
 
 
 @dataclass
@@ -40,7 +44,11 @@ class GTPOMetrics:
         amplified_fraction: fraction of unmasked tokens with ``lambda > 1`` (conflicts, positive).
         skipped_fraction: fraction of unmasked tokens with ``lambda = 0`` (conflicts, negative).
         ratio_mean: mean importance ratio ``exp(logp - logp_old)`` over unmasked tokens.
-        clip_fraction: fraction of unmasked tokens whose update was clipped (0 without clipping).
+        clip_fraction: fraction of unmasked tokens whose update was clipped (0 without clipping):
+            ``clip_low_fraction`` (ratio below ``1 - eps_low`` with a negative advantage) plus
+            ``clip_high_fraction`` (above ``1 + eps_high`` with a positive one), TRL's ``clip_ratio/*``.
+        completion_clip_low, completion_clip_high: ``[N]``, each completion's clipped fraction on each side (NaN
+            for an empty completion); per-row, like ``completion_entropy`` (``None`` after `from_sums`).
         kl: mean k3 estimate of KL(policy || reference) over unmasked tokens, or ``None`` without
             ``ref_logprobs``.
         num_tokens, num_sequences, num_nonempty: this call's unmasked tokens, completions and non-empty
@@ -63,13 +71,17 @@ class GTPOMetrics:
     num_tokens: Optional[torch.Tensor] = None
     num_sequences: Optional[torch.Tensor] = None
     num_nonempty: Optional[torch.Tensor] = None
+    clip_low_fraction: Optional[torch.Tensor] = None
+    clip_high_fraction: Optional[torch.Tensor] = None
+    completion_clip_low: Optional[torch.Tensor] = None
+    completion_clip_high: Optional[torch.Tensor] = None
 
     def to_dict(self) -> dict:
         """Scalar metrics as Python floats, read in one device sync; ``completion_entropy`` is averaged."""
         names, values = [], []
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is None:
+            if value is None or f.name in _PER_ROW_ONLY:
                 continue
             names.append(f.name)
             values.append(value.detach().to(torch.float64).mean() if value.numel()
@@ -124,8 +136,9 @@ class GTPOMetrics:
             raise ValueError("GTPOMetrics.merge: nothing to merge")
         merged = cls.from_sums(torch.stack([p.to_sums().to(parts[0].entropy.device) for p in parts]).sum(0),
                                parts=len(parts))
-        rows: List[torch.Tensor] = [p.completion_entropy for p in parts]
-        merged.completion_entropy = None if any(r is None for r in rows) else torch.cat(rows)
+        for name in ("completion_entropy",) + _PER_ROW_ONLY:
+            rows: List[Optional[torch.Tensor]] = [getattr(p, name) for p in parts]
+            setattr(merged, name, None if any(r is None for r in rows) else torch.cat(rows))
         return merged
 
 

@@ -248,8 +248,8 @@ def test_metrics_to_dict(batch):
     logits, ids, mask, adv = batch
     d = call(logits, ids, mask, adv).metrics.to_dict()
     assert set(d) == {"entropy", "completion_entropy", "filtered_fraction", "signal_fraction", "amplified_fraction",
-                      "skipped_fraction", "ratio_mean", "clip_fraction", "num_tokens", "num_sequences",
-                      "num_nonempty"}
+                      "skipped_fraction", "ratio_mean", "clip_fraction", "clip_low_fraction", "clip_high_fraction",
+                      "num_tokens", "num_sequences", "num_nonempty"}
     assert all(isinstance(v, float) for v in d.values())
     assert d["num_tokens"] == float(mask.sum()) and d["num_sequences"] == 6.0
 

@@ -176,8 +176,13 @@ def test_against_float64_reference(backend, dtype, name, chunk_tokens, monkeypat
                         rtol)
     for metric in ("entropy", "completion_entropy", "ratio_mean"):
         assert_rel_close(getattr(out.metrics, metric).cpu(), getattr(ref.metrics, metric), rtol, metric)
-    for metric in ("filtered_fraction", "amplified_fraction", "skipped_fraction", "clip_fraction"):
+    for metric in ("filtered_fraction", "amplified_fraction", "skipped_fraction", "clip_fraction",
+                   "clip_low_fraction", "clip_high_fraction"):
         assert float(getattr(out.metrics, metric)) == pytest.approx(float(getattr(ref.metrics, metric)), abs=1e-6)
+    if config.clipping and kw.get("old_logprobs") is not None:  # per-row clip fractions (TRL's low_min/high_max)
+        for metric in ("completion_clip_low", "completion_clip_high"):
+            torch.testing.assert_close(getattr(out.metrics, metric).cpu().double(),
+                                       getattr(ref.metrics, metric).double(), atol=1e-6, rtol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

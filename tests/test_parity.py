@@ -74,8 +74,12 @@ def compare(backend, dtype, config, logits, ids, mask, adv, group_size, *, off_p
     for name in ("entropy", "completion_entropy", "ratio_mean"):
         assert_rel_close(getattr(m, name), getattr(r, name), rtol, name)
     # Discrete metrics agree exactly unless an entropy sits on the threshold (not in these draws).
-    for name in ("filtered_fraction", "signal_fraction", "amplified_fraction", "skipped_fraction", "clip_fraction"):
+    for name in ("filtered_fraction", "signal_fraction", "amplified_fraction", "skipped_fraction", "clip_fraction",
+                 "clip_low_fraction", "clip_high_fraction"):
         assert float(getattr(m, name)) == pytest.approx(float(getattr(r, name)), abs=1e-6), name
+    for name in ("completion_clip_low", "completion_clip_high"):  # per completion; NaN for an empty one
+        torch.testing.assert_close(getattr(m, name).double().cpu(), getattr(r, name).double().cpu(), atol=1e-6,
+                                   rtol=0, equal_nan=True, msg=name)
     if r.kl is not None:
         assert_rel_close(m.kl, r.kl, rtol, "kl")
     return out

@@ -365,3 +365,36 @@ def test_vllm_importance_sampling_is_refused_with_vllm():
     assert rule(True, types.SimpleNamespace(use_vllm=True), GTPOConfig()) is not None
     assert rule(True, types.SimpleNamespace(use_vllm=False), GTPOConfig()) is None
     assert rule(False, types.SimpleNamespace(use_vllm=True), GTPOConfig()) is None
+
+
+@pytest.mark.parametrize("all_negative", [False, True])
+def test_trl_metrics_kept_and_equal_to_grpo_trainers(tiny_model_dir, tmp_path, all_negative):
+    """TRL's own `entropy`, `kl` and `clip_ratio/*` metrics, from the kernels' statistics, equal GRPOTrainer's on
+    the same off-policy batch (old log-probs shifted so that both clip sides engage; beta > 0 for the KL). With
+    every advantage negative and the old log-probs above the new, every completion has low-clipped tokens, so
+    that clip_ratio/low_min (the smallest per-completion fraction) is not 0."""
+    inputs = {k: v for k, v in fixed_inputs(100).items() if not k.startswith("gtpo_")}
+    if all_negative:
+        inputs["advantages"] = -inputs["advantages"].abs() - 0.1
+    ours = make_trainer(tiny_model_dir, tmp_path / "gtpo", gtpo_config=GTPOConfig(preset="grpo", kl_beta=0.05),
+                        trl_args={"beta": 0.05, "use_bias_correction_kl": False, "loss_type": "grpo"})
+    theirs = make_trainer(tiny_model_dir, tmp_path / "grpo", cls=trl.GRPOTrainer,
+                          trl_args={"beta": 0.05, "use_bias_correction_kl": False, "loss_type": "grpo"})
+    with torch.no_grad():
+        logits = completion_logits(theirs.model, inputs) / 0.7
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, inputs["completion_ids"][..., None]).squeeze(-1)
+    shift = torch.randn(logp.shape, generator=torch.Generator().manual_seed(3)) * 0.4
+    if all_negative:
+        shift = shift.abs() + 0.2  # ratio below 0.8 (low-clipped) on most tokens, not all
+    inputs["old_per_token_logps"] = logp + shift
+    inputs["ref_per_token_logps"] = logp - shift / 2
+    for trainer in (ours, theirs):
+        loss_and_grads(trainer, dict(inputs))
+    ours._flush_gtpo_metrics("train")
+    for name in ("entropy", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+                 "clip_ratio/low_min", "clip_ratio/high_max"):
+        mine, trls = ours._metrics["train"][name], theirs._metrics["train"][name]
+        assert len(mine) == 1 and len(trls) == 1, name
+        assert mine[0] == pytest.approx(trls[0], rel=1e-5, abs=1e-7), name
+    side = "clip_ratio/low_min" if all_negative else "clip_ratio/high_max"
+    assert theirs._metrics["train"]["clip_ratio/low_mean"][0] > 0 and theirs._metrics["train"][side][0] > 0

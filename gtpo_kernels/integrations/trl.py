@@ -31,6 +31,7 @@ it; ``beta`` must equal ``gtpo_config.kl_beta`` so that TRL loads the reference 
 
 from __future__ import annotations
 
+import math
 import types
 from contextlib import nullcontext
 from typing import Optional
@@ -148,7 +149,7 @@ class GTPOTrainer(GRPOTrainer):
                 f"gradient_accumulation_steps={self.args.gradient_accumulation_steps}")
         self.gtpo_config = config
         self._gtpo_initial_entropy: Optional[float] = None
-        self._gtpo_pending = {}  # mode -> metric sums of the loss calls since the last log, on the device
+        self._gtpo_pending = {}  # mode -> (metric sums, clip extremes) of the loss calls since the last log, on the device
         base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         add_gtpo_head(base, self)
         if self.ref_model is not None:
@@ -264,20 +265,48 @@ class GTPOTrainer(GRPOTrainer):
     def _log_gtpo_metrics(self, metrics: GTPOMetrics, mode: str) -> None:
         """Adds this call's metric sums to the mode's pending ones, on the device (read in `log`)."""
         sums = metrics.to_sums()
+        # TRL's clip_ratio/low_min and /high_max: the extremes over completions of their clipped fractions,
+        # kept as [low_min, -high_max] so that one running minimum holds both (empty completions are NaN: skipped).
+        rows = [metrics.completion_clip_low, metrics.completion_clip_high]
+        extremes = []
+        for sign, row in ((1.0, rows[0]), (-1.0, rows[1])):
+            if row is None:  # no clipping (or on-policy): every completion's fraction is 0
+                extremes.append(torch.zeros((), dtype=torch.float64, device=sums.device))
+            else:
+                row = sign * row.detach().to(torch.float64)
+                extremes.append(torch.where(torch.isnan(row), torch.full_like(row, math.inf), row).amin()
+                                if row.numel() else torch.full((), math.inf, dtype=torch.float64, device=sums.device))
+        extremes = torch.stack(extremes)
         pending = self._gtpo_pending.get(mode)
-        self._gtpo_pending[mode] = sums if pending is None else pending + sums
+        if pending is None:
+            self._gtpo_pending[mode] = (sums, extremes)
+        else:
+            self._gtpo_pending[mode] = (pending[0] + sums, torch.minimum(pending[1], extremes))
 
     def _flush_gtpo_metrics(self, mode: str) -> None:
-        """One all-reduce and one host read for every loss call since the last log."""
+        """One gather and one host read for every loss call since the last log: the ``gtpo/*`` metrics, and
+        TRL's own ``entropy``, ``kl`` and ``clip_ratio/*`` (so that dashboards built for ``GRPOTrainer`` keep
+        working; ``clip_ratio/low_min`` and ``/high_max`` are the extremes over the completions of every loss
+        call since the last log, where TRL logs them per call and averages at the log)."""
         pending = self._gtpo_pending.pop(mode, None)
         if pending is None:
             return
-        sums = self.accelerator.reduce(pending, reduction="sum")
+        per_process = self.accelerator.gather(torch.cat(pending)[None])  # [processes, sums + 2 extremes]
+        extremes = per_process[:, -2:].amin(dim=0)
+        extremes = torch.where(torch.isinf(extremes), torch.full_like(extremes, math.nan), extremes)
+        per_process = per_process[:, :-2]
         # TRL computes reference log-probs (hence a KL) exactly when beta != 0.
-        merged = GTPOMetrics.from_sums(sums, has_kl=float(self.beta) != 0.0).to_dict()
-        for name in METRIC_NAMES:
-            if name in merged:
-                self._metrics[mode][f"gtpo/{name}"].append(merged[name])
+        has_kl = float(self.beta) != 0.0
+        merged = GTPOMetrics.from_sums(per_process.sum(0), has_kl=has_kl)
+        values = {f"gtpo/{name}": getattr(merged, name) for name in METRIC_NAMES if getattr(merged, name) is not None}
+        values.update({"entropy": merged.entropy, "clip_ratio/low_mean": merged.clip_low_fraction,
+                       "clip_ratio/high_mean": merged.clip_high_fraction, "clip_ratio/region_mean": merged.clip_fraction,
+                       "clip_ratio/low_min": extremes[0], "clip_ratio/high_max": -extremes[1]})
+        if has_kl:
+            values["kl"] = merged.kl
+        read = torch.stack([v.to(torch.float64) for v in values.values()]).tolist()  # the one host read
+        for name, value in zip(values, read):
+            self._metrics[mode][name].append(value)
 
     def log(self, logs, *args, **kwargs):
         self._flush_gtpo_metrics("train" if self.model.training else "eval")  # the mode TRL's log reports
