@@ -101,6 +101,12 @@ class GTPOConfig:
             value (``clip_eps_low=0.2`` alone clips symmetrically).
         kl_beta: ``beta``, weight of the k3 KL estimate against ``ref_logprobs`` (0 disables the
             term; the KL is still reported in the metrics when reference log-probs are given).
+        ratio_cap: ``delta``: two-sided clipping (INTELLECT-2; TRL's ``delta``): the unclipped branch takes
+            ``min(rho, delta) a``, so a negative advantage's update stops growing once the ratio passes
+            ``delta``. ``None``: no cap. Must be > 1 (TRL recommends > ``1 + eps_high``).
+        kl_ratio_weighted: weight the KL term by the importance ratio ``rho`` (with its gradient), which makes
+            its gradient the unbiased reverse-KL gradient off-policy (DeepSeek-V3.2; TRL's
+            ``use_bias_correction_kl``). On-policy ``rho = 1`` in value but the gradient still changes.
         max_completion_length: the generation cap. When set, ``dr_grpo`` divides by
             ``num_sequences * max_completion_length`` (TRL's and Liger's convention), so the loss does
             not depend on how much padding a batch happens to carry.
@@ -134,6 +140,8 @@ class GTPOConfig:
     clip_eps_low: Optional[float] = PRESET
     clip_eps_high: Optional[float] = PRESET
     kl_beta: float = 0.0
+    ratio_cap: Optional[float] = None
+    kl_ratio_weighted: bool = False
     max_completion_length: Optional[int] = None
     max_chunk_bytes: Optional[int] = None
     inplace_backward: bool = False
@@ -195,12 +203,15 @@ class GTPOConfig:
             raise bad("clip_eps_high", "must be a number >= 0, or None / float('inf') to leave the upper side open")
         if not (is_number(self.kl_beta) and math.isfinite(self.kl_beta) and self.kl_beta >= 0):
             raise bad("kl_beta", "must be a finite number >= 0")
+        if self.ratio_cap is not None and not (is_number(self.ratio_cap) and self.ratio_cap > 1):
+            raise bad("ratio_cap", "must be a number > 1 (the cap on the unclipped ratio), or None for no cap")
         for name in ("max_completion_length", "max_chunk_bytes"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
                 raise bad(name, "must be a positive int, or None")
         for name in ("normalize_advantages_by_std", "entropy_gate", "use_conflict_weights",
-                     "divide_by_conflict_count", "inplace_backward", "validate_inputs", "warn_no_signal"):
+                     "divide_by_conflict_count", "inplace_backward", "validate_inputs", "warn_no_signal",
+                     "kl_ratio_weighted"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be True or False")
 

@@ -185,18 +185,33 @@ def loss_gradients(
     _, _, token_advantage = _shaping(entropy, mask, lengths, advantages, lambda_, config, initial_entropy)
     weights = _token_weights(valid, lengths, n_conflict, config, num_sequences, num_tokens)
 
-    # Policy term -min(rho a, clip(rho) a): its gradient is -a rho where the unclipped branch is taken (ties
-    # go to it, as torch.minimum does), 0 where the clipped one is (the clamp is flat there).
+    # Policy term -min(min(rho, delta) a, clip(rho) a): its gradient is -a rho on the branch the min takes (ties
+    # go to the first, as torch.minimum does) where that branch is not flat: the first below the cap, the
+    # clipped one inside [1 - eps_low, 1 + eps_high] (torch.clamp passes the gradient at the bounds).
     ratio = torch.ones_like(logp) if old_logprobs is None else torch.exp(
         logp - torch.where(valid, old_logprobs.to(dtype), zero))
     c = -token_advantage * ratio
+    first = ratio
+    if config.ratio_cap is not None:
+        first = torch.clamp(ratio, max=config.ratio_cap)
+        first_slope = ratio <= config.ratio_cap
+    else:
+        first_slope = torch.ones_like(valid)
     if config.clipping:
         low, high = config.clip_bounds
-        unclipped = ratio * token_advantage
-        c = torch.where(unclipped <= torch.clamp(ratio, low, high) * token_advantage, c, zero)
+        take_first = first * token_advantage <= torch.clamp(ratio, low, high) * token_advantage
+        slope = torch.where(take_first, first_slope, (ratio >= low) & (ratio <= high))
+    else:
+        slope = first_slope
+    c = torch.where(slope, c, zero)
     if ref_logprobs is not None and config.kl_beta:
-        # k3(d) = expm1(d) - d with d = ref - logp: d k3 / d logp = -expm1(d).
-        c = c - config.kl_beta * torch.expm1(torch.where(valid, ref_logprobs.to(dtype), zero) - logp)
+        d = torch.where(valid, ref_logprobs.to(dtype), zero) - logp
+        if config.kl_ratio_weighted:
+            # rho k3(d): d/d logp = rho (k3(d) - expm1(d)) = -rho d.
+            c = c - config.kl_beta * ratio * d
+        else:
+            # k3(d) = expm1(d) - d with d = ref - logp: d k3 / d logp = -expm1(d).
+            c = c - config.kl_beta * torch.expm1(d)
     e = torch.zeros_like(c)
     if config.entropy_mode == "penalty" and config.entropy_coef > 0:
         e = e + config.entropy_coef
@@ -250,7 +265,8 @@ def loss_from_token_stats(
     # Importance ratio; on-policy it is 1 in value and carries the gradient of logp.
     old = logp.detach() if old_logprobs is None else torch.where(valid, old_logprobs.to(dtype), zero)
     ratio = torch.exp(logp - old)
-    unclipped = ratio * token_advantage
+    capped = ratio if config.ratio_cap is None else torch.clamp(ratio, max=config.ratio_cap)
+    unclipped = capped * token_advantage
     if config.clipping:
         low, high = config.clip_bounds
         clipped = torch.clamp(ratio, low, high) * token_advantage
@@ -268,6 +284,8 @@ def loss_from_token_stats(
     kl = None
     if ref_logprobs is not None:
         kl_per_token = _K3.apply(torch.where(valid, ref_logprobs.to(dtype), zero) - logp)  # k3, >= 0
+        if config.kl_ratio_weighted:
+            kl_per_token = kl_per_token * ratio  # reported weighted too, as TRL reports it
         if config.kl_beta:
             per_token = per_token + config.kl_beta * kl_per_token
         kl = (kl_per_token.detach() * mask).sum() / call_tokens.clamp(min=1)

@@ -172,21 +172,24 @@ def reference_loss_from_token_stats(
         lam = lambda_[i, at].to(dtype)
         token_adv = lam * shaped
         ratio = torch.exp(lp - old)
+        first = ratio if config.ratio_cap is None else torch.clamp(ratio, max=config.ratio_cap)
         if config.clipping:
-            terms = -torch.minimum(ratio * token_adv, ratio.clamp(low, high) * token_adv)
+            terms = -torch.minimum(first * token_adv, ratio.clamp(low, high) * token_adv)
             r = ratio.detach()
             row_low, row_high = int(((r < low) & (token_adv < 0)).sum()), int(((r > high) & (token_adv > 0)).sum())
             clipped_low += row_low
             clipped_high += row_high
             row_clip_low[i], row_clip_high[i] = row_low / n, row_high / n
         else:
-            terms = -ratio * token_adv
+            terms = -first * token_adv
             row_clip_low[i] = row_clip_high[i] = 0.0
         if config.entropy_mode == "penalty":
             terms = terms + gamma * h
         if ref_logprobs is not None:
             r = ref_logprobs[i, at].to(dtype) - lp
             k3 = torch.exp(r) - r - 1
+            if config.kl_ratio_weighted:
+                k3 = k3 * ratio
             kl_sum += float(k3.detach().sum())
             if config.kl_beta:
                 terms = terms + config.kl_beta * k3

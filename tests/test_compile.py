@@ -23,6 +23,7 @@ CPU_BACKENDS = ["torch", "cpu"]
     ("grpo+kl", GTPOConfig(preset="grpo", kl_beta=0.1, clip_eps_high=0.28)),
     ("penalty", GTPOConfig(entropy_mode="penalty", loss_reduction="token_mean")),
     ("dr_grpo", GTPOConfig(preset="grpo", loss_reduction="dr_grpo", max_completion_length=9)),
+    ("cap+weighted_kl", GTPOConfig(preset="grpo", ratio_cap=1.1, kl_beta=0.1, kl_ratio_weighted=True)),  # cap inside the clip
 ])
 def test_loss_gradients_equal_autograd(name, config):
     g = torch.Generator().manual_seed(1)

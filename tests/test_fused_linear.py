@@ -389,3 +389,27 @@ def test_hidden_state_statistics(backend, dtype):
     same_logp, _ = token_logprobs_and_entropy(logits, ids, mask, temperature=0.7, backend=backend)
     if dtype == torch.float32:
         assert_rel_close(logp.cpu(), same_logp.cpu(), 1e-5, "against token_logprobs_and_entropy")
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("config", [GTPOConfig(preset="grpo", ratio_cap=1.1, kl_beta=0.05),
+                                    GTPOConfig(preset="paper", kl_beta=0.05, kl_ratio_weighted=True),
+                                    GTPOConfig(preset="grpo", ratio_cap=1.1, kl_beta=0.05, kl_ratio_weighted=True)],
+                         ids=["cap", "weighted_kl", "both"])
+def test_ratio_cap_and_weighted_kl_equal_the_logits_loss_in_float64(backend, config):
+    """TRL's delta and use_bias_correction_kl (GTPOConfig.ratio_cap, kl_ratio_weighted) through the fused path's
+    closed-form coefficients: the same loss and gradients as `gtpo_loss` on the logits, to float64 rounding.
+    (Their float32/bfloat16 precision is the KL's and the ratio's, tested with the other configs.)"""
+    h, w, b, ids, mask, adv = make(seed=11)
+    h, w, b, adv = h.double(), w.double(), b.double(), adv.double()
+    kw = {k: v.double() for k, v in off_policy_kwargs(h, w, b, ids, mask, config).items()}
+    ratio = torch.exp(token_logprobs_and_entropy(h @ w.T + b, torch.where(mask, ids, 0))[0] - kw["old_logprobs"])
+    assert bool((ratio > 1.1).any()) and bool((ratio < 1.1).any())  # the cap binds on some tokens
+    out, dh, dw, db = fused(h, w, b, ids, mask, adv, config, backend, torch.float64, **kw)
+    logits = (h @ w.T + b).detach().requires_grad_()
+    ref = gtpo_loss(logits, ids, mask, adv, group_size=G, config=config, backend="torch", **kw)
+    ref.loss.backward()
+    torch.testing.assert_close(out.loss.detach().cpu(), ref.loss.detach(), rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(dh.cpu(), logits.grad @ w, rtol=1e-10, atol=1e-13)
+    torch.testing.assert_close(dw.cpu(), logits.grad.flatten(0, 1).T @ h.flatten(0, 1), rtol=1e-10, atol=1e-13)
+    assert float(out.metrics.kl) == pytest.approx(float(ref.metrics.kl), rel=1e-12)

@@ -30,6 +30,9 @@ CONFIGS = {
     "clip+kl": GTPOConfig(preset="paper", clip_eps_low=0.2, clip_eps_high=0.28, kl_beta=0.04,
                           loss_reduction="token_mean"),
     "dr_grpo": GTPOConfig(preset="grpo", loss_reduction="dr_grpo", kl_beta=0.1),
+    # TRL's delta (two-sided clipping) and use_bias_correction_kl, on a GTPO preset
+    "cap+weighted_kl": GTPOConfig(preset="paper", clip_eps_low=0.2, clip_eps_high=0.28, ratio_cap=1.25,
+                                  kl_beta=0.05, kl_ratio_weighted=True),
 }
 
 

@@ -324,10 +324,13 @@ def test_every_grpo_config_field_is_classified():
 
 
 @pytest.mark.parametrize("trl_args,gtpo,match", [
-    ({"beta": 0.1}, {"kl_beta": 0.1}, r"use_bias_correction_kl=True\): weights the KL by the importance ratio"),
+    ({"beta": 0.1}, {"kl_beta": 0.1}, r"use_bias_correction_kl=True\): contradicts "
+                                      r"GTPOConfig\(kl_ratio_weighted=False\)"),
+    ({"beta": 0.1}, {"kl_beta": 0.1, "kl_ratio_weighted": True}, None),
     ({"entropy_coef": 0.1}, {}, r"entropy_coef=0.1\): TRL's entropy bonus"),
     ({"use_adaptive_entropy": True}, {}, r"use_adaptive_entropy=True\)"),
-    ({"delta": 1.5}, {}, r"delta=1.5\): two-sided clipping"),
+    ({"delta": 1.5}, {}, r"delta=1.5\): contradicts GTPOConfig\(ratio_cap=None\)"),
+    ({"delta": 1.5}, {"ratio_cap": 1.5}, None),
     ({"loss_type": "dr_grpo"}, {}, r"loss_type='dr_grpo'\): contradicts "
                                    r"GTPOConfig\(loss_reduction='sequence_mean'\) \(preset 'paper'\)"),
     ({"loss_type": "grpo"}, {}, None),  # TRL's 'grpo' normalisation is the paper preset's sequence_mean
@@ -398,3 +401,30 @@ def test_trl_metrics_kept_and_equal_to_grpo_trainers(tiny_model_dir, tmp_path, a
         assert mine[0] == pytest.approx(trls[0], rel=1e-5, abs=1e-7), name
     side = "clip_ratio/low_min" if all_negative else "clip_ratio/high_max"
     assert theirs._metrics["train"]["clip_ratio/low_mean"][0] > 0 and theirs._metrics["train"][side][0] > 0
+
+
+@pytest.mark.parametrize("trl_args,gtpo", [
+    ({"delta": 1.1}, {"ratio_cap": 1.1}),
+    ({"beta": 0.05, "use_bias_correction_kl": True}, {"kl_beta": 0.05, "kl_ratio_weighted": True}),
+    ({"beta": 0.05, "use_bias_correction_kl": False, "delta": 1.15}, {"kl_beta": 0.05, "ratio_cap": 1.15}),
+], ids=["delta", "bias_corrected_kl", "both"])
+def test_delta_and_bias_corrected_kl_equal_grpo_trainer(tiny_model_dir, tmp_path, trl_args, gtpo):
+    """TRL's two-sided clipping (delta) and ratio-weighted KL (use_bias_correction_kl), as GTPOConfig's ratio_cap
+    and kl_ratio_weighted: the same loss and gradient as GRPOTrainer on one off-policy batch (loss_type='grpo',
+    whose normalisation is the grpo preset's)."""
+    inputs = {k: v for k, v in fixed_inputs(100).items() if not k.startswith("gtpo_")}
+    settings = {"loss_type": "grpo", **trl_args}
+    ours = make_trainer(tiny_model_dir, tmp_path / "gtpo", gtpo_config=GTPOConfig(preset="grpo", **gtpo),
+                        trl_args=settings)
+    theirs = make_trainer(tiny_model_dir, tmp_path / "grpo", cls=trl.GRPOTrainer, trl_args=settings)
+    with torch.no_grad():
+        logits = completion_logits(theirs.model, inputs) / 0.7
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, inputs["completion_ids"][..., None]).squeeze(-1)
+    shift = torch.randn(logp.shape, generator=torch.Generator().manual_seed(5)) * 0.3
+    inputs["old_per_token_logps"] = logp - shift  # ratios exp(shift): some above delta, some clipped
+    if "beta" in trl_args:
+        inputs["ref_per_token_logps"] = logp + shift / 2
+    loss_a, grads_a = loss_and_grads(ours, dict(inputs))
+    loss_b, grads_b = loss_and_grads(theirs, dict(inputs))
+    torch.testing.assert_close(loss_a, loss_b, rtol=1e-5, atol=1e-7)
+    assert_same_grads(grads_a, grads_b, rtol=1e-4)

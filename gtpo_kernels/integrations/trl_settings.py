@@ -72,9 +72,16 @@ def _scale_rewards(value, args, config):
 
 
 def _bias_correction(value, args, config):
-    if value and float(args.beta) != 0.0:
-        return ("weights the KL by the importance ratio, which the GTPO loss's k3 KL does not: set "
-                "use_bias_correction_kl=False (or beta=0)")
+    if float(args.beta) != 0.0 and bool(value) != config.kl_ratio_weighted:
+        return (f"contradicts GTPOConfig(kl_ratio_weighted={config.kl_ratio_weighted}), which decides whether the KL "
+                f"is weighted by the importance ratio: set both the same (TRL's default is True)")
+    return None
+
+
+def _delta(value, args, config):
+    if value != config.ratio_cap:
+        return (f"contradicts GTPOConfig(ratio_cap={config.ratio_cap!r}), the loss's two-sided clipping: set "
+                f"GTPOConfig(ratio_cap={value!r})" + ("" if value is not None else " or leave ratio_cap None"))
     return None
 
 
@@ -151,10 +158,11 @@ SETTINGS: Dict[str, Setting] = {
     "epsilon": Setting(REFUSED, "the clip range is GTPOConfig.clip_eps_low/high; a value given is refused unless "
                                 "it equals the config's", _clip_side("low")),
     "epsilon_high": Setting(REFUSED, "as epsilon", _clip_side("high")),
-    "delta": Setting(REFUSED, "two-sided clipping is not in the GTPO loss", _unless(None, "two-sided clipping is not "
-                                                                                      "in the GTPO loss")),
+    "delta": Setting(REFUSED, "two-sided clipping is GTPOConfig.ratio_cap; a value other than the config's is "
+                              "refused", _delta),
     "beta": Setting(HONOURED, "must equal GTPOConfig.kl_beta (TRL loads the reference model when beta > 0)"),
-    "use_bias_correction_kl": Setting(REFUSED, "True with beta > 0 is refused (TRL's default is True)",
+    "use_bias_correction_kl": Setting(REFUSED, "the ratio-weighted KL is GTPOConfig.kl_ratio_weighted; with beta > 0 "
+                                               "a value other than the config's is refused (TRL's default is True)",
                                       _bias_correction),
     "num_iterations": Setting(HONOURED, "TRL keeps the old log-probs; the loss takes the ratio against them"),
     "importance_sampling_level": Setting(REFUSED, "'sequence' is refused", _unless(
