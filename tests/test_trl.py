@@ -428,3 +428,42 @@ def test_delta_and_bias_corrected_kl_equal_grpo_trainer(tiny_model_dir, tmp_path
     loss_b, grads_b = loss_and_grads(theirs, dict(inputs))
     torch.testing.assert_close(loss_a, loss_b, rtol=1e-5, atol=1e-7)
     assert_same_grads(grads_a, grads_b, rtol=1e-4)
+
+
+@pytest.mark.parametrize("trl_args", [
+    {},  # TRL's defaults: loss_type='dapo', epsilon 0.2, scale_rewards='group', beta 0
+    {"loss_type": "grpo", "epsilon": 0.1, "epsilon_high": 0.3},
+    {"loss_type": "dr_grpo", "beta": 0.04, "use_bias_correction_kl": True},
+    {"loss_type": "dapo", "delta": 1.25, "beta": 0.04, "use_bias_correction_kl": False, "scale_rewards": "none"},
+], ids=["defaults", "grpo-asymmetric-clip", "dr_grpo-bias-corrected-kl", "dapo-delta-kl-unscaled"])
+def test_from_grpo_config_trains_as_grpo_trainer(tiny_model_dir, tmp_path, trl_args):
+    """`from_grpo_config(args)`: GTPOTrainer with the GTPOConfig derived from TRL's settings equals GRPOTrainer
+    (loss and gradient, one off-policy batch with reference log-probs), whatever TRL's loss settings say."""
+    from gtpo_kernels.integrations.trl_settings import from_grpo_config
+
+    inputs = {k: v for k, v in fixed_inputs(100).items() if not k.startswith("gtpo_")}
+    theirs = make_trainer(tiny_model_dir, tmp_path / "grpo", cls=trl.GRPOTrainer, trl_args=trl_args)
+    ours = make_trainer(tiny_model_dir, tmp_path / "gtpo", gtpo_config=from_grpo_config(theirs.args),
+                        trl_args=trl_args)
+    assert ours.scale_rewards == theirs.scale_rewards
+    with torch.no_grad():
+        logits = completion_logits(theirs.model, inputs) / 0.7
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, inputs["completion_ids"][..., None]).squeeze(-1)
+    shift = torch.randn(logp.shape, generator=torch.Generator().manual_seed(6)) * 0.3
+    inputs["old_per_token_logps"] = logp - shift
+    if trl_args.get("beta"):
+        inputs["ref_per_token_logps"] = logp + shift / 2
+    loss_a, grads_a = loss_and_grads(ours, dict(inputs))
+    loss_b, grads_b = loss_and_grads(theirs, dict(inputs))
+    torch.testing.assert_close(loss_a, loss_b, rtol=1e-5, atol=1e-7)
+    assert_same_grads(grads_a, grads_b, rtol=1e-4)
+
+
+def test_from_grpo_config_refuses_what_it_cannot_express():
+    from gtpo_kernels.integrations.trl_settings import from_grpo_config
+
+    for settings, match in (({"loss_type": "bnpo"}, "loss_type='bnpo'"), ({"loss_type": "cispo"}, "loss_type='cispo'"),
+                            ({"scale_rewards": "batch"}, "scale_rewards='batch'")):
+        args = trl.GRPOConfig(output_dir="unused", report_to="none", use_cpu=True, **settings)
+        with pytest.raises(ValueError, match=match):
+            from_grpo_config(args)

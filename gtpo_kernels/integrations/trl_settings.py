@@ -191,6 +191,32 @@ SETTINGS: Dict[str, Setting] = {
 }
 
 
+def from_grpo_config(args, **overrides):
+    """The `GTPOConfig` of the ``grpo`` preset that computes what TRL's ``GRPOTrainer`` computes with ``args``:
+    ``GTPOTrainer(..., args=args, gtpo_config=from_grpo_config(args))`` trains as ``GRPOTrainer`` does (tested
+    against it). ``loss_type`` ('grpo', 'dapo', 'dr_grpo'), ``epsilon``/``epsilon_high``, ``delta``, ``beta``,
+    ``use_bias_correction_kl`` and ``scale_rewards`` ('group' or 'none') drive it; what the GTPO loss cannot
+    express ('bnpo', 'cispo', 'sapo', 'luspo', 'vespo', ``scale_rewards='batch'``, the entropy bonus, ...) is
+    refused in one line naming the field. ``overrides`` are further `GTPOConfig` knobs."""
+    from ..config import GTPOConfig
+
+    reduction = LOSS_TYPE_REDUCTION.get(args.loss_type)
+    if reduction is None:
+        raise ValueError(f"GRPOConfig(loss_type={args.loss_type!r}) has no GTPO counterpart; the GTPO loss reduces as "
+                         f"'grpo' (sequence_mean), 'dapo' (token_mean) or 'dr_grpo' does")
+    scale = {True: "group", False: "none"}.get(args.scale_rewards, args.scale_rewards)
+    if scale not in ("group", "none"):
+        raise ValueError(f"GRPOConfig(scale_rewards={args.scale_rewards!r}) has no GTPO counterpart: the advantages "
+                         f"are scaled per group ('group') or not at all ('none')")
+    high = args.epsilon if args.epsilon_high is None else args.epsilon_high
+    knobs = dict(preset="grpo", loss_reduction=reduction, clip_eps_low=args.epsilon, clip_eps_high=high,
+                 ratio_cap=args.delta, kl_beta=float(args.beta), kl_ratio_weighted=bool(args.use_bias_correction_kl),
+                 normalize_advantages_by_std=scale == "group",
+                 max_completion_length=args.max_completion_length if reduction == "dr_grpo" else None)
+    knobs.update(overrides)
+    return GTPOConfig(**knobs)
+
+
 def grpo_fields() -> Dict[str, object]:
     """The installed TRL's ``GRPOConfig`` fields beyond ``TrainingArguments``, with their defaults."""
     from transformers import TrainingArguments
