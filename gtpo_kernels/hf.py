@@ -47,6 +47,32 @@ def check_hidden_states_supported(model, allow_unknown: bool = False) -> None:
                          f"model(...).logits, or pass allow_unknown=True if you checked that it does")
 
 
+# RoPE variants whose frequencies depend on the longest position of the forward call: a prompt pass and a
+# completion pass on its cache may pick different frequencies where one row in a single pass would not.
+LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
+# Layer kinds whose cache holds a state, not per-position keys and values (hybrid models): not shared here.
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
+
+
+def shared_prompt_pass_issue(model) -> Optional[str]:
+    """Why `grouped_completion_hidden_states` cannot share one prompt pass across a group for ``model`` (it then
+    runs each row whole, which is exact), or ``None``."""
+    config = getattr(_unwrap(model), "config", None)
+    config = getattr(config, "get_text_config", lambda: config)() or config
+    for attr in ("rope_parameters", "rope_scaling"):
+        rope = getattr(config, attr, None)
+        if isinstance(rope, dict):
+            kind = rope.get("rope_type", rope.get("type"))
+            if kind in LENGTH_DEPENDENT_ROPE:
+                return (f"its RoPE ({kind!r}) picks frequencies from the longest position of a forward call, which "
+                        f"differs between a prompt pass and a completion pass on its cache")
+    layer_types = getattr(config, "layer_types", None) or ()
+    other = sorted({t for t in layer_types if t not in ATTENTION_LAYER_TYPES})
+    if other:
+        return f"it has layers whose cache is a recurrent state ({', '.join(other)}), which one prompt pass cannot share"
+    return None
+
+
 def causal_lm_hidden_states(
     model, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, *,
     allow_unknown: bool = False, **model_kwargs,
@@ -80,7 +106,9 @@ def grouped_completion_hidden_states(
     flow through the cache into the prompt pass, so the result (and its gradient) equals
     ``causal_lm_hidden_states`` on the concatenated ``[prompt, completion]`` rows, for
     ``B * P + N * L`` tokens of work instead of ``N * (P + L)``. Under gradient checkpointing, which cannot
-    replay a layer that writes a shared cache, each completion runs with its own copy of the prompt.
+    replay a layer that writes a shared cache, and for models where two passes are not one
+    (`shared_prompt_pass_issue`: RoPE whose frequencies depend on the call's length, recurrent-state layers),
+    each completion runs with its own copy of the prompt.
 
     Args:
         prompt_ids, prompt_mask: ``[B, P]``, left-padded, one row per group.
@@ -104,10 +132,12 @@ def grouped_completion_hidden_states(
     base = _unwrap(model)
     decoder = base.get_decoder()
     prompt_mask = prompt_mask.long()
-    if getattr(decoder, "gradient_checkpointing", False) and decoder.training and torch.is_grad_enabled():
+    checkpointing = getattr(decoder, "gradient_checkpointing", False) and decoder.training and torch.is_grad_enabled()
+    if checkpointing or shared_prompt_pass_issue(model) is not None:
         # Under gradient checkpointing a layer runs again in backward, and would write its keys and values
-        # into the shared cache a second time (transformers turns the cache off there). Run each completion
-        # with its prompt instead: the same hidden states, for N * (P + L) tokens of work.
+        # into the shared cache a second time (transformers turns the cache off there); length-dependent RoPE
+        # and recurrent-state caches are not exact across two passes (`shared_prompt_pass_issue`). Run each
+        # completion with its prompt instead: the same hidden states, for N * (P + L) tokens of work.
         rows = prompt_mask.repeat_interleave(group_size, 0)
         attention = torch.cat([rows, completion_mask.long()], dim=1)
         hidden, weight, bias = causal_lm_hidden_states(

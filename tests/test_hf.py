@@ -5,6 +5,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+import gtpo_kernels.hf  # noqa: E402
 from gtpo_kernels import GTPOConfig, fused_linear_gtpo_loss, gtpo_loss  # noqa: E402
 from gtpo_kernels.hf import causal_lm_hidden_states, grouped_completion_hidden_states  # noqa: E402
 
@@ -122,3 +123,45 @@ def test_unknown_model_types_are_refused_unless_allowed():
     model = transformers.GPT2LMHeadModel(config)
     with pytest.raises(ValueError, match="model type 'gpt2' is not known"):
         causal_lm_hidden_states(model, torch.zeros(1, 3, dtype=torch.long))
+
+
+def _grouped_against_whole_rows(model, group=3, prompt=5, length=4):
+    prompt_ids, prompt_mask, completion_ids, completion_mask = grouped_batch(group=group, prompt=prompt, length=length)
+    hidden, _, _ = grouped_completion_hidden_states(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                                    group)
+    ids = torch.cat([prompt_ids.repeat_interleave(group, 0), completion_ids], 1)
+    attn = torch.cat([prompt_mask.repeat_interleave(group, 0), completion_mask.long()], 1)
+    full, _, _ = causal_lm_hidden_states(model, ids, attn, position_ids=(attn.cumsum(1) - 1).clamp(min=0))
+    full = full[:, prompt - 1:-1]
+    return hidden[completion_mask], full[completion_mask]
+
+
+@pytest.mark.parametrize("family", ["llama-dynamic", "phi3-longrope"])
+def test_length_dependent_rope_is_exact(family):
+    """RoPE whose frequencies depend on the call's longest position (dynamic NTK, longrope): the prompts (5
+    positions) stay below the switch length (6) and prompt + completion (9) passes it. One shared prompt pass
+    gave hidden states off by 1e-4..1e-3 (silently); the rows are now run whole, as the model runs them."""
+    torch.manual_seed(0)
+    if family == "llama-dynamic":
+        config = transformers.LlamaConfig(vocab_size=67, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=6,
+                                          rope_scaling={"rope_type": "dynamic", "factor": 4.0})
+        model = transformers.LlamaForCausalLM(config)
+    else:
+        config = transformers.Phi3Config(vocab_size=67, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=24,
+                                         original_max_position_embeddings=6, pad_token_id=0,
+                                         rope_scaling={"type": "longrope", "short_factor": [1.0] * 4,
+                                                       "long_factor": [4.0] * 4})
+        model = transformers.Phi3ForCausalLM(config)
+    model = model.double()
+    assert "RoPE" in gtpo_kernels.hf.shared_prompt_pass_issue(model)
+    grouped, whole = _grouped_against_whole_rows(model)
+    torch.testing.assert_close(grouped, whole, rtol=1e-12, atol=1e-12)
+
+
+def test_recurrent_state_layers_take_the_row_path():
+    config = transformers.LlamaConfig(vocab_size=67, hidden_size=32, num_hidden_layers=2)
+    config.layer_types = ["full_attention", "linear_attention"]
+    assert "linear_attention" in gtpo_kernels.hf.shared_prompt_pass_issue(transformers.LlamaForCausalLM(config))
+    assert gtpo_kernels.hf.shared_prompt_pass_issue(tiny_llama()) is None
