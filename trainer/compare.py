@@ -60,7 +60,9 @@ def load(run_dirs: List[str]) -> Dict[str, List[dict]]:
         summary = json.loads(summary_path.read_text())
         config_path = Path(d) / "config.json"
         config = json.loads(config_path.read_text()) if config_path.exists() else None
-        rows = [json.loads(x) for x in (Path(d) / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        metrics_path = Path(d) / "metrics.jsonl"
+        rows = [json.loads(x) for x in metrics_path.read_text().splitlines() if x.strip()] \
+            if metrics_path.exists() else []
         summary.update(dir=d, train=[r for r in rows if r["kind"] == "train"],
                        evals=[r for r in rows if r["kind"] == "eval"])
         by_variant[variant(summary, config)].append(summary)
