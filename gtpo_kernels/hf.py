@@ -2,23 +2,29 @@
 
 `fused_linear_gtpo_loss` wants ``hidden_states`` and ``lm_head.weight`` instead of logits, so that a
 training step never builds the ``[B, T, V]`` logits. That is only equivalent when the model's logits
-are exactly ``final_hidden @ lm_head.weight.T (+ bias)``: true for the Llama/Qwen/Mistral family,
-false for models that scale or soft-cap their logits (Gemma 2/3, Cohere, Granite, ...).
+are exactly ``final_hidden @ lm_head.weight.T (+ bias)``: checked per model (`check_hidden_states_supported`),
+not by name; models that scale or soft-cap their logits (Gemma 2, Cohere, Granite, Falcon-H1) are named by
+`logit_transform`, for the chunked logits path (`gtpo_kernels.chunked_logits`).
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
-# config.model_type values whose logits are exactly lm_head(final normed hidden state).
-SUPPORTED_MODEL_TYPES = frozenset({
-    "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3", "olmo2", "smollm3",
-})
-# Config attributes that, when set, mean the logits are transformed after lm_head.
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+# Config attributes that, when set to something other than 1, transform the logits after lm_head:
+# attribute -> (what it does, the transform). Gemma 2/3 soft-cap, Cohere scales, Granite divides, Falcon-H1
+# multiplies.
+LOGIT_TRANSFORMS = {
+    "final_logit_softcapping": ("soft-caps", lambda x, c: torch.tanh(x / c) * c),
+    "logit_scale": ("scales", lambda x, c: x * c),
+    "logits_scaling": ("divides", lambda x, c: x / c),
+    "output_multiplier_scale": ("scales", lambda x, c: x * c),
+    "lm_head_multiplier": ("scales", lambda x, c: x * c),
+}
+_CHECKED = "_gtpo_head_checked"  # set on a model whose logits the probe found to be hidden @ W.T (+ b)
 
 
 def _unwrap(model):
@@ -27,24 +33,107 @@ def _unwrap(model):
     return get_base() if callable(get_base) else model
 
 
-def check_hidden_states_supported(model, allow_unknown: bool = False) -> None:
-    """Raises ``ValueError`` unless ``model``'s logits are ``hidden @ lm_head.weight.T (+ bias)``."""
-    base = _unwrap(model)
+def _text_config(base):
     config = getattr(base, "config", None)
-    model_type = getattr(config, "model_type", None)
+    get_text = getattr(config, "get_text_config", None)
+    return (get_text() if callable(get_text) else None) or config
+
+
+def decoder_of(model):
+    """The module that returns the final hidden states (``last_hidden_state``): ``get_decoder()``, or, where a
+    model's ``get_decoder()`` returns the whole causal LM (Llama 4), its inner ``model``."""
+    base = _unwrap(model)
+    decoder = base.get_decoder()
+    if decoder is base:
+        decoder = getattr(base, "model", None) or getattr(base, "language_model", None)
+        if decoder is None or decoder is base:
+            raise ValueError(f"{type(base).__name__}.get_decoder() returns the whole model and it has no inner "
+                             f"'model' to take the hidden states from")
+    return decoder
+
+
+def logit_transform(model) -> Optional[Tuple[str, Callable]]:
+    """``(description, f)`` when ``model``'s logits are ``f(hidden @ W.T (+ b))`` for one of the known transforms
+    (`LOGIT_TRANSFORMS`), else ``None``."""
+    config = _text_config(_unwrap(model))
+    found = [(attr, getattr(config, attr, None)) for attr in LOGIT_TRANSFORMS]
+    found = [(attr, value) for attr, value in found if value not in (None, 1, 1.0)]
+    if not found:
+        return None
+    if len(found) > 1:
+        raise ValueError(f"{type(_unwrap(model)).__name__} sets several logit transforms {found}; not supported")
+    attr, value = found[0]
+    what, fn = LOGIT_TRANSFORMS[attr]
+    return f"{what} its logits (config.{attr} = {value})", lambda x: fn(x, value)
+
+
+def head_logit_transform(model) -> Optional[Tuple[str, Callable]]:
+    """For a trainer that can take either path: ``None`` when ``model``'s logits are ``hidden @ W.T (+ b)`` (the
+    fused path), ``(description, f)`` when they are ``f`` of that for a known transform (checked on a few
+    tokens like `check_hidden_states_supported`); raises ``ValueError`` for anything else."""
+    transform = logit_transform(model)
+    if transform is None:
+        check_hidden_states_supported(model)
+        return None
+    base = _unwrap(model)
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if not isinstance(head, torch.nn.Linear) or not hasattr(base, "get_decoder"):
+        raise ValueError(f"{type(base).__name__} has no linear lm_head and decoder (get_output_embeddings(), "
+                         f"get_decoder())")
+    if not getattr(base, _CHECKED, False):
+        error = _probe_head(base, head, transform[1])
+        if error is not None:
+            raise ValueError(f"{type(base).__name__}'s logits are not {transform[0]} applied to final_hidden @ "
+                             f"lm_head.weight.T ({error})")
+        setattr(base, _CHECKED, True)
+    return transform
+
+
+def check_hidden_states_supported(model, allow_unknown: bool = False) -> None:
+    """Raises ``ValueError`` unless ``model``'s logits are ``hidden @ lm_head.weight.T (+ bias)``.
+
+    Not an allow-list of architectures: the model must have a linear ``lm_head`` and a decoder, no known
+    logit transform (`logit_transform`), and, checked once per model on a few tokens, its own logits must be
+    those of its final hidden states through the head (a head with a transform of its own, as BERT's,
+    fails there). ``allow_unknown=True`` skips that probe."""
+    base = _unwrap(model)
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     if not isinstance(head, torch.nn.Linear) or not hasattr(base, "get_decoder"):
         raise ValueError(f"{type(base).__name__} has no linear lm_head and decoder (get_output_embeddings(), "
                          f"get_decoder()); use gtpo_loss on model(...).logits instead")
-    for attr in _LOGIT_TRANSFORMS:
-        value = getattr(config, attr, None)
-        if value not in (None, 1, 1.0):
-            raise ValueError(f"{type(base).__name__} transforms its logits after lm_head (config.{attr} = {value}); "
-                             f"hidden @ lm_head.weight.T would not be its logits: use gtpo_loss on model(...).logits")
-    if model_type not in SUPPORTED_MODEL_TYPES and not allow_unknown:
-        raise ValueError(f"model type {model_type!r} is not known to compute logits as final_hidden @ "
-                         f"lm_head.weight.T; supported: {sorted(SUPPORTED_MODEL_TYPES)}. Use gtpo_loss on "
-                         f"model(...).logits, or pass allow_unknown=True if you checked that it does")
+    transform = logit_transform(base)
+    if transform is not None:
+        raise ValueError(f"{type(base).__name__} {transform[0]} after lm_head; hidden @ lm_head.weight.T would not "
+                         f"be its logits: use gtpo_loss on model(...).logits")
+    if allow_unknown or getattr(base, _CHECKED, False):
+        return
+    error = _probe_head(base, head)
+    if error is not None:
+        raise ValueError(f"{type(base).__name__}'s logits are not final_hidden @ lm_head.weight.T ({error}); use "
+                         f"gtpo_loss on model(...).logits")
+    setattr(base, _CHECKED, True)
+
+
+@torch.no_grad()
+def _probe_head(base, head, transform: Callable = lambda x: x) -> Optional[str]:
+    """Compares the model's logits with its decoder's hidden states through ``head`` (and ``transform``) on 2 x 4
+    tokens (eval mode, so that dropout does not differ). ``None`` when they agree."""
+    was_training = base.training
+    base.eval()
+    try:
+        vocab = head.weight.shape[0]
+        ids = (torch.arange(8, device=head.weight.device) * 7 % max(1, vocab - 1) + 1).reshape(2, 4)
+        logits = base(input_ids=ids, use_cache=False).logits.float()
+        hidden = decoder_of(base)(input_ids=ids, use_cache=False).last_hidden_state
+        mine = transform(head(hidden).float())
+    except Exception as exc:  # a model that cannot run this probe cannot be checked
+        return f"the check on 2 x 4 tokens failed: {type(exc).__name__}: {exc}"
+    finally:
+        base.train(was_training)
+    if mine.shape != logits.shape:
+        return f"shapes {tuple(mine.shape)} and {tuple(logits.shape)}"
+    err = float((mine - logits).abs().max()) / max(float(logits.abs().max()), 1e-30)
+    return None if err <= 1e-3 else f"they differ by {err:.1e} relative on 2 x 4 tokens"
 
 
 # RoPE variants whose frequencies depend on the longest position of the forward call: a prompt pass and a
@@ -89,7 +178,7 @@ def causal_lm_hidden_states(
     """
     check_hidden_states_supported(model, allow_unknown)
     base = _unwrap(model)
-    outputs = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+    outputs = decoder_of(base)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                                  **model_kwargs)
     head = base.get_output_embeddings()
     return outputs.last_hidden_state, head.weight, head.bias
@@ -130,7 +219,7 @@ def grouped_completion_hidden_states(
         raise ValueError("prompts must be left-padded (prompt_mask[:, -1] all ones): the last prompt position "
                          "predicts the first completion token")
     base = _unwrap(model)
-    decoder = base.get_decoder()
+    decoder = decoder_of(base)
     prompt_mask = prompt_mask.long()
     checkpointing = getattr(decoder, "gradient_checkpointing", False) and decoder.training and torch.is_grad_enabled()
     if checkpointing or shared_prompt_pass_issue(model) is not None:

@@ -114,15 +114,26 @@ def test_models_that_transform_logits_are_refused():
                                       num_attention_heads=4, num_key_value_heads=2)
     config.final_logit_softcapping = 30.0
     model = transformers.LlamaForCausalLM(config)
-    with pytest.raises(ValueError, match="transforms its logits after lm_head"):
+    with pytest.raises(ValueError, match="soft-caps its logits .config.final_logit_softcapping = 30.0. after lm_head"):
         causal_lm_hidden_states(model, torch.zeros(1, 3, dtype=torch.long))
 
 
-def test_unknown_model_types_are_refused_unless_allowed():
-    config = transformers.GPT2Config(vocab_size=67, n_embd=32, n_layer=1, n_head=4, n_positions=16)
-    model = transformers.GPT2LMHeadModel(config)
-    with pytest.raises(ValueError, match="model type 'gpt2' is not known"):
-        causal_lm_hidden_states(model, torch.zeros(1, 3, dtype=torch.long))
+def test_any_architecture_whose_logits_are_its_head_is_accepted():
+    """No allow-list: GPT-2 (not a Llama-family model) computes its logits as hidden @ W.T, and is accepted; a
+    BERT-style head that transforms the hidden states before its linear layer is refused by the probe, even
+    though its output embedding is a plain Linear."""
+    torch.manual_seed(0)
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=67, n_embd=32, n_layer=1, n_head=4,
+                                                                 n_positions=16)).eval()
+    ids = torch.randint(0, 67, (2, 5))
+    hidden, weight, bias = causal_lm_hidden_states(gpt2, ids)
+    torch.testing.assert_close(hidden @ weight.T, gpt2(ids).logits, rtol=1e-5, atol=1e-5)
+    bert = transformers.BertLMHeadModel(transformers.BertConfig(vocab_size=67, hidden_size=32, num_hidden_layers=1,
+                                                                num_attention_heads=4, intermediate_size=64,
+                                                                is_decoder=True))
+    with pytest.raises(ValueError, match="BertLMHeadModel's logits are not final_hidden @ lm_head.weight.T"):
+        causal_lm_hidden_states(bert, ids)
+    causal_lm_hidden_states(bert, ids, allow_unknown=True)  # the probe skipped on request
 
 
 def _grouped_against_whole_rows(model, group=3, prompt=5, length=4):

@@ -467,3 +467,40 @@ def test_from_grpo_config_refuses_what_it_cannot_express():
         args = trl.GRPOConfig(output_dir="unused", report_to="none", use_cpu=True, **settings)
         with pytest.raises(ValueError, match=match):
             from_grpo_config(args)
+
+
+@pytest.mark.parametrize("family", ["gemma2-softcap", "granite-scaled"])
+def test_transformed_logits_take_the_chunked_logits_path(tiny_model_dir, tmp_path, family, caplog):
+    """A policy that soft-caps (Gemma 2) or scales (Granite) its logits was refused; it now trains on its own
+    logits, rebuilt in chunks of rows (3 chunks here): loss and gradient equal gtpo_loss on model(...).logits,
+    with one info line saying which path is taken."""
+    import logging
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    common = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    if family == "gemma2-softcap":
+        config = transformers.Gemma2Config(head_dim=8, final_logit_softcapping=3.0, **common)
+        model = transformers.Gemma2ForCausalLM(config)
+    else:
+        config = transformers.GraniteConfig(logits_scaling=4.0, **common)
+        model = transformers.GraniteForCausalLM(config)
+    model_dir = tmp_path / family
+    torch.manual_seed(0)
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    gtpo = GTPOConfig(preset="official", max_chunk_bytes=4 * 6 * len(tokenizer) * 4)  # 4 rows of logits a chunk
+    with caplog.at_level(logging.INFO, logger="gtpo_kernels.integrations.trl"):
+        trainer = make_trainer(str(model_dir), tmp_path, gtpo_config=gtpo)
+    assert any("takes the logits path" in r.message for r in caplog.records)
+    trainer._gtpo_initial_entropy = 5.0
+    inputs = fixed_inputs(trainer.model.config.vocab_size)
+    loss, grads = loss_and_grads(trainer, inputs)
+    model = trainer.model
+    model.zero_grad()
+    expected = gtpo_loss(completion_logits(model, inputs), inputs["completion_ids"], inputs["completion_mask"],
+                         inputs["advantages"], group_size=G, config=gtpo, temperature=0.7, initial_entropy=5.0)
+    expected.loss.backward()
+    torch.testing.assert_close(loss, expected.loss.detach(), rtol=1e-5, atol=1e-7)
+    assert_same_grads(grads, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})

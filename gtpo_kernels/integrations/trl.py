@@ -31,6 +31,7 @@ it; ``beta`` must equal ``gtpo_config.kl_beta`` so that TRL loads the reference 
 
 from __future__ import annotations
 
+import logging
 import math
 import types
 from contextlib import nullcontext
@@ -41,7 +42,8 @@ import torch
 from ..config import GTPOConfig
 from ..conflict import conflict_weights
 from ..fused_linear import fused_linear_gtpo_loss, fused_linear_token_logprobs_and_entropy
-from ..hf import check_hidden_states_supported
+from ..chunked_logits import transformed_logits_gtpo_loss, transformed_logits_token_stats
+from ..hf import decoder_of, head_logit_transform
 from ..result import GTPOMetrics
 from .trl_settings import check_settings
 
@@ -49,6 +51,8 @@ try:
     from trl import GRPOTrainer
 except ImportError as exc:  # pragma: no cover (the extra is not installed)
     raise ImportError("gtpo_kernels.integrations.trl needs TRL: pip install -e '.[trl]' (trl>=1.16)") from exc
+
+logger = logging.getLogger(__name__)
 
 METRIC_NAMES = ("entropy", "filtered_fraction", "signal_fraction", "amplified_fraction", "skipped_fraction",
                 "clip_fraction", "kl")
@@ -80,15 +84,20 @@ def add_gtpo_head(model, trainer: "GTPOTrainer") -> None:
     ``model(input_ids, attention_mask, gtpo_stats=L)``: per-token log-probs and entropies of the last ``L``
     tokens (no grad), as ``(logp [B, L], H [B, L])``;
     ``model(input_ids, attention_mask, gtpo_loss=dict(...))``: the `GTPOLossOutput` of the last ``L`` tokens.
-    Both run the decoder, then the fused kernels on its final hidden states; never the logits."""
-    check_hidden_states_supported(model)
+    Both run the decoder, then the fused kernels on its final hidden states; never the logits. A model that
+    soft-caps or scales its logits (Gemma 2/3, Cohere, Granite, ...) takes the logits path instead: its logits,
+    transformed, in chunks of rows that are rebuilt in backward (`chunked_logits`), so memory stays bounded."""
+    transform = head_logit_transform(model)
+    if transform is not None:
+        logger.info("GTPOTrainer: %s %s: the loss takes the logits path (in chunks of rows) instead of the fused "
+                    "hidden @ lm_head kernels", type(model).__name__, transform[0])
     previous_forward = model.forward
 
     def forward(self, *args, gtpo_stats: Optional[int] = None, gtpo_loss: Optional[dict] = None, **kwargs):
         if gtpo_stats is None and gtpo_loss is None:
             return previous_forward(*args, **kwargs)
         kwargs["use_cache"] = False
-        hidden_all = self.get_decoder()(*args, **kwargs).last_hidden_state
+        hidden_all = decoder_of(self)(*args, **kwargs).last_hidden_state
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         length = gtpo_stats if gtpo_stats is not None else gtpo_loss["completion_ids"].shape[1]
         hidden = hidden_all[:, -length - 1:-1]
@@ -97,11 +106,18 @@ def add_gtpo_head(model, trainer: "GTPOTrainer") -> None:
             if gtpo_stats is not None:
                 completion_ids = input_ids[:, -length:]
                 mask = kwargs["attention_mask"][:, -length:] if kwargs.get("attention_mask") is not None else None
+                if transform is not None:
+                    return transformed_logits_token_stats(hidden, weight, bias, transform[1], completion_ids, mask,
+                                                          temperature=trainer.temperature,
+                                                          max_chunk_bytes=trainer.gtpo_config.max_chunk_bytes)
                 return fused_linear_token_logprobs_and_entropy(hidden, weight, completion_ids, mask, lm_head_bias=bias,
                                                                temperature=trainer.temperature)
             inputs = dict(gtpo_loss)
-            return fused_linear_gtpo_loss(hidden, weight, inputs.pop("completion_ids"), inputs.pop("completion_mask"),
-                                          inputs.pop("advantages"), lm_head_bias=bias, **inputs)
+            ids, mask, advantages = inputs.pop("completion_ids"), inputs.pop("completion_mask"), inputs.pop("advantages")
+            if transform is not None:
+                return transformed_logits_gtpo_loss(hidden, weight, bias, transform[1], ids, mask, advantages,
+                                                    **inputs)
+            return fused_linear_gtpo_loss(hidden, weight, ids, mask, advantages, lm_head_bias=bias, **inputs)
 
     model.forward = types.MethodType(forward, model)
 
