@@ -155,8 +155,13 @@ def shared_prompt_pass_issue(model) -> Optional[str]:
             if kind in LENGTH_DEPENDENT_ROPE:
                 return (f"its RoPE ({kind!r}) picks frequencies from the longest position of a forward call, which "
                         f"differs between a prompt pass and a completion pass on its cache")
-    layer_types = getattr(config, "layer_types", None) or ()
-    other = sorted({t for t in layer_types if t not in ATTENTION_LAYER_TYPES})
+    layer_types = []
+    for attr in ("layer_types", "layers_block_type"):  # Jamba and Falcon-H1 name them layers_block_type
+        try:
+            layer_types += list(getattr(config, attr, None) or ())
+        except (TypeError, AttributeError, ValueError):
+            pass
+    other = sorted({t for t in layer_types if isinstance(t, str) and t not in ATTENTION_LAYER_TYPES})
     if other:
         return f"it has layers whose cache is a recurrent state ({', '.join(other)}), which one prompt pass cannot share"
     return None

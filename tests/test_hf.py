@@ -1,5 +1,7 @@
 """The Hugging Face hidden-states helper, on tiny randomly initialised models (no download)."""
 
+import types
+
 import pytest
 import torch
 
@@ -176,3 +178,6 @@ def test_recurrent_state_layers_take_the_row_path():
     config.layer_types = ["full_attention", "linear_attention"]
     assert "linear_attention" in gtpo_kernels.hf.shared_prompt_pass_issue(transformers.LlamaForCausalLM(config))
     assert gtpo_kernels.hf.shared_prompt_pass_issue(tiny_llama()) is None
+    jamba = transformers.JambaConfig(vocab_size=67, hidden_size=32, num_hidden_layers=2, attn_layer_period=2,
+                                     attn_layer_offset=1)
+    assert "mamba" in gtpo_kernels.hf.shared_prompt_pass_issue(types.SimpleNamespace(config=jamba))
