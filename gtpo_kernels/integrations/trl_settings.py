@@ -24,7 +24,8 @@ LOSS_TYPE_REDUCTION = {"grpo": "sequence_mean", "dapo": "token_mean", "dr_grpo":
 class Setting(NamedTuple):
     status: str
     how: str
-    # For refused settings: ``refuse(value, args, gtpo_config) -> reason or None`` (None: this value is fine).
+    # ``refuse(value, args, gtpo_config) -> reason or None`` (None: this value is fine): for refused settings, and
+    # for honoured ones that reach the loss through the GTPO config, whose values must agree with it.
     refuse: Optional[Callable] = None
 
 
@@ -147,21 +148,21 @@ SETTINGS: Dict[str, Setting] = {
     # rewards and advantages
     "reward_weights": Setting(HONOURED, _TRL + " (the reward)"),
     "multi_objective_aggregation": Setting(HONOURED, _TRL + " (the reward)"),
-    "scale_rewards": Setting(REFUSED, "set from GTPOConfig.normalize_advantages_by_std ('group' or 'none'); another "
+    "scale_rewards": Setting(HONOURED, "set from GTPOConfig.normalize_advantages_by_std ('group' or 'none'); another "
                                       "value given is refused when it contradicts it ('batch' always)",
                              _scale_rewards),
     "mask_truncated_completions": Setting(HONOURED, "TRL zeroes a truncated completion's mask before the loss"),
     # the loss
-    "loss_type": Setting(REFUSED, "the reduction is GTPOConfig.loss_reduction; a value given is refused unless it "
+    "loss_type": Setting(HONOURED, "the reduction is GTPOConfig.loss_reduction; a value given is refused unless it "
                                   "names the same one ('grpo': sequence_mean, 'dapo': token_mean, 'dr_grpo')",
                          _loss_type),
-    "epsilon": Setting(REFUSED, "the clip range is GTPOConfig.clip_eps_low/high; a value given is refused unless "
-                                "it equals the config's", _clip_side("low")),
-    "epsilon_high": Setting(REFUSED, "as epsilon", _clip_side("high")),
-    "delta": Setting(REFUSED, "two-sided clipping is GTPOConfig.ratio_cap; a value other than the config's is "
+    "epsilon": Setting(HONOURED, "through GTPOConfig.clip_eps_low/high (from_grpo_config sets them); a value given "
+                                 "is refused unless it equals the config's", _clip_side("low")),
+    "epsilon_high": Setting(HONOURED, "as epsilon", _clip_side("high")),
+    "delta": Setting(HONOURED, "two-sided clipping is GTPOConfig.ratio_cap; a value other than the config's is "
                               "refused", _delta),
     "beta": Setting(HONOURED, "must equal GTPOConfig.kl_beta (TRL loads the reference model when beta > 0)"),
-    "use_bias_correction_kl": Setting(REFUSED, "the ratio-weighted KL is GTPOConfig.kl_ratio_weighted; with beta > 0 "
+    "use_bias_correction_kl": Setting(HONOURED, "the ratio-weighted KL is GTPOConfig.kl_ratio_weighted; with beta > 0 "
                                                "a value other than the config's is refused (TRL's default is True)",
                                       _bias_correction),
     "num_iterations": Setting(HONOURED, "TRL keeps the old log-probs; the loss takes the ratio against them"),
