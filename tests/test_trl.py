@@ -74,22 +74,41 @@ def assert_same_grads(a, b, rtol=1e-5):
         torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=rtol * float(b[k].abs().max()), msg=k)
 
 
+def assert_equals_loss_on_the_logits(trainer, config):
+    """The trainer's loss and gradient on a fixed batch equal `gtpo_loss` on the model's own logits."""
+    trainer._gtpo_initial_entropy = 5.0
+    inputs = fixed_inputs(trainer.model.config.vocab_size)
+    loss, grads = loss_and_grads(trainer, inputs)
+    model = trainer.model
+    model.zero_grad()
+    expected = gtpo_loss(completion_logits(model, inputs), inputs["completion_ids"], inputs["completion_mask"],
+                         inputs["advantages"], group_size=G, config=config, temperature=0.7, initial_entropy=5.0)
+    # a sum over completions is over every process's (one here)
+    (expected.loss * (trainer.accelerator.num_processes if config.loss_reduction == "sum" else 1)).backward()
+    torch.testing.assert_close(loss, expected.loss.detach(), rtol=1e-5, atol=1e-7)
+    assert_same_grads(grads, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
+
+
+def with_old_and_ref_logprobs(trainer, inputs, seed, spread=0.3, old_above=False, ref=True):
+    """``inputs`` with old (and reference) log-probs off the trainer's model's own, so that ratios are off 1
+    (some clipped) and the KL is non-zero."""
+    with torch.no_grad():
+        logits = completion_logits(trainer.model, inputs) / 0.7
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, inputs["completion_ids"][..., None]).squeeze(-1)
+    shift = torch.randn(logp.shape, generator=torch.Generator().manual_seed(seed)) * spread
+    if old_above:
+        shift = shift.abs() + 0.2  # ratio below 0.8 (low-clipped) on most tokens, not all
+    inputs = dict(inputs, old_per_token_logps=logp + shift)
+    if ref:
+        inputs["ref_per_token_logps"] = logp - shift / 2
+    return inputs
+
+
 @pytest.mark.parametrize("preset", ["paper", "official"])
 def test_loss_equals_gtpo_loss_on_the_logits(tiny_model_dir, tmp_path, preset):
     config = GTPOConfig(preset=preset)
     trainer = make_trainer(tiny_model_dir, tmp_path, gtpo_config=config)
-    trainer._gtpo_initial_entropy = 5.0
-    inputs = fixed_inputs(trainer.model.config.vocab_size)
-    loss, grads = loss_and_grads(trainer, inputs)
-
-    model = trainer.model
-    model.zero_grad()
-    expected = gtpo_loss(completion_logits(model, inputs), inputs["completion_ids"], inputs["completion_mask"],
-                         inputs["advantages"],
-                         group_size=G, config=config, temperature=0.7, initial_entropy=5.0)
-    (expected.loss * (trainer.accelerator.num_processes if preset == "official" else 1)).backward()
-    torch.testing.assert_close(loss, expected.loss.detach(), rtol=1e-5, atol=1e-7)
-    assert_same_grads(grads, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
+    assert_equals_loss_on_the_logits(trainer, config)
     trainer._flush_gtpo_metrics("train")  # what TRL's log() does first
     assert trainer._metrics["train"]["gtpo/entropy"]  # logged through TRL's metrics
 
@@ -384,14 +403,7 @@ def test_trl_metrics_kept_and_equal_to_grpo_trainers(tiny_model_dir, tmp_path, a
                         trl_args={"beta": 0.05, "use_bias_correction_kl": False, "loss_type": "grpo"})
     theirs = make_trainer(tiny_model_dir, tmp_path / "grpo", cls=trl.GRPOTrainer,
                           trl_args={"beta": 0.05, "use_bias_correction_kl": False, "loss_type": "grpo"})
-    with torch.no_grad():
-        logits = completion_logits(theirs.model, inputs) / 0.7
-        logp = torch.log_softmax(logits.float(), -1).gather(-1, inputs["completion_ids"][..., None]).squeeze(-1)
-    shift = torch.randn(logp.shape, generator=torch.Generator().manual_seed(3)) * 0.4
-    if all_negative:
-        shift = shift.abs() + 0.2  # ratio below 0.8 (low-clipped) on most tokens, not all
-    inputs["old_per_token_logps"] = logp + shift
-    inputs["ref_per_token_logps"] = logp - shift / 2
+    inputs = with_old_and_ref_logprobs(theirs, inputs, seed=3, spread=0.4, old_above=all_negative)
     for trainer in (ours, theirs):
         loss_and_grads(trainer, dict(inputs))
     ours._flush_gtpo_metrics("train")
@@ -418,13 +430,7 @@ def test_delta_and_bias_corrected_kl_equal_grpo_trainer(tiny_model_dir, tmp_path
     ours = make_trainer(tiny_model_dir, tmp_path / "gtpo", gtpo_config=GTPOConfig(preset="grpo", **gtpo),
                         trl_args=settings)
     theirs = make_trainer(tiny_model_dir, tmp_path / "grpo", cls=trl.GRPOTrainer, trl_args=settings)
-    with torch.no_grad():
-        logits = completion_logits(theirs.model, inputs) / 0.7
-        logp = torch.log_softmax(logits.float(), -1).gather(-1, inputs["completion_ids"][..., None]).squeeze(-1)
-    shift = torch.randn(logp.shape, generator=torch.Generator().manual_seed(5)) * 0.3
-    inputs["old_per_token_logps"] = logp - shift  # ratios exp(shift): some above delta, some clipped
-    if "beta" in trl_args:
-        inputs["ref_per_token_logps"] = logp + shift / 2
+    inputs = with_old_and_ref_logprobs(theirs, inputs, seed=5, ref="beta" in trl_args)  # some ratios above delta
     loss_a, grads_a = loss_and_grads(ours, dict(inputs))
     loss_b, grads_b = loss_and_grads(theirs, dict(inputs))
     torch.testing.assert_close(loss_a, loss_b, rtol=1e-5, atol=1e-7)
@@ -447,13 +453,7 @@ def test_from_grpo_config_trains_as_grpo_trainer(tiny_model_dir, tmp_path, trl_a
     ours = make_trainer(tiny_model_dir, tmp_path / "gtpo", gtpo_config=from_grpo_config(theirs.args),
                         trl_args=trl_args)
     assert ours.scale_rewards == theirs.scale_rewards
-    with torch.no_grad():
-        logits = completion_logits(theirs.model, inputs) / 0.7
-        logp = torch.log_softmax(logits.float(), -1).gather(-1, inputs["completion_ids"][..., None]).squeeze(-1)
-    shift = torch.randn(logp.shape, generator=torch.Generator().manual_seed(6)) * 0.3
-    inputs["old_per_token_logps"] = logp - shift
-    if trl_args.get("beta"):
-        inputs["ref_per_token_logps"] = logp + shift / 2
+    inputs = with_old_and_ref_logprobs(theirs, inputs, seed=6, ref=bool(trl_args.get("beta")))
     loss_a, grads_a = loss_and_grads(ours, dict(inputs))
     loss_b, grads_b = loss_and_grads(theirs, dict(inputs))
     torch.testing.assert_close(loss_a, loss_b, rtol=1e-5, atol=1e-7)
@@ -478,6 +478,7 @@ def test_transformed_logits_take_the_chunked_logits_path(tiny_model_dir, tmp_pat
     import logging
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    torch.manual_seed(0)
     common = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
@@ -488,20 +489,10 @@ def test_transformed_logits_take_the_chunked_logits_path(tiny_model_dir, tmp_pat
         config = transformers.GraniteConfig(logits_scaling=4.0, **common)
         model = transformers.GraniteForCausalLM(config)
     model_dir = tmp_path / family
-    torch.manual_seed(0)
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     gtpo = GTPOConfig(preset="official", max_chunk_bytes=4 * 6 * len(tokenizer) * 4)  # 4 rows of logits a chunk
     with caplog.at_level(logging.INFO, logger="gtpo_kernels.integrations.trl"):
         trainer = make_trainer(str(model_dir), tmp_path, gtpo_config=gtpo)
     assert any("takes the logits path" in r.message for r in caplog.records)
-    trainer._gtpo_initial_entropy = 5.0
-    inputs = fixed_inputs(trainer.model.config.vocab_size)
-    loss, grads = loss_and_grads(trainer, inputs)
-    model = trainer.model
-    model.zero_grad()
-    expected = gtpo_loss(completion_logits(model, inputs), inputs["completion_ids"], inputs["completion_mask"],
-                         inputs["advantages"], group_size=G, config=gtpo, temperature=0.7, initial_entropy=5.0)
-    expected.loss.backward()
-    torch.testing.assert_close(loss, expected.loss.detach(), rtol=1e-5, atol=1e-7)
-    assert_same_grads(grads, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
+    assert_equals_loss_on_the_logits(trainer, gtpo)
