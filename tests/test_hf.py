@@ -181,3 +181,14 @@ def test_recurrent_state_layers_take_the_row_path():
     jamba = transformers.JambaConfig(vocab_size=67, hidden_size=32, num_hidden_layers=2, attn_layer_period=2,
                                      attn_layer_offset=1)
     assert "mamba" in gtpo_kernels.hf.shared_prompt_pass_issue(types.SimpleNamespace(config=jamba))
+
+
+def test_get_decoder_returning_the_whole_model_is_handled(monkeypatch):
+    """Some causal LMs' get_decoder() returns the causal LM itself (Llama 4 in some transformers versions): the
+    hidden states then come from its inner ``model``, not from a second call of the whole model."""
+    model = tiny_llama().eval()
+    monkeypatch.setattr(model, "get_decoder", lambda: model)
+    assert gtpo_kernels.hf.decoder_of(model) is model.model
+    ids = torch.randint(0, 67, (2, 5))
+    hidden, weight, _ = causal_lm_hidden_states(model, ids)
+    torch.testing.assert_close(hidden @ weight.T, model(ids).logits, rtol=1e-5, atol=1e-5)
