@@ -80,7 +80,7 @@ def head_logit_transform(model) -> Optional[Tuple[str, Callable]]:
     if not isinstance(head, torch.nn.Linear) or not hasattr(base, "get_decoder"):
         raise ValueError(f"{type(base).__name__} has no linear lm_head and decoder (get_output_embeddings(), "
                          f"get_decoder())")
-    if not getattr(base, _CHECKED, False):
+    if not getattr(base, _CHECKED, False) and not _sharded(base):
         error = _probe_head(base, head, transform[1])
         if error is not None:
             raise ValueError(f"{type(base).__name__}'s logits are not {transform[0]} applied to final_hidden @ "
@@ -107,11 +107,25 @@ def check_hidden_states_supported(model, allow_unknown: bool = False) -> None:
                          f"be its logits: use gtpo_loss on model(...).logits")
     if allow_unknown or getattr(base, _CHECKED, False):
         return
+    if _sharded(base):
+        # FSDP2 / ZeRO-3 parameters: a forward outside the training step's own would gather and release them
+        # out of turn on each process. Check the model before wrapping it (the trainers do).
+        setattr(base, _CHECKED, True)
+        return
     error = _probe_head(base, head)
     if error is not None:
         raise ValueError(f"{type(base).__name__}'s logits are not final_hidden @ lm_head.weight.T ({error}); use "
                          f"gtpo_loss on model(...).logits")
     setattr(base, _CHECKED, True)
+
+
+def _sharded(base) -> bool:
+    """Whether ``base``'s parameters are sharded across processes (FSDP2 DTensors, DeepSpeed ZeRO-3)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        DTensor = ()
+    return any(isinstance(p, DTensor) or hasattr(p, "ds_id") for p in base.parameters())
 
 
 @torch.no_grad()

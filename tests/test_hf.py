@@ -192,3 +192,12 @@ def test_get_decoder_returning_the_whole_model_is_handled(monkeypatch):
     ids = torch.randint(0, 67, (2, 5))
     hidden, weight, _ = causal_lm_hidden_states(model, ids)
     torch.testing.assert_close(hidden @ weight.T, model(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_sharded_models_are_not_probed(monkeypatch):
+    """A model whose parameters are sharded across processes (FSDP2, ZeRO-3) is not run by the check: a forward
+    outside the step's own would gather and free its parameters out of turn. The trainers check before wrapping."""
+    model = tiny_llama()
+    monkeypatch.setattr(gtpo_kernels.hf, "_sharded", lambda base: True)
+    monkeypatch.setattr(gtpo_kernels.hf, "_probe_head", lambda *a, **k: pytest.fail("probed a sharded model"))
+    gtpo_kernels.hf.check_hidden_states_supported(model)

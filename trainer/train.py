@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 from gtpo_kernels import (GTPOConfig, GTPOMetrics, compute_advantages, conflict_weights, fused_linear_gtpo_loss,
                           fused_linear_token_logprobs_and_entropy, gtpo_loss)
-from gtpo_kernels.hf import grouped_completion_hidden_states
+from gtpo_kernels.hf import check_hidden_states_supported, grouped_completion_hidden_states
 
 from .checkpoint import (Interrupted, MetricsLog, StopRequests, load_checkpoint, require_checkpoint, save_checkpoint,
                          step_seed)
@@ -334,6 +334,7 @@ def run(config: TrainConfig, dist: Optional[Distributed] = None) -> dict:
     if config.gradient_checkpointing:  # transformers >= 5.2x renamed it
         (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     loss_config = config.loss_config(max_completion_length=config.max_new_tokens)
+    check_hidden_states_supported(model)  # before wrapping: its check runs the model once on a few tokens
     policy = wrap(PolicyLoss(model), model.get_decoder().layers, dist, config.fsdp)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=config.learning_rate, betas=(0.9, 0.99),
                                   weight_decay=config.weight_decay)
