@@ -74,18 +74,8 @@ def head_logit_transform(model) -> Optional[Tuple[str, Callable]]:
     transform = logit_transform(model)
     if transform is None:
         check_hidden_states_supported(model)
-        return None
-    base = _unwrap(model)
-    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
-    if not isinstance(head, torch.nn.Linear) or not hasattr(base, "get_decoder"):
-        raise ValueError(f"{type(base).__name__} has no linear lm_head and decoder (get_output_embeddings(), "
-                         f"get_decoder())")
-    if not getattr(base, _CHECKED, False) and not _sharded(base):
-        error = _probe_head(base, head, transform[1])
-        if error is not None:
-            raise ValueError(f"{type(base).__name__}'s logits are not {transform[0]} applied to final_hidden @ "
-                             f"lm_head.weight.T ({error})")
-        setattr(base, _CHECKED, True)
+    else:
+        _check_head(model, transform[1], f"{transform[0]} applied to final_hidden @ lm_head.weight.T", advice="")
     return transform
 
 
@@ -96,26 +86,30 @@ def check_hidden_states_supported(model, allow_unknown: bool = False) -> None:
     logit transform (`logit_transform`), and, checked once per model on a few tokens, its own logits must be
     those of its final hidden states through the head (a head with a transform of its own, as BERT's,
     fails there). ``allow_unknown=True`` skips that probe."""
+    transform = logit_transform(model)
+    if transform is not None:
+        raise ValueError(f"{type(_unwrap(model)).__name__} {transform[0]} after lm_head; hidden @ lm_head.weight.T "
+                         f"would not be its logits: use gtpo_loss on model(...).logits")
+    _check_head(model, lambda x: x, "final_hidden @ lm_head.weight.T", advice="; use gtpo_loss on model(...).logits",
+                probe=not allow_unknown)
+
+
+def _check_head(model, transform: Callable, what: str, advice: str, probe: bool = True) -> None:
+    """A linear head and a decoder, and (once per model, unless ``probe`` is off) the model's logits equal to
+    ``transform(head(final hidden states))`` on a few tokens; ``what`` and ``advice`` word the errors."""
     base = _unwrap(model)
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     if not isinstance(head, torch.nn.Linear) or not hasattr(base, "get_decoder"):
         raise ValueError(f"{type(base).__name__} has no linear lm_head and decoder (get_output_embeddings(), "
-                         f"get_decoder()); use gtpo_loss on model(...).logits instead")
-    transform = logit_transform(base)
-    if transform is not None:
-        raise ValueError(f"{type(base).__name__} {transform[0]} after lm_head; hidden @ lm_head.weight.T would not "
-                         f"be its logits: use gtpo_loss on model(...).logits")
-    if allow_unknown or getattr(base, _CHECKED, False):
+                         f"get_decoder()){advice + ' instead' if advice else ''}")
+    if not probe or getattr(base, _CHECKED, False):
         return
-    if _sharded(base):
-        # FSDP2 / ZeRO-3 parameters: a forward outside the training step's own would gather and release them
-        # out of turn on each process. Check the model before wrapping it (the trainers do).
-        setattr(base, _CHECKED, True)
-        return
-    error = _probe_head(base, head)
-    if error is not None:
-        raise ValueError(f"{type(base).__name__}'s logits are not final_hidden @ lm_head.weight.T ({error}); use "
-                         f"gtpo_loss on model(...).logits")
+    if not _sharded(base):
+        # (FSDP2 / ZeRO-3 parameters are not probed: a forward outside the training step's own would gather and
+        # release them out of turn on each process. The trainers check the model before wrapping it.)
+        error = _probe_head(base, head, transform)
+        if error is not None:
+            raise ValueError(f"{type(base).__name__}'s logits are not {what} ({error}){advice}")
     setattr(base, _CHECKED, True)
 
 
@@ -160,8 +154,7 @@ ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunk
 def shared_prompt_pass_issue(model) -> Optional[str]:
     """Why `grouped_completion_hidden_states` cannot share one prompt pass across a group for ``model`` (it then
     runs each row whole, which is exact), or ``None``."""
-    config = getattr(_unwrap(model), "config", None)
-    config = getattr(config, "get_text_config", lambda: config)() or config
+    config = _text_config(_unwrap(model))
     for attr in ("rope_parameters", "rope_scaling"):
         rope = getattr(config, attr, None)
         if isinstance(rope, dict):

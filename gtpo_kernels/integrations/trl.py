@@ -281,18 +281,16 @@ class GTPOTrainer(GRPOTrainer):
     def _log_gtpo_metrics(self, metrics: GTPOMetrics, mode: str) -> None:
         """Adds this call's metric sums to the mode's pending ones, on the device (read in `log`)."""
         sums = metrics.to_sums()
-        # TRL's clip_ratio/low_min and /high_max: the extremes over completions of their clipped fractions,
-        # kept as [low_min, -high_max] so that one running minimum holds both (empty completions are NaN: skipped).
-        rows = [metrics.completion_clip_low, metrics.completion_clip_high]
-        extremes = []
-        for sign, row in ((1.0, rows[0]), (-1.0, rows[1])):
+
+        def smallest(row):  # over completions; empty ones (NaN) skipped, +inf when none is left
             if row is None:  # no clipping (or on-policy): every completion's fraction is 0
-                extremes.append(torch.zeros((), dtype=torch.float64, device=sums.device))
-            else:
-                row = sign * row.detach().to(torch.float64)
-                extremes.append(torch.where(torch.isnan(row), torch.full_like(row, math.inf), row).amin()
-                                if row.numel() else torch.full((), math.inf, dtype=torch.float64, device=sums.device))
-        extremes = torch.stack(extremes)
+                return sums.new_zeros(())
+            row = torch.nan_to_num(row.detach().to(torch.float64), nan=math.inf)
+            return row.amin() if row.numel() else sums.new_full((), math.inf)
+
+        # TRL's clip_ratio/low_min and /high_max, kept as [low_min, -high_max]: one running minimum holds both.
+        extremes = torch.stack([smallest(metrics.completion_clip_low),
+                                smallest(None if metrics.completion_clip_high is None else -metrics.completion_clip_high)])
         pending = self._gtpo_pending.get(mode)
         if pending is None:
             self._gtpo_pending[mode] = (sums, extremes)

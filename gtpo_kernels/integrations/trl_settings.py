@@ -39,9 +39,9 @@ def _unless(expected, why: str):
 
 def _clip_side(side: str):
     def refuse(value, args, config):
-        default = 0.2 if side == "low" else None
+        default = 0.2 if side == "low" else None  # TRL's (epsilon_high None: epsilon's value)
         preset = config.clip_eps_low if side == "low" else config.clip_eps_high
-        if value == default or value == preset or (value is None and side == "high"):
+        if value == default or value == preset:
             return None
         knob = "clip_eps_low" if side == "low" else "clip_eps_high"
         return (f"contradicts GTPOConfig({knob}={preset!r}) (preset {config.preset!r}), which sets the loss's clip "
@@ -61,8 +61,13 @@ def _loss_type(value, args, config):
     return None
 
 
+def _scale_mode(value) -> str:
+    """TRL's scale_rewards, whose booleans are older spellings of 'group' and 'none'."""
+    return {True: "group", False: "none"}.get(value, value)
+
+
 def _scale_rewards(value, args, config):
-    value = {True: "group", False: "none"}.get(value, value)
+    value = _scale_mode(value)
     if value == "group":  # TRL's default
         return None
     wanted = "group" if config.normalize_advantages_by_std else "none"
@@ -205,7 +210,7 @@ def from_grpo_config(args, **overrides):
     if reduction is None:
         raise ValueError(f"GRPOConfig(loss_type={args.loss_type!r}) has no GTPO counterpart; the GTPO loss reduces as "
                          f"'grpo' (sequence_mean), 'dapo' (token_mean) or 'dr_grpo' does")
-    scale = {True: "group", False: "none"}.get(args.scale_rewards, args.scale_rewards)
+    scale = _scale_mode(args.scale_rewards)
     if scale not in ("group", "none"):
         raise ValueError(f"GRPOConfig(scale_rewards={args.scale_rewards!r}) has no GTPO counterpart: the advantages "
                          f"are scaled per group ('group') or not at all ('none')")
