@@ -238,6 +238,8 @@ def test_missing_fields_and_bad_settings_are_named():
         gv.gtpo_settings({"gtpo": {"clip_eps_low": 0.1}})
     with pytest.raises(ValueError, match="algorithm.gtpo.entropy_treshold is not a GTPO setting"):
         gv.gtpo_settings({"gtpo": {"entropy_treshold": 0.5}})
+    with pytest.raises(ValueError, match="algorithm.gtpo.ratio_cap acts in the policy loss"):
+        gv.gtpo_settings({"gtpo": {"ratio_cap": 1.5}})
     with pytest.raises(ValueError, match="penalty"):
         gv.gtpo_settings({"gtpo": {"entropy_mode": "penalty"}})
     with pytest.raises(ValueError, match="loss_agg_mode='token-sum'"):

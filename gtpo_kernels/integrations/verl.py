@@ -78,6 +78,9 @@ VERL_OWNED = {
     "kl_beta": "actor_rollout_ref.actor.use_kl_loss / kl_loss_coef (verl adds the KL beside the policy loss)",
     "max_completion_length": "actor_rollout_ref.actor.loss_scale_factor (dr_grpo's cap)",
 }
+# GTPOConfig knobs of the loss itself that the policy loss cannot be given (it sees verl's actor config only,
+# which has no field for them): refused in algorithm.gtpo rather than accepted and ignored.
+NOT_IN_VERL = ("ratio_cap", "kl_ratio_weighted")
 _NOT_READ = ("max_chunk_bytes", "inplace_backward", "validate_inputs", "warn_no_signal", "_origin")
 
 
@@ -117,9 +120,12 @@ def gtpo_settings(algorithm) -> tuple[GTPOConfig, Optional[float]]:
     for name in section:
         if name in VERL_OWNED:
             raise ValueError(f"algorithm.gtpo.{name}: verl holds this setting; set {VERL_OWNED[name]} instead")
+        if name in NOT_IN_VERL:
+            raise ValueError(f"algorithm.gtpo.{name} acts in the policy loss, which verl gives only its actor config "
+                             f"(no field for it): not available with verl")
         if name not in known:
             raise ValueError(f"algorithm.gtpo.{name} is not a GTPO setting; known: "
-                             f"{sorted(known - set(VERL_OWNED)) + ['initial_entropy']}")
+                             f"{sorted(known - set(VERL_OWNED) - set(NOT_IN_VERL)) + ['initial_entropy']}")
     config = GTPOConfig(**section, warn_no_signal=False)
     if config.entropy_mode == "penalty" and config.entropy_coef > 0:
         raise ValueError("algorithm.gtpo.entropy_mode='penalty' needs the current entropy with its gradient, which "
