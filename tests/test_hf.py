@@ -201,3 +201,11 @@ def test_sharded_models_are_not_probed(monkeypatch):
     monkeypatch.setattr(gtpo_kernels.hf, "_sharded", lambda base: True)
     monkeypatch.setattr(gtpo_kernels.hf, "_probe_head", lambda *a, **k: pytest.fail("probed a sharded model"))
     gtpo_kernels.hf.check_hidden_states_supported(model)
+
+
+def test_a_forward_wrapped_in_autocast_is_still_recognised():
+    """accelerate runs a prepared model's forward under autocast (TRL prepares its reference model at
+    construction); the check compares with the class's own forward then, instead of refusing the model."""
+    model = tiny_llama()
+    model.forward = types.MethodType(torch.autocast("cpu", dtype=torch.bfloat16)(type(model).forward), model)
+    gtpo_kernels.hf.check_hidden_states_supported(model)

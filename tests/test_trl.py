@@ -20,11 +20,12 @@ def reward_length(completions, **kwargs):
 
 
 def make_trainer(model_dir, tmp_path, cls=GTPOTrainer, steps_per_generation=1, accumulation=1, **kwargs):
-    settings = dict(per_device_train_batch_size=4 * G // steps_per_generation, max_completion_length=6, max_steps=1)
+    settings = dict(per_device_train_batch_size=4 * G // steps_per_generation, max_completion_length=6, max_steps=1,
+                    bf16=False)
     settings.update(kwargs.pop("trl_args", {}))
     args = trl.GRPOConfig(output_dir=str(tmp_path), steps_per_generation=steps_per_generation,
                           gradient_accumulation_steps=accumulation, num_generations=G, temperature=0.7,
-                          report_to="none", use_cpu=True, logging_steps=1, save_strategy="no", bf16=False, **settings)
+                          report_to="none", use_cpu=True, logging_steps=1, save_strategy="no", **settings)
     data = Dataset.from_dict({"prompt": ["1+2?", "3+4?", "5+6?", "7+8?", "2+2?", "9+1?"]})
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
     trainer = cls(model=model, reward_funcs=[reward_length], args=args, train_dataset=data,
@@ -496,3 +497,14 @@ def test_transformed_logits_take_the_chunked_logits_path(tiny_model_dir, tmp_pat
         trainer = make_trainer(str(model_dir), tmp_path, gtpo_config=gtpo)
     assert any("takes the logits path" in r.message for r in caplog.records)
     assert_equals_loss_on_the_logits(trainer, gtpo)
+
+
+def test_a_reference_model_under_trls_default_bf16_is_accepted(tiny_model_dir, tmp_path):
+    """With beta > 0 TRL prepares the reference model at construction, and under its default bf16 accelerate runs
+    that model's forward in autocast. The head check compared that bf16 forward with its own float32 one and
+    refused every model (found by trying beta > 0 with TRL's defaults); one training step now runs."""
+    trainer = make_trainer(tiny_model_dir, tmp_path, gtpo_config=GTPOConfig(kl_beta=0.04, kl_ratio_weighted=True),
+                           trl_args={"beta": 0.04, "bf16": True})
+    assert trainer.ref_model is not None
+    trainer.train()
+    assert trainer.state.global_step == 1 and "clip_ratio/high_max" in trainer.state.log_history[0]
