@@ -11,6 +11,40 @@ from __future__ import annotations
 import inspect
 
 import torch
+from transformers.cache_utils import DynamicLayer
+
+
+class _InPlaceLayer(DynamicLayer):
+    """A ``DynamicLayer`` whose keys and values live in a buffer with room for the tokens still to come, so
+    that each decoding step writes one position in place. The plain layer concatenates its whole cache at
+    every token (``torch.cat``: a quarter of the sampling time of the default run on a 2-core CPU)."""
+
+    def reserve(self, extra: int) -> None:
+        batch, heads, length, dim = self.keys.shape
+        self._key_buffer = self.keys.new_empty(batch, heads, length + extra, dim)
+        self._value_buffer = self.values.new_empty(batch, heads, length + extra, self.values.shape[-1])
+        self._key_buffer[:, :, :length] = self.keys
+        self._value_buffer[:, :, :length] = self.values
+        self._length = length
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        end = self._length + key_states.shape[-2]
+        if end > self._key_buffer.shape[-2]:  # more tokens than reserved: grow as the plain layer does
+            self.__class__ = DynamicLayer
+            return self.update(key_states, value_states, *args, **kwargs)
+        self._key_buffer[:, :, self._length:end] = key_states
+        self._value_buffer[:, :, self._length:end] = value_states
+        self._length = end
+        self.keys, self.values = self._key_buffer[:, :, :end], self._value_buffer[:, :, :end]
+        return self.keys, self.values
+
+
+def _reserve(cache, extra: int) -> None:
+    """Room for ``extra`` more positions in each plain layer of ``cache`` (other kinds are left as they are)."""
+    for layer in getattr(cache, "layers", ()):
+        if type(layer) is DynamicLayer and layer.is_initialized and layer.keys.numel():
+            layer.__class__ = _InPlaceLayer
+            layer.reserve(extra)
 
 
 def _cache_kwarg(model) -> str:
@@ -21,7 +55,7 @@ def _cache_kwarg(model) -> str:
 @torch.no_grad()
 def sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, max_new_tokens: int, *,
            temperature: float = 1.0, greedy: bool = False, greedy_first: bool = False, eos_token_id: int,
-           pad_token_id: int, on_token=None) -> torch.Tensor:
+           pad_token_id: int, on_token=None, in_place_cache: bool = True) -> torch.Tensor:
     """``[B * n, T]`` completion ids (``T <= max_new_tokens``; after a row's EOS, ``pad_token_id``), the ``n``
     completions of prompt ``b`` in rows ``b * n .. b * n + n - 1``.
 
@@ -36,6 +70,8 @@ def sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, m
                 use_cache=True, logits_to_keep=1)
     cache = out.cache if cache_kw == "cache" else out.past_key_values
     cache.batch_repeat_interleave(n)
+    if in_place_cache:
+        _reserve(cache, max_new_tokens)
     logits = out.logits[:, -1].repeat_interleave(n, 0)
     attention = prompt_mask.repeat_interleave(n, 0)
     positions = attention.sum(1, keepdim=True)
