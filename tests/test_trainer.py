@@ -169,12 +169,21 @@ def test_resume_without_checkpoint_is_a_clear_error(tiny_model_dir, tmp_path):
 @pytest.mark.parametrize("text, expected", [
     ("<reasoning>3+4</reasoning>\n<answer>\n7\n</answer>", "7"),
     ("<answer>5</answer> oops <answer>7</answer>", "7"),           # several answers: the last counts
-    ("no tags, the result is 1,234 apples.", "1,234"),             # no tags: the last number
+    ("no tags, the result is 1,234 apples.", None),                # no block, no answer
     ("<answer> -12 </answer>", "-12"),                              # whitespace, negative numbers
     ("nothing numeric here", None),
 ])
 def test_extract_answer(text, expected):
     assert extract_answer(text) == expected
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("no tags, the result is 1,234 apples.", "1,234"),             # no block: the last number
+    ("<answer>5</answer> then 9", "5"),                             # a block still wins
+    ("nothing numeric here", None),
+])
+def test_extract_answer_anywhere(text, expected):
+    assert extract_answer(text, in_block=False) == expected
 
 
 @pytest.mark.parametrize("text, gold, reward", [
@@ -185,10 +194,15 @@ def test_extract_answer(text, expected):
     ("<answer>seven</answer>", "7", 0.0),
     ("<answer>the answer is 7.</answer>", "7", 1.0),
     ("<answer></answer> 7", "7", 0.0),                               # an empty answer block is the answer
-    ("I think 6 or maybe 7", "7", 1.0),                              # no tags: last number
+    ("I think 6 or maybe 7", "7", 0.0),                              # no block: no answer
 ])
 def test_correctness_reward(text, gold, reward):
     assert correctness_reward([text], answer=[gold]) == [reward]
+
+
+def test_correctness_reward_anywhere_reads_the_last_number():
+    assert correctness_reward(["I think 6 or maybe 7"], answer=["7"], answer_in_block=False) == [1.0]
+    assert correctness_reward(["I think 7 or maybe 6"], answer=["7"], answer_in_block=False) == [0.0]
 
 
 def test_format_reward():
@@ -347,12 +361,39 @@ def test_every_bad_setting_stops_before_loading_in_one_line(tmp_path, monkeypatc
     assert not out.exists()
 
 
+@pytest.mark.parametrize("offline", [True, False], ids=["HF_HUB_OFFLINE", "no-network"])
+def test_a_hub_model_out_of_reach_stops_at_once(tmp_path, monkeypatch, capsys, offline):
+    """A hub id that is not in the local cache, with HF_HUB_OFFLINE or without a network: one line, exit 2,
+    nothing written, and no minute of download retries first (seen before: 46 s, 22 lines)."""
+    import socket
+
+    from huggingface_hub import constants
+
+    def no_network(*args, **kwargs):
+        raise socket.gaierror(-2, "Name or service not known")
+
+    def must_not_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the setting was checked")
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
+    monkeypatch.setattr(socket, "getaddrinfo", no_network)
+    monkeypatch.setattr(train_module, "load_model_and_tokenizer", must_not_load)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        train_module.main(["--model", "no-such-org/no-such-model", "--output-dir", str(out)])
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "could not load model 'no-such-org/no-such-model'" in lines[0], lines
+    assert ("HF_HUB_OFFLINE" if offline else "cannot be reached") in lines[0]
+    assert not out.exists()
+
+
 def test_help_shows_each_default_once():
     from trainer.config import _parser
 
     parser = _parser()
     text = parser.format_help()
-    assert "(default: None)" not in text and text.count("(default: 20)") == 1  # --steps
+    assert "(default: None)" not in text and text.count("(default: 12)") == 1  # --steps
     assert "--one-shot, --no-one-shot" in text and "(default: True)" in text
     for action in parser._actions:  # every flag says what it does, and a default at most once
         assert action.help and action.help.strip() and action.help.count("(default") <= 1, action.option_strings
@@ -403,3 +444,35 @@ def test_compare_runs_table(tmp_path):
     text = table(by_algo)
     assert "| gtpo paper | 0,1 | accuracy | 0.400 | 0.550 | +0.150 | +0.100 +0.200 | 0.100 | yes |" in text
     assert "| grpo | 0 | accuracy | 0.400 | 0.400 | +0.000 | +0.000 | 0.000 | no |" in text
+
+
+@pytest.mark.parametrize("in_block", [True, False])
+def test_answer_in_block_reaches_rewards_and_evaluation(monkeypatch, in_block):
+    """--no-answer-in-block is read by the rollout's correctness reward and by every held-out metric (the
+    completions are fixed, so no model is needed: bare right numbers count only with the setting off)."""
+    from datasets import Dataset
+
+    from trainer.distributed import Distributed
+
+    texts = []
+
+    def fake_generate(model, tokenizer, questions, n, config, device, **kwargs):
+        rows = len(questions) * n
+        return {"prompt_ids": torch.ones(len(questions), 2, dtype=torch.long),
+                "prompt_mask": torch.ones(len(questions), 2, dtype=torch.long),
+                "completion_ids": torch.arange(rows * 3).reshape(rows, 3) % 5 + 1,
+                "completion_mask": torch.ones(rows, 3, dtype=torch.bool), "texts": texts[:rows]}
+
+    monkeypatch.setattr(train_module, "generate", fake_generate)
+    config = TrainConfig(answer_in_block=in_block, group_size=3, prompts_per_step=1, eval_k=3, eval_batch_size=1,
+                         precision="fp32")
+    problems = Dataset.from_dict({"question": ["3 + 4?"], "answer": ["7"]})
+    texts[:] = ["7", "<reasoning>x</reasoning>\n<answer>\n7\n</answer>", "8"]
+    batch = train_module.rollout(torch.nn.Linear(1, 1), None, problems, config, config.loss_config(), torch.device("cpu"))
+    assert batch["reward_parts"]["correctness_reward"].tolist() == ([0.0, 1.0, 0.0] if in_block else [1.0, 1.0, 0.0])
+    # Evaluation: the greedy answer first, then 3 samples; in the block only a wrong 8 is ever answered.
+    texts[:] = ["7", "<answer>\n8\n</answer>", "7", "7"]
+    metrics = train_module.evaluate(torch.nn.Linear(1, 1), None, problems, config, Distributed(0, 1, torch.device("cpu")),
+                                    seed=0)
+    expected = 0.0 if in_block else 1.0
+    assert (metrics["accuracy"], metrics["pass@3"], metrics["maj@3"]) == (expected, expected, expected)

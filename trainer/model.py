@@ -74,6 +74,34 @@ def check_model_source(name: str) -> None:
         return
     if name.startswith((".", "/", "~")) or name.count("/") != 1:
         raise ConfigError(f"model {name!r} is not a local folder, and does not look like a hub id ('org/name')")
+    check_hub_model(name)
+
+
+def check_hub_model(name: str) -> None:
+    """A hub id is usable if its config is in the local Hugging Face cache, or else if the hub answers for
+    it. Without a network this says so at once, where loading would retry for about a minute first."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return
+    if constants.HF_HUB_OFFLINE:
+        raise ConfigError(f"could not load model {name!r}: not in the local Hugging Face cache and HF_HUB_OFFLINE "
+                          f"is set; pass a local folder or the built-in '{DEFAULT_MODEL}'")
+    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError:
+        raise ConfigError(f"could not load model {name!r}: not in the local Hugging Face cache and {host} cannot "
+                          f"be reached (no network?); pass a local folder or the built-in '{DEFAULT_MODEL}'") from None
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(name)  # config.json only: a missing or private repo fails here, not after loading
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"could not load model {name!r}: {exc}".splitlines()[0]) from exc
 
 
 def load_model_and_tokenizer(name: str, device: torch.device) -> Tuple[torch.nn.Module, object]:
