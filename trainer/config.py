@@ -29,11 +29,12 @@ class TrainConfig:
     conflict_weights: Optional[bool] = None  # override the preset: --no-conflict-weights sets every lambda to 1
     dataset: str = "arithmetic"  # "arithmetic" (built-in generator), "gsm8k" (needs network), or a .jsonl/.parquet path
     one_shot: bool = True  # show one worked example in the reward's layout before each question
+    answer_in_block: bool = True  # correctness (reward and held-out metrics) reads only the <answer> block; --no-answer-in-block: the last number anywhere (the rule before 2026-12-01)
     difficulty: int = 1  # arithmetic generator: 1 (one operation) to 4 (three operations, larger numbers)
     seed: int = 0  # seeds the training problems' order and every sampling draw (held-out problems stay fixed)
     output_dir: str = "runs/default"  # where metrics.jsonl, checkpoint.pt, final/ and the plot go
     # Rollouts
-    steps: int = 20  # optimiser steps (one rollout batch each)
+    steps: int = 12  # optimiser steps (one rollout batch each)
     prompts_per_step: int = 4  # B prompts per step
     group_size: int = 8  # G completions per prompt
     max_new_tokens: int = 48  # generation cap per completion (tokens)
@@ -50,7 +51,7 @@ class TrainConfig:
     loss_chunk_mib: Optional[int] = None  # MiB of float32 logits per chunk of the loss (unset: 256 on a CPU, 2048 on a GPU)
     fsdp: bool = False  # under torchrun: shard parameters with FSDP2 instead of replicating them (DDP)
     # Evaluation
-    eval_size: int = 64  # held-out problems (the same for every seed)
+    eval_size: int = 48  # held-out problems (the same for every seed)
     eval_every: int = 0  # steps between evaluations (0: only before and after training)
     eval_k: int = 4  # samples per problem for pass@k / maj@k (0: greedy accuracy only)
     eval_batch_size: int = 32  # problems per generate() call in evaluation

@@ -31,11 +31,19 @@ _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 
 
-def extract_answer(completion: str) -> Optional[str]:
-    """The text of the last ``<answer>...</answer>`` block, or, without one, the last number."""
+def extract_answer(completion: str, in_block: bool = True) -> Optional[str]:
+    """The text of the last ``<answer>...</answer>`` block; without one, None (``in_block=False``: the last
+    number of the completion instead).
+
+    Only the block counts by default: a 135M model answers a bare number right far more often than it
+    does in the reasoning/answer layout, so when a bare number also earned the correctness reward, short
+    runs split by seed between keeping the layout and dropping it for bare answers (held-out format rate
+    1.0 or 0.0; see results/trainer-cpu/probes/README.md)."""
     blocks = _ANSWER.findall(completion)
     if blocks:
         return blocks[-1].strip()
+    if in_block:
+        return None
     numbers = _NUMBER.findall(completion)
     return numbers[-1] if numbers else None
 
@@ -68,9 +76,10 @@ def answers_match(predicted: Optional[str], gold: str) -> bool:
     return p is not None and g is not None and abs(p - g) < 1e-9
 
 
-def correctness_reward(completions: List[str], answer: List[str], **kwargs) -> List[float]:
-    """1 when the extracted answer equals the reference answer, else 0."""
-    return [1.0 if answers_match(extract_answer(c), a) else 0.0 for c, a in zip(completions, answer)]
+def correctness_reward(completions: List[str], answer: List[str], answer_in_block: bool = True,
+                       **kwargs) -> List[float]:
+    """1 when the answer (``extract_answer(c, answer_in_block)``) equals the reference answer, else 0."""
+    return [1.0 if answers_match(extract_answer(c, answer_in_block), a) else 0.0 for c, a in zip(completions, answer)]
 
 
 def format_reward(completions: List[str], **kwargs) -> List[float]:

@@ -90,7 +90,8 @@ def rollout(model, tokenizer, problems, config: TrainConfig, loss_config: GTPOCo
     its whole prompt groups."""
     batch = generate(model, tokenizer, problems["question"], config.group_size, config, device)
     answers = [a for a in problems["answer"] for _ in range(config.group_size)]
-    batch["reward_parts"] = {f.__name__: torch.tensor(f(batch["texts"], answer=answers), dtype=torch.float32)
+    batch["reward_parts"] = {f.__name__: torch.tensor(f(batch["texts"], answer=answers,
+                                                        answer_in_block=config.answer_in_block), dtype=torch.float32)
                              for f in DEFAULT_REWARDS}
     batch["rewards"] = sum(batch["reward_parts"].values()).to(device)
     batch["advantages"] = compute_advantages(batch["rewards"], config.group_size,
@@ -236,11 +237,12 @@ def evaluate(model, tokenizer, problems, config: TrainConfig, dist: Distributed,
             stopped = True
             break
         texts = [out["texts"][i * (k + 1):(i + 1) * (k + 1)] for i in range(len(chunk))]
-        sums[0] += sum(answers_match(extract_answer(t[0]), a) for t, a in zip(texts, chunk["answer"]))
+        sums[0] += sum(answers_match(extract_answer(t[0], config.answer_in_block), a)
+                       for t, a in zip(texts, chunk["answer"]))
         sums[1] += sum("<answer>" in t[0] and "</answer>" in t[0] for t in texts)
         if k:
             for samples, gold in zip(texts, chunk["answer"]):
-                picks = [extract_answer(t) for t in samples[1:]]
+                picks = [extract_answer(t, config.answer_in_block) for t in samples[1:]]
                 sums[2] += any(answers_match(p, gold) for p in picks)
                 votes = Counter(parse_number(p) for p in picks if parse_number(p) is not None)
                 sums[3] += bool(votes) and answers_match(str(votes.most_common(1)[0][0]), gold)
