@@ -322,19 +322,19 @@ def run_cli(*args, cwd=None):
 
 
 def test_cli_errors_are_one_line(tmp_path):
-    for args, message in ((["--algo", "foo"], "--algo must be 'gtpo' or 'grpo' (got 'foo')"),
-                          (["--steps", "two"], "argument --steps: invalid int value: 'two'"),
-                          (["--model", str(tmp_path / "nowhere")], "is not a local folder")):
-        proc = run_cli(*args, "--output-dir", str(tmp_path / "out"))
-        assert proc.returncode == 2, (args, proc.stderr[-500:])
-        lines = proc.stderr.strip().splitlines()
-        assert len(lines) == 1 and message in lines[0], proc.stderr[-800:]  # not argparse's usage block
-        assert not (tmp_path / "out").exists()
+    """The real command line (one process start: the other bad settings are checked in-process below)."""
+    proc = run_cli("--steps", "two", "--output-dir", str(tmp_path / "out"))
+    assert proc.returncode == 2, proc.stderr[-500:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr[-800:]  # not argparse's usage block
+    assert "argument --steps: invalid int value: 'two'" in lines[0]
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("setting, message", [
     (["--stepz", "3"], "unrecognized arguments: --stepz 3"),
     (["--steps", "0"], "--steps must be a positive integer"),
+    (["--algo", "foo"], "--algo must be 'gtpo' or 'grpo' (got 'foo')"),
     (["--config", "CONFIG"], "--learning-rate must be a positive number"),
     (["--dataset", "missing.jsonl"], "dataset 'missing.jsonl' is neither"),
     (["--model", "./nowhere"], "is not a local folder"),
@@ -468,11 +468,11 @@ def test_answer_in_block_reaches_rewards_and_evaluation(monkeypatch, in_block):
                          precision="fp32")
     problems = Dataset.from_dict({"question": ["3 + 4?"], "answer": ["7"]})
     texts[:] = ["7", "<reasoning>x</reasoning>\n<answer>\n7\n</answer>", "8"]
-    batch = train_module.rollout(torch.nn.Linear(1, 1), None, problems, config, config.loss_config(), torch.device("cpu"))
+    cpu = torch.device("cpu")
+    batch = train_module.rollout(torch.nn.Linear(1, 1), None, problems, config, config.loss_config(), cpu)
     assert batch["reward_parts"]["correctness_reward"].tolist() == ([0.0, 1.0, 0.0] if in_block else [1.0, 1.0, 0.0])
     # Evaluation: the greedy answer first, then 3 samples; in the block only a wrong 8 is ever answered.
     texts[:] = ["7", "<answer>\n8\n</answer>", "7", "7"]
-    metrics = train_module.evaluate(torch.nn.Linear(1, 1), None, problems, config, Distributed(0, 1, torch.device("cpu")),
-                                    seed=0)
+    metrics = train_module.evaluate(torch.nn.Linear(1, 1), None, problems, config, Distributed(0, 1, cpu), seed=0)
     expected = 0.0 if in_block else 1.0
     assert (metrics["accuracy"], metrics["pass@3"], metrics["maj@3"]) == (expected, expected, expected)
