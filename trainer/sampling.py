@@ -25,16 +25,15 @@ class _InPlaceLayer(DynamicLayer):
         self._value_buffer = self.values.new_empty(batch, heads, length + extra, self.values.shape[-1])
         self._key_buffer[:, :, :length] = self.keys
         self._value_buffer[:, :, :length] = self.values
-        self._length = length
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        end = self._length + key_states.shape[-2]
+        start = self.keys.shape[-2]  # the keys are always the buffer's filled part
+        end = start + key_states.shape[-2]
         if end > self._key_buffer.shape[-2]:  # more tokens than reserved: grow as the plain layer does
             self.__class__ = DynamicLayer
             return self.update(key_states, value_states, *args, **kwargs)
-        self._key_buffer[:, :, self._length:end] = key_states
-        self._value_buffer[:, :, self._length:end] = value_states
-        self._length = end
+        self._key_buffer[:, :, start:end] = key_states
+        self._value_buffer[:, :, start:end] = value_states
         self.keys, self.values = self._key_buffer[:, :, :end], self._value_buffer[:, :, :end]
         return self.keys, self.values
 
