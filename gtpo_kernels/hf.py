@@ -182,6 +182,76 @@ def shared_prompt_pass_issue(model) -> Optional[str]:
     return None
 
 
+def cache_kwarg(module) -> str:
+    """The name of ``module.forward``'s key/value cache argument (and output): ``cache`` in transformers >= 5.2x,
+    ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
+
+
+# A prefix shared by every prompt of a batch (a system prompt, a worked example) runs once when it has at least
+# this many tokens; below it, the second forward call costs more than the tokens it saves.
+MIN_SHARED_PREFIX = 16
+
+
+def shared_prefix_length(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> int:
+    """How many tokens every prompt of a left-padded batch starts with, leaving each prompt at least one
+    token of its own (its last position predicts the completion). ``prompt_ids, prompt_mask: [B, P]``."""
+    lengths = prompt_mask.long().sum(1)
+    shortest = int(lengths.min())
+    if prompt_ids.shape[0] < 2 or shortest < 2:
+        return 0
+    starts = prompt_ids.shape[1] - lengths  # left padding: row b's tokens are prompt_ids[b, starts[b]:]
+    aligned = prompt_ids.gather(1, starts[:, None] + torch.arange(shortest - 1, device=prompt_ids.device))
+    differs = (aligned != aligned[:1]).any(0)
+    return int(differs.int().argmax()) if bool(differs.any()) else shortest - 1
+
+
+def shared_prefix_issue(model) -> Optional[str]:
+    """Why a batch's shared prompt prefix cannot run once for ``model`` (then each prompt runs whole), or
+    ``None``: the reasons of `shared_prompt_pass_issue`, and sliding-window attention, where the padding
+    between the prefix and a shorter prompt's own tokens would count against the window."""
+    issue = shared_prompt_pass_issue(model)
+    if issue is None and getattr(_text_config(_unwrap(model)), "sliding_window", None):
+        issue = "its sliding-window attention would count the padding after a shared prefix"
+    return issue
+
+
+def prompt_pass(module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, share_prefix: bool = True,
+                **kwargs):
+    """Runs left-padded prompts ``[B, P]`` through ``module`` (a causal LM or its decoder) with a cache.
+
+    A prefix of at least `MIN_SHARED_PREFIX` tokens that every prompt starts with (`shared_prefix_length`)
+    runs once when ``share_prefix`` (callers check `shared_prefix_issue`); each prompt's own tokens then run
+    on copies of its cache, laid out ``[prefix | padding | own tokens]`` with the padding masked and the
+    positions of the whole prompt run alone. Gradients reach the prefix pass through the copies.
+
+    Returns ``(output, cache, attention [B, S], lengths [B, 1])``: the last call's output, whose last position
+    is each prompt's last token; the cache (``S`` positions); the attention mask the cache was built with, to
+    extend for the tokens that follow; each prompt's length, the position of its first new token.
+    """
+    cache_kw = cache_kwarg(module)
+    prompt_mask = prompt_mask.long()
+    lengths = prompt_mask.sum(1, keepdim=True)
+    c = shared_prefix_length(prompt_ids, prompt_mask) if share_prefix else 0
+    if c < MIN_SHARED_PREFIX:
+        out = module(input_ids=prompt_ids, attention_mask=prompt_mask, use_cache=True,
+                     position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0), **kwargs)
+        return out, getattr(out, cache_kw), prompt_mask, lengths
+    batch, width = prompt_ids.shape
+    start = width - int(lengths[0])  # row 0's first token; every row starts with the same c tokens
+    prefix = prompt_ids[:1, start:start + c]
+    out = module(input_ids=prefix, attention_mask=torch.ones_like(prefix), use_cache=True,
+                 position_ids=torch.arange(c, device=prefix.device)[None], **kwargs)
+    cache = getattr(out, cache_kw)
+    cache.batch_repeat_interleave(batch)
+    own = int(lengths.max()) - c  # the longest prompt's own tokens; shorter prompts' are left-padded to it
+    own_mask = (torch.arange(own, device=prompt_ids.device) >= own - (lengths - c)).long()  # [B, own]
+    attention = torch.cat([torch.ones_like(prompt_mask[:, :c]), own_mask], dim=1)
+    out = module(input_ids=prompt_ids[:, width - own:], attention_mask=attention, use_cache=True,
+                 position_ids=(c + own_mask.cumsum(1) - 1).clamp(min=c), **{cache_kw: cache}, **kwargs)
+    return out, cache, attention, lengths
+
+
 def causal_lm_hidden_states(
     model, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, *,
     allow_unknown: bool = False, **model_kwargs,
@@ -253,17 +323,15 @@ def grouped_completion_hidden_states(
             model, torch.cat([prompt_ids.repeat_interleave(group_size, 0), completion_ids], dim=1), attention,
             allow_unknown=allow_unknown, position_ids=(attention.cumsum(1) - 1).clamp(min=0))
         return hidden[:, prompt_ids.shape[1] - 1:-1], weight, bias
-    prompt = decoder(input_ids=prompt_ids, attention_mask=prompt_mask,
-                     position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0), use_cache=True)
-    # transformers >= 5.2x names the cache ``cache``; earlier versions ``past_key_values``.
-    cache_kw = "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
-    cache = prompt.cache if cache_kw == "cache" else prompt.past_key_values
+    prompt, cache, prompt_attention, lengths = prompt_pass(decoder, prompt_ids, prompt_mask,
+                                                          share_prefix=shared_prefix_issue(model) is None)
     cache.batch_repeat_interleave(group_size)  # new tensors: gradients still reach the prompt pass
-    prompt_mask = prompt_mask.repeat_interleave(group_size, 0)
-    first = prompt_mask.sum(1, keepdim=True)  # position of the first completion token
-    positions = first + torch.arange(completion_ids.shape[1], device=completion_ids.device)
-    completion = decoder(input_ids=completion_ids, attention_mask=torch.cat([prompt_mask, completion_mask.long()], 1),
-                         position_ids=positions, use_cache=True, **{cache_kw: cache})
+    prompt_attention = prompt_attention.repeat_interleave(group_size, 0)
+    positions = lengths.repeat_interleave(group_size, 0) + torch.arange(completion_ids.shape[1],
+                                                                        device=completion_ids.device)
+    completion = decoder(input_ids=completion_ids, position_ids=positions, use_cache=True,
+                         attention_mask=torch.cat([prompt_attention, completion_mask.long()], 1),
+                         **{cache_kwarg(decoder): cache})
     last_prompt = prompt.last_hidden_state[:, -1:].repeat_interleave(group_size, 0)
     hidden = torch.cat([last_prompt, completion.last_hidden_state[:, :-1]], dim=1)
     head = base.get_output_embeddings()

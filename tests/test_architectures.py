@@ -10,7 +10,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from gtpo_kernels.hf import causal_lm_hidden_states, decoder_of, head_logit_transform  # noqa: E402
+from gtpo_kernels.hf import (causal_lm_hidden_states, check_hidden_states_supported, decoder_of,  # noqa: E402
+                             grouped_completion_hidden_states, head_logit_transform, shared_prefix_issue)
 
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=67, max_position_embeddings=64, head_dim=8, n_embd=32, n_layer=2, n_head=4,
@@ -59,3 +60,38 @@ def test_family_takes_an_exact_path(model_type):
             hidden = decoder_of(model)(input_ids=ids).last_hidden_state
             mine = transform[1](head(hidden))
     torch.testing.assert_close(mine, logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", sorted(name for name, path in FAMILIES.items() if path == "fused"))
+def test_family_shares_prompt_passes_exactly(model_type):
+    """Two prompts of different lengths that start with the same 17 tokens, two completions each: the grouped
+    hidden states (the shared prefix once, then each prompt's own tokens once, where `shared_prefix_issue`
+    allows it; else each prompt once, or each row whole) equal the hidden states of each [prompt, completion]
+    row run alone. The tiny configs' 16-position window would be shorter than these rows: families with
+    sliding-window layers get one longer than the rows, the others none (a family without windows that is
+    handed the attribute reads it in one of the two passes only)."""
+    model = tiny(model_type)
+    sliding = "sliding_attention" in (getattr(model.config, "layer_types", None) or ())
+    model.config.sliding_window = 64 if sliding else None
+    g = torch.Generator().manual_seed(2)
+    prefix = torch.randint(3, 60, (17,), generator=g)
+    prompts = [torch.cat([prefix, torch.randint(3, 60, (n,), generator=g)]) for n in (4, 1)]
+    prompt_ids = torch.stack([prompts[0], torch.cat([torch.zeros(3, dtype=torch.long), prompts[1]])])
+    prompt_mask = (torch.arange(21) >= torch.tensor([[0], [3]])).long()
+    completion_ids = torch.randint(3, 60, (4, 3), generator=g)
+    lengths = [3, 1, 3, 2]
+    completion_mask = torch.arange(3) < torch.tensor(lengths)[:, None]
+    check_hidden_states_supported(model)  # its probe runs the model: before counting calls
+    calls = []
+    hook = decoder_of(model).register_forward_pre_hook(lambda *a: calls.append(1))
+    with torch.no_grad():
+        hidden, _, _ = grouped_completion_hidden_states(model, prompt_ids, prompt_mask, completion_ids,
+                                                        completion_mask, 2)
+        hook.remove()
+        if shared_prefix_issue(model) is None:
+            assert len(calls) == 3  # the prefix, the prompts' own tokens, the completions
+        for row in range(4):
+            prompt = prompts[row // 2]
+            expected, _, _ = causal_lm_hidden_states(model, torch.cat([prompt, completion_ids[row, :lengths[row]]])[None])
+            torch.testing.assert_close(hidden[row, :lengths[row]], expected[0, len(prompt) - 1:-1], rtol=1e-4,
+                                       atol=1e-4)

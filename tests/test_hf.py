@@ -9,7 +9,8 @@ transformers = pytest.importorskip("transformers")
 
 import gtpo_kernels.hf  # noqa: E402
 from gtpo_kernels import GTPOConfig, fused_linear_gtpo_loss, gtpo_loss  # noqa: E402
-from gtpo_kernels.hf import causal_lm_hidden_states, grouped_completion_hidden_states  # noqa: E402
+from gtpo_kernels.hf import (cache_kwarg, causal_lm_hidden_states, grouped_completion_hidden_states,  # noqa: E402
+                             prompt_pass, shared_prefix_length)
 
 
 def tiny_llama():
@@ -53,11 +54,16 @@ def test_fused_loss_on_a_model_matches_the_logits_loss():
         torch.testing.assert_close(g_fused, p.grad, rtol=1e-4, atol=1e-6)
 
 
-def grouped_batch(n_prompts=2, group=3, prompt=5, length=4):
+def grouped_batch(n_prompts=2, group=3, prompt=5, length=4, shared_prefix=0):
+    """Left-padded prompts (the first two positions of prompt 0 are padding); with ``shared_prefix``, every
+    prompt starts with the same that many tokens."""
     torch.manual_seed(1)
     prompt_ids = torch.randint(0, 67, (n_prompts, prompt))
     prompt_mask = torch.ones_like(prompt_ids)
     prompt_mask[0, :2] = 0  # left padding
+    if shared_prefix:
+        prompt_ids[1:, :shared_prefix] = prompt_ids[0, 2:2 + shared_prefix]
+        prompt_ids[0, 2 + shared_prefix] = (prompt_ids[1, shared_prefix] + 1) % 67  # the prefix ends there
     completion_ids = torch.randint(0, 67, (n_prompts * group, length))
     completion_mask = torch.ones_like(completion_ids, dtype=torch.bool)
     completion_mask[1, 2:] = False  # ended early
@@ -65,18 +71,27 @@ def grouped_batch(n_prompts=2, group=3, prompt=5, length=4):
     return prompt_ids, prompt_mask, completion_ids, completion_mask
 
 
-def test_grouped_hidden_states_equal_the_full_rows_in_value_and_gradient():
-    """Each prompt once, its cache shared by the group: same hidden states and the same parameter
-    gradient as running every [prompt, completion] row whole (float64, so differences are exact)."""
+@pytest.mark.parametrize("shared_prefix", [0, 17], ids=["own-prompts", "shared-prefix"])
+def test_grouped_hidden_states_equal_the_full_rows_in_value_and_gradient(shared_prefix):
+    """Each prompt once, its cache shared by the group (and a prefix every prompt starts with once, its cache
+    shared by the prompts): same hidden states and the same parameter gradient as running every
+    [prompt, completion] row whole (float64, so differences are exact)."""
     model = tiny_llama().double()
     group = 3
-    prompt_ids, prompt_mask, completion_ids, completion_mask = grouped_batch(group=group)
+    prompt_ids, prompt_mask, completion_ids, completion_mask = grouped_batch(
+        group=group, prompt=24 if shared_prefix else 5, shared_prefix=shared_prefix)
+    assert gtpo_kernels.hf.shared_prefix_length(prompt_ids, prompt_mask) == shared_prefix
     prompt = prompt_ids.shape[1]
+    gtpo_kernels.hf.check_hidden_states_supported(model)  # its probe runs the model: before counting calls
+    calls = []
+    hook = gtpo_kernels.hf.decoder_of(model).register_forward_pre_hook(lambda *a: calls.append(1))
     probe = torch.randn(completion_ids.shape[0], completion_ids.shape[1], 32, dtype=torch.float64)
     probe = probe * completion_mask[..., None]  # positions after a completion's end are not used
 
     hidden, weight, bias = grouped_completion_hidden_states(model, prompt_ids, prompt_mask, completion_ids,
                                                             completion_mask, group)
+    hook.remove()
+    assert len(calls) == (3 if shared_prefix else 2)  # [prefix,] prompts, completions
     assert weight is model.lm_head.weight and bias is None
     (hidden * probe).sum().backward()
     body = [p for name, p in model.named_parameters() if not name.startswith("lm_head")]  # lm_head: not used
@@ -97,6 +112,47 @@ def test_grouped_hidden_states_equal_the_full_rows_in_value_and_gradient():
     for g, p in zip(grouped_grads, body):
         assert float((g - p.grad).norm() / p.grad.norm()) < 1e-6
     assert any(g.abs().sum() > 0 for g in grouped_grads)
+
+
+@pytest.mark.parametrize("rows,expected", [
+    # left-padded rows (0 = padding): the prefix is counted from each row's first token
+    ([[0, 0, 5, 6, 7, 8], [5, 6, 7, 9, 9, 9], [0, 5, 6, 7, 1, 2]], 3),
+    ([[5, 6, 7], [5, 6, 7]], 2),  # identical prompts keep one token each of their own
+    ([[0, 5, 6], [4, 5, 6]], 0),
+    ([[5, 6, 7, 8]], 0),  # one prompt: nothing to share
+])
+def test_shared_prefix_length(rows, expected):
+    ids = torch.tensor(rows)
+    mask = (ids != 0).long()
+    assert shared_prefix_length(ids, mask) == expected
+
+
+def test_shared_prefix_pass_gives_each_prompts_own_logits():
+    """Prompts of different lengths that share a 20-token prefix: the last-position logits of the prompt pass,
+    and of the next token decoded on its cache, equal those of each prompt run alone, unpadded; the prefix
+    path is the one taken."""
+    tiny_model = tiny_llama()
+    g = torch.Generator().manual_seed(3)
+    vocab = tiny_model.config.vocab_size
+    prefix = torch.randint(4, vocab, (20,), generator=g)
+    own = [torch.randint(4, vocab, (n,), generator=g) for n in (5, 1, 3)]
+    prompts = [torch.cat([prefix, o]) for o in own]
+    width = max(len(p) for p in prompts)
+    ids = torch.stack([torch.cat([torch.zeros(width - len(p), dtype=torch.long), p]) for p in prompts])
+    mask = torch.stack([torch.cat([torch.zeros(width - len(p)), torch.ones(len(p))]).long() for p in prompts])
+    assert shared_prefix_length(ids, mask) == 20
+    next_tokens = torch.randint(4, vocab, (3,), generator=g)
+    with torch.no_grad():
+        out, cache, attention, positions = prompt_pass(tiny_model, ids, mask, logits_to_keep=1)
+        logits = out.logits[:, -1]
+        assert attention.shape[1] == 20 + 5  # the prefix once, then the longest prompt's own tokens
+        attention = torch.cat([attention, torch.ones_like(attention[:, :1])], 1)
+        step = tiny_model(input_ids=next_tokens[:, None], attention_mask=attention, position_ids=positions,
+                          use_cache=True, **{cache_kwarg(tiny_model): cache}).logits[:, -1]
+        for b, p in enumerate(prompts):
+            alone = tiny_model(input_ids=torch.cat([p, next_tokens[b:b + 1]])[None]).logits[0]
+            torch.testing.assert_close(logits[b], alone[-2], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(step[b], alone[-1], rtol=1e-5, atol=1e-5)
 
 
 def test_grouped_hidden_states_check_their_inputs():

@@ -9,8 +9,7 @@ transformers = pytest.importorskip("transformers")
 
 from transformers.cache_utils import DynamicLayer  # noqa: E402
 
-from trainer.sampling import (_cache_kwarg, _InPlaceLayer, _prompt_pass, draw_tokens, sample,  # noqa: E402
-                              shared_prefix_length)
+from trainer.sampling import _InPlaceLayer, draw_tokens, sample  # noqa: E402
 
 inf = float("inf")
 
@@ -73,45 +72,6 @@ def test_draw_tokens_never_passes_the_last_possible_token(monkeypatch):
     assert draw_tokens(torch.tensor([[1.0, 2.0, -inf, -inf], [0.5, -inf, 0.1, -inf]])).tolist() == [1, 2]
 
 
-@pytest.mark.parametrize("rows,expected", [
-    # left-padded rows (0 = padding): the prefix is counted from each row's first token
-    ([[0, 0, 5, 6, 7, 8], [5, 6, 7, 9, 9, 9], [0, 5, 6, 7, 1, 2]], 3),
-    ([[5, 6, 7], [5, 6, 7]], 2),  # identical prompts keep one token each of their own
-    ([[0, 5, 6], [4, 5, 6]], 0),
-    ([[5, 6, 7, 8]], 0),  # one prompt: nothing to share
-])
-def test_shared_prefix_length(rows, expected):
-    ids = torch.tensor(rows)
-    mask = (ids != 0).long()
-    assert shared_prefix_length(ids, mask) == expected
-
-
-def test_shared_prefix_pass_gives_each_prompts_own_logits(tiny_model):
-    """Prompts of different lengths that share a 20-token prefix: the last-position logits of the prompt pass,
-    and of the next token decoded on its cache, equal those of each prompt run alone, unpadded; the prefix
-    path is the one taken."""
-    g = torch.Generator().manual_seed(3)
-    vocab = tiny_model.config.vocab_size
-    prefix = torch.randint(4, vocab, (20,), generator=g)
-    own = [torch.randint(4, vocab, (n,), generator=g) for n in (5, 1, 3)]
-    prompts = [torch.cat([prefix, o]) for o in own]
-    width = max(len(p) for p in prompts)
-    ids = torch.stack([torch.cat([torch.zeros(width - len(p), dtype=torch.long), p]) for p in prompts])
-    mask = torch.stack([torch.cat([torch.zeros(width - len(p)), torch.ones(len(p))]).long() for p in prompts])
-    assert shared_prefix_length(ids, mask) == 20
-    next_tokens = torch.randint(4, vocab, (3,), generator=g)
-    with torch.no_grad():
-        cache, logits, attention, positions = _prompt_pass(tiny_model, ids, mask, _cache_kwarg(tiny_model), 16)
-        assert attention.shape[1] == 20 + 5  # the prefix once, then the longest prompt's own tokens
-        attention = torch.cat([attention, torch.ones_like(attention[:, :1])], 1)
-        step = tiny_model(input_ids=next_tokens[:, None], attention_mask=attention, position_ids=positions,
-                          use_cache=True, **{_cache_kwarg(tiny_model): cache}).logits[:, -1]
-        for b, p in enumerate(prompts):
-            alone = tiny_model(input_ids=torch.cat([p, next_tokens[b:b + 1]])[None]).logits[0]
-            torch.testing.assert_close(logits[b], alone[-2], rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(step[b], alone[-1], rtol=1e-5, atol=1e-5)
-
-
 @pytest.mark.parametrize("greedy", [False, True], ids=["sampled", "greedy"])
 def test_shared_prefix_gives_the_same_tokens(tiny_model, greedy):
     g = torch.Generator().manual_seed(4)
@@ -120,8 +80,8 @@ def test_shared_prefix_gives_the_same_tokens(tiny_model, greedy):
                        torch.cat([prefix, torch.tensor([9, 10, 11, 12])])])
     mask = (torch.arange(ids.shape[1]) >= torch.tensor([[2], [0]])).long()
     runs = []
-    for min_prefix in (0, 16):
+    for share_prefix in (False, True):
         torch.manual_seed(0)
-        runs.append(sample(tiny_model, ids, mask, 3, 10, temperature=1.1, greedy=greedy, min_shared_prefix=min_prefix,
+        runs.append(sample(tiny_model, ids, mask, 3, 10, temperature=1.1, greedy=greedy, share_prefix=share_prefix,
                            eos_token_id=tiny_model.config.eos_token_id, pad_token_id=0))
     assert torch.equal(runs[0], runs[1])

@@ -6,7 +6,7 @@
 default run (2 CPU cores), none of which changes what is sampled beyond float rounding:
 
 - the tokens every prompt of a batch starts with (the system prompt and the worked example: 115 of
-  about 145 tokens) run once for the whole batch (`shared_prefix_length`);
+  about 145 tokens) run once for the whole batch (`gtpo_kernels.hf.prompt_pass`);
 - the key/value cache is written in place (`_InPlaceLayer`) instead of concatenated at every token;
 - a token is drawn by inverting the cumulative distribution with one uniform number per row
   (`draw_tokens`): ``torch.multinomial`` draws an exponential number per vocabulary entry, 37 ms a
@@ -15,10 +15,10 @@ default run (2 CPU cores), none of which changes what is sampled beyond float ro
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from transformers.cache_utils import DynamicLayer
+
+from gtpo_kernels.hf import cache_kwarg, prompt_pass, shared_prefix_issue
 
 
 class _InPlaceLayer(DynamicLayer):
@@ -53,11 +53,6 @@ def _reserve(cache, extra: int) -> None:
             layer.reserve(extra)
 
 
-def _cache_kwarg(model) -> str:
-    """transformers >= 5.2x names the argument ``cache``; earlier versions ``past_key_values``."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 def draw_tokens(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """``[R]`` token ids, row ``r`` drawn from ``softmax(logits[r] / temperature)`` (``logits: [R, V]``).
 
@@ -74,65 +69,10 @@ def draw_tokens(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     return torch.searchsorted(cdf, u, right=True).squeeze(1)
 
 
-def shared_prefix_length(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> int:
-    """How many tokens every prompt of a left-padded batch starts with, leaving each prompt at least one
-    token of its own (whose logits start its completion). ``prompt_ids, prompt_mask: [B, P]``."""
-    lengths = prompt_mask.long().sum(1)
-    shortest = int(lengths.min())
-    if prompt_ids.shape[0] < 2 or shortest < 2:
-        return 0
-    starts = prompt_ids.shape[1] - lengths  # left padding: row b's tokens are prompt_ids[b, starts[b]:]
-    aligned = prompt_ids.gather(1, starts[:, None] + torch.arange(shortest - 1, device=prompt_ids.device))
-    differs = (aligned != aligned[:1]).any(0)
-    return int(differs.int().argmax()) if bool(differs.any()) else shortest - 1
-
-
-def _prefix_can_be_shared(model) -> bool:
-    """Whether running a batch's shared prefix once, then each prompt's own tokens on its cache, computes
-    what one pass over the whole prompts computes. Not for RoPE whose frequencies depend on a call's length,
-    recurrent-state layers (`shared_prompt_pass_issue`), or sliding-window attention (the padding between a
-    prefix and a shorter prompt's own tokens would count against the window)."""
-    from gtpo_kernels.hf import _text_config, shared_prompt_pass_issue
-
-    config = _text_config(model)
-    return shared_prompt_pass_issue(model) is None and not getattr(config, "sliding_window", None)
-
-
-def _prompt_pass(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, cache_kw: str, min_prefix: int):
-    """The prompts' cache, the logits of their last positions ``[B, V]``, the attention mask the cache was
-    built with ``[B, S]`` and each prompt's length ``[B, 1]`` (the position of its first new token).
-
-    With a shared prefix of ``c >= min_prefix`` tokens, the prefix runs once and each prompt's own ``s_b``
-    tokens run on copies of its cache, laid out ``[prefix | padding | own tokens]`` with the padding masked
-    and positions ``c .. c + s_b - 1``: the positions and attention of the whole prompt run alone."""
-    lengths = prompt_mask.sum(1, keepdim=True)
-    c = shared_prefix_length(prompt_ids, prompt_mask) if min_prefix and _prefix_can_be_shared(model) else 0
-    if c < max(min_prefix, 1):
-        out = model(input_ids=prompt_ids, attention_mask=prompt_mask, use_cache=True, logits_to_keep=1,
-                    position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0))
-        cache = out.cache if cache_kw == "cache" else out.past_key_values
-        return cache, out.logits[:, -1], prompt_mask, lengths
-    batch, width = prompt_ids.shape
-    prefix_start = width - int(lengths[0])  # row 0's first token; every row starts with the same c tokens
-    prefix = prompt_ids[:1, prefix_start:prefix_start + c]
-    out = model(input_ids=prefix, attention_mask=torch.ones_like(prefix), use_cache=True, logits_to_keep=1,
-                position_ids=torch.arange(c, device=prefix.device)[None])
-    cache = out.cache if cache_kw == "cache" else out.past_key_values
-    cache.batch_repeat_interleave(batch)
-    own = width - c - int((width - lengths).min())  # the longest prompt's own tokens; shorter ones left-padded
-    own_ids = prompt_ids[:, width - own:]
-    own_mask = (torch.arange(own, device=prompt_ids.device) >= own - (lengths - c)).long()  # [B, own]
-    attention = torch.cat([torch.ones_like(prompt_mask[:, :c]), own_mask], dim=1)
-    positions = (c + own_mask.cumsum(1) - 1).clamp(min=c)
-    out = model(input_ids=own_ids, attention_mask=attention, position_ids=positions, use_cache=True,
-                logits_to_keep=1, **{cache_kw: cache})
-    return cache, out.logits[:, -1], attention, lengths
-
-
 @torch.no_grad()
 def sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, max_new_tokens: int, *,
            temperature: float = 1.0, greedy: bool = False, greedy_first: bool = False, eos_token_id: int,
-           pad_token_id: int, on_token=None, in_place_cache: bool = True, min_shared_prefix: int = 16) -> torch.Tensor:
+           pad_token_id: int, on_token=None, in_place_cache: bool = True, share_prefix: bool = True) -> torch.Tensor:
     """``[B * n, T]`` completion ids (``T <= max_new_tokens``; after a row's EOS, ``pad_token_id``), the ``n``
     completions of prompt ``b`` in rows ``b * n .. b * n + n - 1``.
 
@@ -140,11 +80,12 @@ def sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, m
     with the global torch generator (seed it for reproducible rollouts); ``greedy`` takes the argmax;
     ``greedy_first`` takes it for the first of each prompt's ``n`` rows only (an evaluation's greedy answer
     and its samples from one prompt pass). ``on_token(t)`` is called after the ``t``-th new token (progress).
-    A prefix shared by every prompt runs once if it has at least ``min_shared_prefix`` tokens (0: never).
+    A prefix every prompt starts with runs once (`gtpo_kernels.hf.prompt_pass`) unless ``share_prefix`` is False.
     """
-    cache_kw = _cache_kwarg(model)
-    cache, logits, attention, positions = _prompt_pass(model, prompt_ids, prompt_mask.long(), cache_kw,
-                                                       min_shared_prefix)
+    cache_kw = cache_kwarg(model)
+    out, cache, attention, positions = prompt_pass(model, prompt_ids, prompt_mask, logits_to_keep=1,
+                                                   share_prefix=share_prefix and shared_prefix_issue(model) is None)
+    logits = out.logits[:, -1]
     cache.batch_repeat_interleave(n)
     if in_place_cache:
         _reserve(cache, max_new_tokens)
