@@ -37,9 +37,9 @@ def trl_reward(reward):
     return wrapped
 
 
-def dataset(size: int, seed: int, one_shot: bool = True) -> Dataset:
+def dataset(size: int, seed: int, worked_examples: int = 2) -> Dataset:
     problems = arithmetic_problems(size, seed=seed)
-    return Dataset.from_dict({"prompt": [chat(q, one_shot) for q in problems["question"]],
+    return Dataset.from_dict({"prompt": [chat(q, worked_examples) for q in problems["question"]],
                               "answer": problems["answer"]})
 
 

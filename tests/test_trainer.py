@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 
 from trainer import train as train_module  # noqa: E402
-from trainer.config import TrainConfig, parse_args  # noqa: E402
+from trainer.config import ConfigError, TrainConfig, parse_args  # noqa: E402
 from trainer.data import arithmetic_problems, gsm8k_final_answer, load_problems  # noqa: E402
 from trainer.rewards import correctness_reward, extract_answer, format_reward, parse_number  # noqa: E402
 
@@ -233,20 +233,41 @@ def test_difficulty_grows_numbers_and_operations():
     assert any("boxes" in q for q in hard["question"]) and not any("boxes" in q for q in easy["question"])
 
 
-def test_one_shot_example_precedes_the_question_and_is_never_a_problem():
+def test_worked_examples_precede_the_question_and_are_never_problems():
     from trainer.data import ITEMS, NAMES
-    from trainer.rewards import EXAMPLE_ANSWER, EXAMPLE_QUESTION
+    from trainer.rewards import WORKED_EXAMPLES
 
-    with_example = train_module.chat("Q?", one_shot=True)
-    assert [m["role"] for m in with_example] == ["system", "user", "assistant", "user"]
-    assert with_example[-1]["content"] == "Q?" and with_example[2]["content"] == EXAMPLE_ANSWER
-    assert [m["role"] for m in train_module.chat("Q?", one_shot=False)] == ["system", "user"]
-    # The example earns full marks from the rewards it demonstrates...
-    assert correctness_reward([EXAMPLE_ANSWER], answer=["7"]) == [1.0]
-    assert format_reward([EXAMPLE_ANSWER]) == [0.5]
-    # ... and shares no name or item with the generator, so it is never a training or held-out problem.
-    assert not any(word in EXAMPLE_QUESTION.split() for word in NAMES + ITEMS)
-    assert parse_args(["--no-one-shot"]).one_shot is False
+    conversation = train_module.chat("Q?", worked_examples=2)
+    assert [m["role"] for m in conversation] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert conversation[-1]["content"] == "Q?"
+    assert [m["content"] for m in conversation[1:5]] == [text for example in WORKED_EXAMPLES for text in example]
+    assert [m["role"] for m in train_module.chat("Q?", worked_examples=1)] == ["system", "user", "assistant", "user"]
+    assert [m["role"] for m in train_module.chat("Q?", worked_examples=0)] == ["system", "user"]
+    with pytest.raises(ValueError, match="between 0 and 2"):
+        train_module.chat("Q?", worked_examples=3)
+    # One example per operation of difficulty 1 (the built-in problems add or subtract)...
+    operations = {"+" if "more" in q else "-" for q in arithmetic_problems(50, seed=0)["question"]}
+    assert operations == {"+", "-"} and [" + " in a for _, a in WORKED_EXAMPLES] == [True, False]
+    assert [" - " in a for _, a in WORKED_EXAMPLES] == [False, True]
+    for (question, answer), result in zip(WORKED_EXAMPLES, ["7", "5"]):  # 3 + 4 and 8 - 3
+        # ... each earning full marks from the rewards it demonstrates ...
+        assert correctness_reward([answer], answer=[result]) == [1.0]
+        assert format_reward([answer]) == [0.5]
+        # ... and sharing no name or item with the generator, so it is never a training or held-out problem.
+        assert not any(word.strip(".?") in NAMES + ITEMS for word in question.split())
+    assert parse_args(["--worked-examples", "1"]).worked_examples == 1
+
+
+def test_config_files_from_before_worked_examples_keep_their_prompts(tmp_path):
+    """A config.json written with the earlier boolean ``one_shot`` (one adding example, or none) asks for the
+    same prompts as then."""
+    for one_shot, expected in ((True, 1), (False, 0)):
+        path = tmp_path / f"{one_shot}.json"
+        path.write_text(json.dumps({"one_shot": one_shot, "steps": 3}))
+        config = TrainConfig.from_file(str(path))
+        assert config.worked_examples == expected and config.steps == 3
+    with pytest.raises(ConfigError, match="worked-examples must be 0, 1 or 2"):
+        TrainConfig(worked_examples=3)
 
 
 def test_held_out_split_is_disjoint():
@@ -394,7 +415,7 @@ def test_help_shows_each_default_once():
     parser = _parser()
     text = parser.format_help()
     assert "(default: None)" not in text and text.count("(default: 12)") == 1  # --steps
-    assert "--one-shot, --no-one-shot" in text and "(default: True)" in text
+    assert "--answer-in-block, --no-answer-in-block" in text and "(default: True)" in text
     for action in parser._actions:  # every flag says what it does, and a default at most once
         assert action.help and action.help.strip() and action.help.count("(default") <= 1, action.option_strings
 

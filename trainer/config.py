@@ -28,7 +28,7 @@ class TrainConfig:
     entropy_filter: Optional[bool] = None  # override the preset: --no-entropy-filter switches the filter off
     conflict_weights: Optional[bool] = None  # override the preset: --no-conflict-weights sets every lambda to 1
     dataset: str = "arithmetic"  # "arithmetic" (built-in generator), "gsm8k" (needs network), or a .jsonl/.parquet path
-    one_shot: bool = True  # show one worked example in the reward's layout before each question
+    worked_examples: int = 2  # worked examples before each question, in the reward's layout: 2 (one adding, one subtracting), 1 (adding only: the default before 2026-12-01), 0
     answer_in_block: bool = True  # correctness (reward and held-out metrics) reads only the <answer> block; --no-answer-in-block: the last number anywhere (the rule before 2026-12-01)
     difficulty: int = 1  # arithmetic generator: 1 (one operation) to 4 (three operations, larger numbers)
     seed: int = 0  # seeds the training problems' order and every sampling draw (held-out problems stay fixed)
@@ -51,7 +51,7 @@ class TrainConfig:
     loss_chunk_mib: Optional[int] = None  # MiB of float32 logits per chunk of the loss (unset: 256 on a CPU, 2048 on a GPU)
     fsdp: bool = False  # under torchrun: shard parameters with FSDP2 instead of replicating them (DDP)
     # Evaluation
-    eval_size: int = 48  # held-out problems (the same for every seed)
+    eval_size: int = 32  # held-out problems (the same for every seed)
     eval_every: int = 0  # steps between evaluations (0: only before and after training)
     eval_k: int = 4  # samples per problem for pass@k / maj@k (0: greedy accuracy only)
     eval_batch_size: int = 32  # problems per generate() call in evaluation
@@ -74,6 +74,8 @@ class TrainConfig:
                      "grad_accum_steps", "eval_size", "eval_batch_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise bad(name, "must be a positive integer")
+        if self.worked_examples not in (0, 1, 2):
+            raise bad("worked_examples", "must be 0, 1 or 2")
         for name in ("warmup_steps", "eval_every", "eval_k", "save_every", "seed"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise bad(name, "must be a non-negative integer")
@@ -139,6 +141,8 @@ class TrainConfig:
             values = yaml.safe_load(text) or {}
         else:
             values = json.loads(text)
+        if "one_shot" in values and "worked_examples" not in values:  # a config.json written before 2026-12-01
+            values["worked_examples"] = int(bool(values.pop("one_shot")))  # True then meant the adding example
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:

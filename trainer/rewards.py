@@ -19,13 +19,20 @@ SYSTEM_PROMPT = (
     "Solve the problem. Respond in the following format:\n"
     "<reasoning>\nshort reasoning\n</reasoning>\n<answer>\nthe number\n</answer>"
 )
-# One worked example, shown as a previous chat turn before the question (TrainConfig.one_shot). A 135M
-# model ignores the layout when it is only described (format rate 0 on 128 samples) and follows it
-# in 23% of samples (69% greedy) after one example, which also makes most prompt groups mixed
-# (some right, some wrong: 81% instead of 19%), so the rewards carry signal. Its names and items
-# are outside the built-in generator's, so it never equals a training or held-out problem.
-EXAMPLE_QUESTION = "Tom has 3 pens. Ann gives Tom 4 more. How many pens does Tom have now?"
-EXAMPLE_ANSWER = "<reasoning>\nTom has 3 pens and gets 4 more: 3 + 4 = 7.\n</reasoning>\n<answer>\n7\n</answer>"
+# Worked examples, shown as earlier chat turns before the question (TrainConfig.worked_examples), one per
+# operation of the built-in problems at --difficulty 1. A 135M model ignores the layout when it is only
+# described (format rate 0 on 128 samples) and follows it after an example, which also makes most prompt
+# groups mixed (some right, some wrong), so the rewards carry signal. With the addition example alone,
+# greedy format 0.69 and accuracy 0.38 on the 32 held-out problems, and short runs split by seed between
+# learning to subtract and adding every pair of numbers (results/trainer-cpu/first-hour/README.md); with
+# both, 1.00 and 0.72 before any training. Their names and items are outside the built-in generator's, so
+# an example never equals a training or held-out problem.
+WORKED_EXAMPLES = [
+    ("Tom has 3 pens. Ann gives Tom 4 more. How many pens does Tom have now?",
+     "<reasoning>\nTom has 3 pens and gets 4 more: 3 + 4 = 7.\n</reasoning>\n<answer>\n7\n</answer>"),
+    ("Sam has 8 cups and gives 3 of them to Mia. How many cups does Sam have left?",
+     "<reasoning>\nSam has 8 cups and gives away 3: 8 - 3 = 5.\n</reasoning>\n<answer>\n5\n</answer>"),
+]
 _STRICT = re.compile(r"^\s*<reasoning>.*?</reasoning>\s*<answer>.*?</answer>\s*$", re.DOTALL)
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")

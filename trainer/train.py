@@ -43,7 +43,7 @@ from .distributed import Distributed, full_parameters, full_state, load_full_sta
 from .model import check_model_source, load_model_and_tokenizer
 from .plots import plot_run
 from .sampling import sample
-from .rewards import (DEFAULT_REWARDS, EXAMPLE_ANSWER, EXAMPLE_QUESTION, SYSTEM_PROMPT, answers_match, extract_answer,
+from .rewards import (DEFAULT_REWARDS, SYSTEM_PROMPT, WORKED_EXAMPLES, answers_match, extract_answer,
                       parse_number)
 
 # Steps in a row without any learning signal before the run warns (it keeps going).
@@ -52,15 +52,18 @@ NO_SIGNAL_WARNING_AFTER = 3
 
 # ---------------------------------------------------------------------------------------------- rollouts
 
-def chat(question: str, one_shot: bool) -> List[Dict[str, str]]:
-    """The conversation a question is asked in: the system prompt, optionally one worked example."""
-    example = [{"role": "user", "content": EXAMPLE_QUESTION},
-               {"role": "assistant", "content": EXAMPLE_ANSWER}] if one_shot else []
-    return [{"role": "system", "content": SYSTEM_PROMPT}, *example, {"role": "user", "content": question}]
+def chat(question: str, worked_examples: int) -> List[Dict[str, str]]:
+    """The conversation a question is asked in: the system prompt, the first ``worked_examples`` worked
+    examples as earlier turns, the question."""
+    if not 0 <= worked_examples <= len(WORKED_EXAMPLES):
+        raise ValueError(f"worked_examples must be between 0 and {len(WORKED_EXAMPLES)} (got {worked_examples})")
+    turns = [{"role": role, "content": text} for q, a in WORKED_EXAMPLES[:worked_examples]
+             for role, text in (("user", q), ("assistant", a))]
+    return [{"role": "system", "content": SYSTEM_PROMPT}, *turns, {"role": "user", "content": question}]
 
 
-def encode_prompts(tokenizer, questions: List[str], device, one_shot: bool = True) -> Dict[str, torch.Tensor]:
-    texts = [tokenizer.apply_chat_template(chat(q, one_shot), tokenize=False, add_generation_prompt=True)
+def encode_prompts(tokenizer, questions: List[str], device, worked_examples: int) -> Dict[str, torch.Tensor]:
+    texts = [tokenizer.apply_chat_template(chat(q, worked_examples), tokenize=False, add_generation_prompt=True)
              for q in questions]
     return tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
 
@@ -71,7 +74,7 @@ def generate(model, tokenizer, questions: List[str], n: int, config: TrainConfig
     """``n`` completions per question, rows of a question adjacent, each prompt run once (`sampling.sample`).
     Returns prompt ids/mask (one row per question), completion ids/mask (the mask covers the completion up
     to and including its EOS) and the decoded texts."""
-    enc = encode_prompts(tokenizer, questions, device, config.one_shot)
+    enc = encode_prompts(tokenizer, questions, device, config.worked_examples)
     completion_ids = sample(model, enc["input_ids"], enc["attention_mask"], n, config.max_new_tokens,
                             temperature=config.temperature, greedy=greedy, greedy_first=greedy_first,
                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
