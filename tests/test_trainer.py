@@ -45,6 +45,31 @@ def test_a_few_steps_run_with_finite_losses(tiny_model_dir, tmp_path, algo):
         assert (tmp_path / name).exists(), name
 
 
+def test_a_step_without_signal_is_skipped_without_the_loss_warning(tiny_model_dir):
+    """Every group's rewards tied: the update takes no optimiser step, and the loss's own once-per-process
+    warning stays off (the trainer reports runs of such steps itself, in its own words)."""
+    import warnings
+
+    from gtpo_kernels import conflict_weights
+    from trainer.distributed import Distributed
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    config = TrainConfig(model=tiny_model_dir, group_size=3, max_new_tokens=6, algo="grpo")  # no other term
+    torch.manual_seed(0)
+    batch = train_module.generate(model, tokenizer, ["1+2?", "3+4?"], 3, config, torch.device("cpu"))
+    batch["advantages"] = torch.zeros(6)
+    batch["conflict"] = conflict_weights(batch["completion_ids"], batch["completion_mask"], batch["advantages"], 3)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = train_module.update(train_module.PolicyLoss(model), optimizer, batch, config.loss_config(), config,
+                                     Distributed(0, 1, torch.device("cpu")), None, 1.0)
+    assert not result["stepped"] and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert not [w for w in caught if "no learning signal" in str(w.message)], [str(w.message) for w in caught]
+
+
 def test_fused_and_logits_losses_agree(tiny_model_dir, tmp_path):
     train_module.run(tiny_config(tiny_model_dir, tmp_path / "fused", steps=2, eval_k=0))
     train_module.run(tiny_config(tiny_model_dir, tmp_path / "logits", steps=2, eval_k=0, fused_linear=False))

@@ -125,7 +125,8 @@ class TrainConfig:
             overrides["use_conflict_weights"] = self.conflict_weights
             if not self.conflict_weights:
                 overrides["divide_by_conflict_count"] = False  # no conflicts counted without the weights
-        return GTPOConfig(preset=self.loss_preset, max_completion_length=max_completion_length,
+        # warn_no_signal off: the trainer skips a step without signal itself, and says so after a few in a row.
+        return GTPOConfig(preset=self.loss_preset, max_completion_length=max_completion_length, warn_no_signal=False,
                           max_chunk_bytes=None if self.loss_chunk_mib is None else self.loss_chunk_mib * 2**20,
                           **overrides)
 
