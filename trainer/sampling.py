@@ -5,8 +5,8 @@
 (temperature sampling, or greedy) over the n continuations. Three more savings, each measured on the
 default run (2 CPU cores), none of which changes what is sampled beyond float rounding:
 
-- the tokens every prompt of a batch starts with (the system prompt and the worked example: 115 of
-  about 145 tokens) run once for the whole batch (`gtpo_kernels.hf.prompt_pass`);
+- the tokens every prompt of a batch starts with (the system prompt and the worked examples: 188 of
+  about 218 tokens) run once for the whole batch (`gtpo_kernels.hf.prompt_pass`);
 - the key/value cache is written in place (`_InPlaceLayer`) instead of concatenated at every token;
 - a token is drawn by inverting the cumulative distribution with one uniform number per row
   (`draw_tokens`): ``torch.multinomial`` draws an exponential number per vocabulary entry, 37 ms a
