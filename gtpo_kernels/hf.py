@@ -221,7 +221,8 @@ def prompt_pass(module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, 
     """Runs left-padded prompts ``[B, P]`` through ``module`` (a causal LM or its decoder) with a cache.
 
     A prefix of at least `MIN_SHARED_PREFIX` tokens that every prompt starts with (`shared_prefix_length`)
-    runs once when ``share_prefix`` (callers check `shared_prefix_issue`); each prompt's own tokens then run
+    runs once, unless ``share_prefix`` is False or the model cannot share it (`shared_prefix_issue`: then the
+    prompts run whole, as they would without the option); each prompt's own tokens then run
     on copies of its cache, laid out ``[prefix | padding | own tokens]`` with the padding masked and the
     positions of the whole prompt run alone. Gradients reach the prefix pass through the copies.
 
@@ -232,7 +233,7 @@ def prompt_pass(module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, 
     cache_kw = cache_kwarg(module)
     prompt_mask = prompt_mask.long()
     lengths = prompt_mask.sum(1, keepdim=True)
-    c = shared_prefix_length(prompt_ids, prompt_mask) if share_prefix else 0
+    c = shared_prefix_length(prompt_ids, prompt_mask) if share_prefix and shared_prefix_issue(module) is None else 0
     if c < MIN_SHARED_PREFIX:
         out = module(input_ids=prompt_ids, attention_mask=prompt_mask, use_cache=True,
                      position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0), **kwargs)
@@ -323,8 +324,7 @@ def grouped_completion_hidden_states(
             model, torch.cat([prompt_ids.repeat_interleave(group_size, 0), completion_ids], dim=1), attention,
             allow_unknown=allow_unknown, position_ids=(attention.cumsum(1) - 1).clamp(min=0))
         return hidden[:, prompt_ids.shape[1] - 1:-1], weight, bias
-    prompt, cache, prompt_attention, lengths = prompt_pass(decoder, prompt_ids, prompt_mask,
-                                                          share_prefix=shared_prefix_issue(model) is None)
+    prompt, cache, prompt_attention, lengths = prompt_pass(decoder, prompt_ids, prompt_mask)
     cache.batch_repeat_interleave(group_size)  # new tensors: gradients still reach the prompt pass
     prompt_attention = prompt_attention.repeat_interleave(group_size, 0)
     positions = lengths.repeat_interleave(group_size, 0) + torch.arange(completion_ids.shape[1],

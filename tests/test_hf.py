@@ -155,6 +155,30 @@ def test_shared_prefix_pass_gives_each_prompts_own_logits():
             torch.testing.assert_close(step[b], alone[-1], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("setting", ["sliding_window", "rope_dynamic", "share_prefix=False"])
+def test_prompt_pass_runs_prompts_whole_where_a_prefix_cannot_be_shared(setting):
+    """The same shared 20-token prefix as above, but a model whose two passes would not be one pass (a
+    sliding window, RoPE whose frequencies depend on the call's length) or a caller that opts out: one call,
+    the prompts whole, and the cache spans the padded prompts."""
+    model = tiny_llama()
+    if setting == "sliding_window":
+        model.config.sliding_window = 8
+    elif setting == "rope_dynamic":
+        model.config.rope_parameters = {**model.config.rope_parameters, "rope_type": "dynamic", "factor": 2.0}
+    g = torch.Generator().manual_seed(3)
+    prefix = torch.randint(4, 67, (20,), generator=g)
+    ids = torch.stack([torch.cat([prefix, torch.randint(4, 67, (n,), generator=g)]) for n in (2, 2)])
+    mask = torch.ones_like(ids)
+    assert shared_prefix_length(ids, mask) == 20
+    calls = []
+    hook = model.register_forward_pre_hook(lambda *a: calls.append(1))
+    with torch.no_grad():
+        _, _, attention, _ = prompt_pass(model, ids, mask, logits_to_keep=1,
+                                         share_prefix=setting != "share_prefix=False")
+    hook.remove()
+    assert len(calls) == 1 and torch.equal(attention, mask)
+
+
 def test_grouped_hidden_states_check_their_inputs():
     model = tiny_llama()
     prompt_ids, prompt_mask, completion_ids, completion_mask = grouped_batch()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from gtpo_kernels.hf import cache_kwarg, prompt_pass, shared_prefix_issue
+from gtpo_kernels.hf import cache_kwarg, prompt_pass
 
 
 class _InPlaceLayer(DynamicLayer):
@@ -84,7 +84,7 @@ def sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, m
     """
     cache_kw = cache_kwarg(model)
     out, cache, attention, positions = prompt_pass(model, prompt_ids, prompt_mask, logits_to_keep=1,
-                                                   share_prefix=share_prefix and shared_prefix_issue(model) is None)
+                                                   share_prefix=share_prefix)
     logits = out.logits[:, -1]
     cache.batch_repeat_interleave(n)
     if in_place_cache:
