@@ -17,7 +17,9 @@ import sys
 from setuptools import setup
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_spec = importlib.util.spec_from_file_location("cpu_build", os.path.join(_HERE, "gtpo_kernels", "backends", "cpu_build.py"))
+_spec = importlib.util.spec_from_file_location(
+    "cpu_build", os.path.join(_HERE, "gtpo_kernels", "backends", "cpu_build.py")
+)
 cpu_build = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(cpu_build)
 
@@ -26,13 +28,19 @@ if os.environ.get("GTPO_NO_EXTENSION", "0") == "0":
     try:
         from torch.utils.cpp_extension import BuildExtension, CppExtension
     except ImportError:
-        print("gtpo_kernels: WARNING: torch is not importable at build time, so the C++ CPU kernels were not "
-              "built; they will be JIT-compiled on first use. Install torch first and use "
-              "--no-build-isolation.", file=sys.stderr)
+        print(
+            "gtpo_kernels: WARNING: torch is not importable at build time, so the C++ CPU kernels were not "
+            "built; they will be JIT-compiled on first use. Install torch first and use "
+            "--no-build-isolation.",
+            file=sys.stderr,
+        )
     else:
         ext_modules = [
-            CppExtension(f"gtpo_kernels.backends.{cpu_build.module_name(v)}", ["csrc/gtpo_cpu.cpp"],
-                         extra_compile_args=cpu_build.compile_args(v))
+            CppExtension(
+                f"gtpo_kernels.backends.{cpu_build.module_name(v)}",
+                ["csrc/gtpo_cpu.cpp"],
+                extra_compile_args=cpu_build.compile_args(v),
+            )
             for v in cpu_build.variants_for_this_platform()
         ]
 
@@ -41,8 +49,10 @@ if os.environ.get("GTPO_NO_EXTENSION", "0") == "0":
 
             def _error_files(self):
                 """Next to the built extensions, and in the source package (editable installs read it there)."""
-                targets = {os.path.dirname(self.get_ext_fullpath(ext_modules[0].name)),
-                           os.path.join(_HERE, "gtpo_kernels", "backends")}
+                targets = {
+                    os.path.dirname(self.get_ext_fullpath(ext_modules[0].name)),
+                    os.path.join(_HERE, "gtpo_kernels", "backends"),
+                }
                 for target in targets:
                     os.makedirs(target, exist_ok=True)
                 return [os.path.join(target, "_cpu_build_error.txt") for target in sorted(targets)]

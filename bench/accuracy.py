@@ -56,8 +56,9 @@ def measure(backend_names: List[str], vocabs=VOCABS, tokens: int = 4) -> Dict[tu
     return out
 
 
-def gradient_batch(kind: str, seed: int = 0, n_rows: int = 16, group_size: int = 8, length: int = 16,
-                   vocab: int = 4099):
+def gradient_batch(
+    kind: str, seed: int = 0, n_rows: int = 16, group_size: int = 8, length: int = 16, vocab: int = 4099
+):
     """``(logits [N, L, V] float64 rounded to float32, ids, mask, advantages)``; ``kind`` "confident" scales
     completion i by 1 + 19 i / (N - 1) (a target 100 nats below the max has a subnormal p), "flat" by 1."""
     g = torch.Generator().manual_seed(seed)
@@ -71,8 +72,9 @@ def gradient_batch(kind: str, seed: int = 0, n_rows: int = 16, group_size: int =
     return logits, ids, mask, (grouped - grouped.mean(1, keepdim=True)).view(-1)
 
 
-def gradient_error(backend_name: str, kind: str, dtype: torch.dtype, preset: str = "paper", seed: int = 0,
-                   device: str = "cpu"):
+def gradient_error(
+    backend_name: str, kind: str, dtype: torch.dtype, preset: str = "paper", seed: int = 0, device: str = "cpu"
+):
     """``(relative error of d loss / d logits against float64, completion entropies [N])``."""
     from gtpo_kernels import GTPOConfig, gtpo_loss
     from gtpo_kernels.reference import reference_gtpo_loss
@@ -84,8 +86,15 @@ def gradient_error(backend_name: str, kind: str, dtype: torch.dtype, preset: str
     reference = reference_gtpo_loss(exact, ids, mask, advantages, group_size=8, config=config)
     reference.loss.backward()
     z = logits.to(dtype).to(device).requires_grad_()
-    gtpo_loss(z, ids.to(device), mask.to(device), advantages.float().to(device), group_size=8, config=config,
-              backend=backend_name).loss.backward()
+    gtpo_loss(
+        z,
+        ids.to(device),
+        mask.to(device),
+        advantages.float().to(device),
+        group_size=8,
+        config=config,
+        backend=backend_name,
+    ).loss.backward()
     error = (z.grad.cpu().double() - exact.grad).norm() / exact.grad.norm()
     return float(error), reference.metrics.completion_entropy
 
@@ -104,26 +113,34 @@ def available_backends() -> List[str]:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m bench accuracy", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench accuracy", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--tokens", type=int, default=4, help="tokens per (vocabulary, kind)")
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "local" / "accuracy.md"),
-                   help="markdown file to write (default: bench/results/local/, ignored by git; the committed "
-                        "table is docs/accuracy.md: pass --out docs/accuracy.md to refresh it)")
+    p.add_argument(
+        "--out",
+        default=str(Path(__file__).resolve().parent / "results" / "local" / "accuracy.md"),
+        help="markdown file to write (default: bench/results/local/, ignored by git; the committed "
+        "table is docs/accuracy.md: pass --out docs/accuracy.md to refresh it)",
+    )
     args = p.parse_args(argv)
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported, for CPU tensors
     names = available_backends()
     results = measure(names, tokens=args.tokens)
-    lines = ["| V | rows | " + " | ".join(f"{n}: logp err | {n}: H err" for n in names) + " |",
-             "|---|---|" + "---|---|" * len(names)]
+    lines = [
+        "| V | rows | " + " | ".join(f"{n}: logp err | {n}: H err" for n in names) + " |",
+        "|---|---|" + "---|---|" * len(names),
+    ]
     for vocab in VOCABS:
         for kind in KINDS:
             cells = [f"{results[(vocab, kind, n)][0]:.1e} | {results[(vocab, kind, n)][1]:.1e}" for n in names]
             lines.append(f"| {vocab} | {kind} | " + " | ".join(cells) + " |")
     table = "\n".join(lines)
     print(table)
-    grad_lines = ["| rows | logits | preset | " + " | ".join(f"{n}: grad err" for n in names) + " |",
-                  "|---|---|---|" + "---|" * len(names)]
+    grad_lines = [
+        "| rows | logits | preset | " + " | ".join(f"{n}: grad err" for n in names) + " |",
+        "|---|---|---|" + "---|" * len(names),
+    ]
     for kind in KINDS:
         for dtype in (torch.float32, torch.bfloat16):
             for preset in ("paper", "official"):
@@ -150,7 +167,8 @@ def main(argv=None) -> None:
         "## The gradient of the loss with respect to the logits\n\n"
         "Relative error `|g - g64| / |g64|` of `d loss / d logits` against the float64 reference "
         "(`gtpo_kernels.reference`, autograd) on the same (rounded) logits: 16 completions of up to 16 tokens, "
-        "V = 4099. Flat rows: logits ~ N(0, 1), entropy filter off (every flat completion is above the threshold); confident rows: completion i scaled by 1 + 19 i / 15, so that "
+        "V = 4099. Flat rows: logits ~ N(0, 1), entropy filter off (every flat completion is above the threshold); "
+        "confident rows: completion i scaled by 1 + 19 i / 15, so that "
         "some tokens are near-deterministic (a target 100 nats below the max has a float32-subnormal p) and "
         "completions fall on both sides of the entropy threshold. Tested: every backend within 2x the torch "
         "backend's error plus float32's resolution (`tests/test_confident_gradients.py`).\n\n"
@@ -159,8 +177,10 @@ def main(argv=None) -> None:
         "The Triton backward used to compute `expm1` by Kahan's formula for every argument, which takes the log of "
         "`exp(x)`: for a confident row's off-target token (`log p_y = -100`, `exp` subnormal) that log has lost "
         "its digits, and the gradient's relative error was 3.6e-5 (paper) where torch's was 7e-8. Below -1/2 it "
-        "now uses `exp(x) - 1`, which does not cancel there. bfloat16 rows: the gradient is returned in the logits' dtype, "
-        "and its own rounding (2^-9 relative) is the whole error, the same in every backend.\n")
+        "now uses `exp(x) - 1`, which does not cancel there. bfloat16 rows: the gradient is returned in the logits' "
+        "dtype, "
+        "and its own rounding (2^-9 relative) is the whole error, the same in every backend.\n"
+    )
     print("wrote", args.out)
 
 

@@ -34,14 +34,25 @@ def cpu_kernels_available() -> bool:
     return extension_error() is None
 
 
-def plain_pytorch_gtpo_loss(logits, completion_ids, completion_mask, advantages, *, group_size: int,
-                            config: GTPOConfig, temperature: float = 1.0):
+def plain_pytorch_gtpo_loss(
+    logits,
+    completion_ids,
+    completion_mask,
+    advantages,
+    *,
+    group_size: int,
+    config: GTPOConfig,
+    temperature: float = 1.0,
+):
     """The GTPO loss as a typical trainer writes it in PyTorch: ``log_softmax`` over the whole ``[N, L, V]``
     logits and plain autograd through everything (the baseline of the benchmarks, eager and compiled)."""
     valid = completion_mask.bool()
     logp, entropy = token_logprobs_and_entropy(logits / temperature, torch.where(valid, completion_ids, 0))
-    lambda_, n_conflict = (torch_conflict_weights(completion_ids, valid, advantages, group_size, config.conflict_weight)
-                           if config.use_conflict_weights else (None, None))
+    lambda_, n_conflict = (
+        torch_conflict_weights(completion_ids, valid, advantages, group_size, config.conflict_weight)
+        if config.use_conflict_weights
+        else (None, None)
+    )
     return loss_from_token_stats(logp, entropy, valid, advantages, lambda_, n_conflict, config)
 
 
@@ -146,8 +157,13 @@ class Timing:
     peak_extra_mb: float
 
 
-def measure(make_input: Callable[[], object], forward: Callable[[object], torch.Tensor], device: torch.device,
-            reps: int, warmup: int = 1) -> Timing:
+def measure(
+    make_input: Callable[[], object],
+    forward: Callable[[object], torch.Tensor],
+    device: torch.device,
+    reps: int,
+    warmup: int = 1,
+) -> Timing:
     """Median forward, backward and forward+backward times of ``forward(make_input()).backward()``.
 
     ``make_input`` runs outside the timed region (fresh inputs each repetition, as the in-place
@@ -190,7 +206,7 @@ def measure(make_input: Callable[[], object], forward: Callable[[object], torch.
         peak_extra = tracker.extra
         del x
         _mmap_threshold(TIMING_MMAP_THRESHOLD)
-    med = lambda xs: 1e3 * statistics.median(xs)  # noqa: E731
+    med = lambda xs: 1e3 * statistics.median(xs)
     return Timing(med(fwd), med(bwd), med(tot), peak_extra / 2**20)
 
 
@@ -257,7 +273,7 @@ class Row:
     error: Optional[str] = None
 
 
-def measure_into(row: "Row", make_input, forward, device: torch.device, reps: int) -> Optional[Timing]:
+def measure_into(row: Row, make_input, forward, device: torch.device, reps: int) -> Optional[Timing]:
     """Times ``forward`` into ``row`` (or records why it failed, e.g. out of memory); returns the Timing."""
     try:
         t = measure(make_input, forward, device, reps)
@@ -272,24 +288,23 @@ def measure_into(row: "Row", make_input, forward, device: torch.device, reps: in
 
 
 def markdown_table(rows: List[Row], columns: List[str]) -> str:
-    header = "| impl | T | V | dtype | fwd ms | bwd ms | fwd+bwd ms | peak extra MB | " + \
-        " | ".join(columns) + " |"
+    header = "| impl | T | V | dtype | fwd ms | bwd ms | fwd+bwd ms | peak extra MB | " + " | ".join(columns) + " |"
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
-    fmt = lambda v: "" if v is None else (f"{v:.2f}" if isinstance(v, float) else str(v))  # noqa: E731
+    fmt = lambda v: "" if v is None else (f"{v:.2f}" if isinstance(v, float) else str(v))
     for r in rows:
         if r.error:
             cells = [r.impl, r.tokens, r.vocab, r.dtype, f"error: {r.error}", "", "", ""] + [""] * len(columns)
         else:
-            cells = [r.impl, r.tokens, r.vocab, r.dtype, r.forward_ms, r.backward_ms, r.total_ms,
-                     r.peak_extra_mb] + [r.extra.get(c) for c in columns]
+            cells = [r.impl, r.tokens, r.vocab, r.dtype, r.forward_ms, r.backward_ms, r.total_ms, r.peak_extra_mb] + [
+                r.extra.get(c) for c in columns
+            ]
         lines.append("| " + " | ".join(fmt(c) for c in cells) + " |")
     return "\n".join(lines)
 
 
 def save(name: str, env: dict, rows: List[Row], table: str, notes: str = "") -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(
-        {"environment": env, "rows": [asdict(r) for r in rows]}, indent=1))
+    (RESULTS / f"{name}.json").write_text(json.dumps({"environment": env, "rows": [asdict(r) for r in rows]}, indent=1))
     env_lines = "\n".join(f"- {k}: {v}" for k, v in env.items())
     (RESULTS / f"{name}.md").write_text(f"# {name}\n\n{env_lines}\n\n{notes}\n\n{table}\n")
     return RESULTS / f"{name}.md"
@@ -311,8 +326,11 @@ def plot_time_vs_vocab(name: str, rows: List[Row], title: str) -> Optional[Path]
     for ax, (tokens, dtype) in zip(axes[0], panels):
         impls = sorted({r.impl for r in rows if r.tokens == tokens and r.dtype == dtype})
         for impl in impls:
-            pts = sorted((r.vocab, r.total_ms) for r in rows
-                         if r.impl == impl and r.tokens == tokens and r.dtype == dtype and r.total_ms)
+            pts = sorted(
+                (r.vocab, r.total_ms)
+                for r in rows
+                if r.impl == impl and r.tokens == tokens and r.dtype == dtype and r.total_ms
+            )
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
         ax.set_title(f"T = {tokens}, {dtype}")

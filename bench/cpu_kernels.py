@@ -45,8 +45,9 @@ def forward_vs_read(tokens: int, vocab: int, dtype: torch.dtype, reps: int = 15)
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m bench cpu_kernels", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench cpu_kernels", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--name", default="cpu-kernels")
     args = p.parse_args(argv)
@@ -60,8 +61,13 @@ def main(argv=None) -> None:
             if r.total_ms and eager and eager.peak_extra_mb:
                 r.extra["memory vs eager"] = r.peak_extra_mb / eager.peak_extra_mb
             if r.impl.startswith("gtpo-cpu") and r.total_ms and eager and compiled:
-                r.extra["targets met"] = ("yes" if eager.total_ms / r.total_ms >= 4 and r.total_ms < compiled.total_ms
-                                          and r.peak_extra_mb <= eager.peak_extra_mb / 4 else "no")
+                r.extra["targets met"] = (
+                    "yes"
+                    if eager.total_ms / r.total_ms >= 4
+                    and r.total_ms < compiled.total_ms
+                    and r.peak_extra_mb <= eager.peak_extra_mb / 4
+                    else "no"
+                )
         fwd_ms, read_ms = forward_vs_read(tokens, vocab, dtype)
         print(f"forward {fwd_ms:.1f} ms vs read {read_ms:.1f} ms: {fwd_ms / read_ms:.2f}x", flush=True)
         for r in shape_rows:
@@ -71,7 +77,9 @@ def main(argv=None) -> None:
     env = environment(device)
     table = markdown_table(rows, sorted({k for r in rows for k in r.extra}))
     print(table)
-    notes = (f"{__doc__.strip()}\n\nMedian of {args.reps} repetitions, all rows of a shape measured side by side "
-             "in one process. Peak memory: the resident set's high-water mark beyond the inputs, in a separate "
-             "untimed run.")
+    notes = (
+        f"{__doc__.strip()}\n\nMedian of {args.reps} repetitions, all rows of a shape measured side by side "
+        "in one process. Peak memory: the resident set's high-water mark beyond the inputs, in a separate "
+        "untimed run."
+    )
     print("wrote", save(args.name, env, rows, table, notes))

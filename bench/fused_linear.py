@@ -28,12 +28,14 @@ def implementations(device: torch.device, gpu_rows: bool) -> Dict[str, Callable]
     config = GTPOConfig(preset="paper")
 
     def materialised(backend):
-        return lambda h, w, ids, m, a: gtpo_loss(h @ w.T, ids, m, a, group_size=GROUP_SIZE, config=config,
-                                                 backend=backend).loss
+        return lambda h, w, ids, m, a: (
+            gtpo_loss(h @ w.T, ids, m, a, group_size=GROUP_SIZE, config=config, backend=backend).loss
+        )
 
     def fused(backend):
-        return lambda h, w, ids, m, a: fused_linear_gtpo_loss(h, w, ids, m, a, group_size=GROUP_SIZE, config=config,
-                                                              backend=backend).loss
+        return lambda h, w, ids, m, a: (
+            fused_linear_gtpo_loss(h, w, ids, m, a, group_size=GROUP_SIZE, config=config, backend=backend).loss
+        )
 
     impls = {"materialised-torch": materialised("torch"), "fused-torch": fused("torch")}
     if device.type == "cpu" and cpu_kernels_available():
@@ -46,18 +48,30 @@ def implementations(device: torch.device, gpu_rows: bool) -> Dict[str, Callable]
         except ImportError:
             print("liger-kernel not installed: no liger-fused-grpo rows")
         else:
-            liger = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, loss_type="grpo",
-                                             compiled=device.type == "cuda")
+            liger = LigerFusedLinearGRPOLoss(
+                beta=0.0, use_ref_model=False, loss_type="grpo", compiled=device.type == "cuda"
+            )
 
             def liger_loss(h, w, ids, m, a):
                 out = liger(h, w, ids, m.to(h.dtype), a)
                 return out[0] if isinstance(out, tuple) else out
+
             impls["liger-fused-grpo"] = liger_loss
     return impls
 
 
-def run(device, tokens_list: List[int], vocabs: List[int], hidden_sizes: List[int], dtypes, reps: int,
-        only: List[str], peak_tflops: float, gpu_rows=None, on_row=None) -> List[Row]:
+def run(
+    device,
+    tokens_list: List[int],
+    vocabs: List[int],
+    hidden_sizes: List[int],
+    dtypes,
+    reps: int,
+    only: List[str],
+    peak_tflops: float,
+    gpu_rows=None,
+    on_row=None,
+) -> List[Row]:
     impls = implementations(device, device.type == "cuda" if gpu_rows is None else gpu_rows)
     if only:
         impls = {k: v for k, v in impls.items() if k in only}
@@ -68,9 +82,10 @@ def run(device, tokens_list: List[int], vocabs: List[int], hidden_sizes: List[in
                 for vocab in vocabs:
                     ids, mask, adv = make_batch(tokens, vocab, dtype, device)
                     n, length = ids.shape
-                    weight = (torch.randn(vocab, hidden_size, device=device) / hidden_size ** 0.5).to(dtype)
+                    weight = (torch.randn(vocab, hidden_size, device=device) / hidden_size**0.5).to(dtype)
                     weight.requires_grad_()
                     for name, fn in impls.items():
+
                         def make_input():
                             return model_output(torch.randn(n, length, hidden_size, device=device, dtype=dtype))
 
@@ -84,9 +99,11 @@ def run(device, tokens_list: List[int], vocabs: List[int], hidden_sizes: List[in
                             if device.type == "cuda":
                                 row.extra["x floor"] = t.total_ms / (1e3 * flops / (peak_tflops * 1e12))
                         weight.grad = None
-                        print(f"{row.impl:>20} T={tokens:>6} H={hidden_size:>5} V={vocab:>6} {row.dtype:>8}: "
-                              + (row.error or f"fwd+bwd {row.total_ms:9.1f} ms, peak +{row.peak_extra_mb:8.1f} MB"),
-                              flush=True)
+                        print(
+                            f"{row.impl:>20} T={tokens:>6} H={hidden_size:>5} V={vocab:>6} {row.dtype:>8}: "
+                            + (row.error or f"fwd+bwd {row.total_ms:9.1f} ms, peak +{row.peak_extra_mb:8.1f} MB"),
+                            flush=True,
+                        )
                         rows.append(row)
                         if on_row is not None:
                             on_row(rows)
@@ -94,8 +111,9 @@ def run(device, tokens_list: List[int], vocabs: List[int], hidden_sizes: List[in
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m bench fused_linear", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench fused_linear", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tokens", type=int, nargs="+")
     p.add_argument("--vocab", type=int, nargs="+", default=[151936])
@@ -103,8 +121,12 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", nargs="+")
     p.add_argument("--reps", type=int)
     p.add_argument("--only", nargs="+", default=[])
-    p.add_argument("--peak-tflops", type=float, default=790.0,
-                   help="bf16 matrix rate for the floor (H200 measured here: about 790)")
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=790.0,
+        help="bf16 matrix rate for the floor (H200 measured here: about 790)",
+    )
     p.add_argument("--name")
     p.add_argument("--gpu-rows", action="store_true", help="the Triton rows on CPU tensors (TRITON_INTERPRET=1)")
     args = p.parse_args(argv)
@@ -116,12 +138,23 @@ def main(argv=None) -> None:
     reps = args.reps or (5 if gpu else 1)
     env = environment(device)
     name = args.name or f"fused-linear-{device.type}"
-    rows = run(device, tokens, args.vocab, hidden, dtypes, reps, args.only, args.peak_tflops,
-               gpu_rows=True if args.gpu_rows else None,
-               on_row=lambda done: save(name, env, done, "(partial: the run is still going)"))
+    rows = run(
+        device,
+        tokens,
+        args.vocab,
+        hidden,
+        dtypes,
+        reps,
+        args.only,
+        args.peak_tflops,
+        gpu_rows=True if args.gpu_rows else None,
+        on_row=lambda done: save(name, env, done, "(partial: the run is still going)"),
+    )
     table = markdown_table(rows, sorted({k for r in rows for k in r.extra}))
     print(table)
-    notes = (f"N = {ROWS_PER_BATCH} completions (groups of {GROUP_SIZE}), L = T / {ROWS_PER_BATCH}, paper preset. "
-             f"Median of {reps} repetitions. 'peak extra' is memory beyond the inputs (hidden states, weight); "
-             "'peak/fp32 logits' divides it by the size of the full logits in float32 (T V 4 bytes).")
+    notes = (
+        f"N = {ROWS_PER_BATCH} completions (groups of {GROUP_SIZE}), L = T / {ROWS_PER_BATCH}, paper preset. "
+        f"Median of {reps} repetitions. 'peak extra' is memory beyond the inputs (hidden states, weight); "
+        "'peak/fp32 logits' divides it by the size of the full logits in float32 (T V 4 bytes)."
+    )
     print("wrote", save(name, env, rows, table, notes))

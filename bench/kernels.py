@@ -35,15 +35,20 @@ def timer(device):
             fn()
             times.append(time.perf_counter() - t0)
         return 1e3 * statistics.median(times)
+
     return wall
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m bench kernels", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench kernels", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU under the interpreter")
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "local" / "kernels.json"),
-                   help="JSON file the rows are appended to (default: bench/results/local/, ignored by git)")
+    p.add_argument(
+        "--out",
+        default=str(Path(__file__).resolve().parent / "results" / "local" / "kernels.json"),
+        help="JSON file the rows are appended to (default: bench/results/local/, ignored by git)",
+    )
     args = p.parse_args(argv)
     if args.dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -77,13 +82,22 @@ def main(argv=None) -> None:
         # No entropy gradient (grad_H None): what every preset but the penalty variant asks of the backward.
         bwd = ms(lambda: kernels.backward(logits, ids, valid, *stats, c, None, out))
         n_valid = int(valid.sum())
-        row = {"step": "headline", "valid": valid_fraction, "tokens": tokens, "vocab": vocab, "forward_ms": fwd,
-               "backward_ms": bwd}
+        row = {
+            "step": "headline",
+            "valid": valid_fraction,
+            "tokens": tokens,
+            "vocab": vocab,
+            "forward_ms": fwd,
+            "backward_ms": bwd,
+        }
         if bandwidth:
             floor_fwd = 1e3 * 2 * n_valid * vocab / (bandwidth * 1e9)
             floor_bwd = 1e3 * 4 * n_valid * vocab / (bandwidth * 1e9)
-            row.update(forward_x_floor=fwd / floor_fwd, backward_x_floor=bwd / floor_bwd,
-                       total_x_floor=(fwd + bwd) / (floor_fwd + floor_bwd))
+            row.update(
+                forward_x_floor=fwd / floor_fwd,
+                backward_x_floor=bwd / floor_bwd,
+                total_x_floor=(fwd + bwd) / (floor_fwd + floor_bwd),
+            )
         save(row)
 
     valid = torch.ones(1, tokens, dtype=torch.bool, device=device)
@@ -94,9 +108,13 @@ def main(argv=None) -> None:
             kernels._FORWARD_LAUNCH = kernels._BACKWARD_LAUNCH = ((1 << 62, block, warps),)
             try:
                 stats = kernels.forward(logits, ids, valid)
-                row = {"step": "sweep", "BLOCK_V": block, "num_warps": warps,
-                       "forward_ms": ms(lambda: kernels.forward(logits, ids, valid)),
-                       "backward_ms": ms(lambda: kernels.backward(logits, ids, valid, *stats, c, None, out))}
+                row = {
+                    "step": "sweep",
+                    "BLOCK_V": block,
+                    "num_warps": warps,
+                    "forward_ms": ms(lambda: kernels.forward(logits, ids, valid)),
+                    "backward_ms": ms(lambda: kernels.backward(logits, ids, valid, *stats, c, None, out)),
+                }
             except Exception as exc:  # noqa: BLE001 (a configuration that does not compile is a row)
                 row = {"step": "sweep", "BLOCK_V": block, "num_warps": warps, "error": str(exc)[:200]}
             finally:

@@ -25,8 +25,18 @@ import torch
 
 from gtpo_kernels import GTPOConfig, gtpo_loss
 
-from .common import (Row, copy_bandwidth_gbs, cpu_kernels_available, environment, markdown_table, measure_into,
-                     model_output, plain_pytorch_gtpo_loss, plot_time_vs_vocab, save)
+from .common import (
+    Row,
+    copy_bandwidth_gbs,
+    cpu_kernels_available,
+    environment,
+    markdown_table,
+    measure_into,
+    model_output,
+    plain_pytorch_gtpo_loss,
+    plot_time_vs_vocab,
+    save,
+)
 
 GROUP_SIZE = 8
 ROWS_PER_BATCH = 16  # N = 2 prompts x 8 completions; L = T / N
@@ -49,43 +59,72 @@ def implementations(device: torch.device, with_compile: bool, triton_rows=None) 
     only (tests force them on to exercise the harness under the interpreter)."""
     config = GTPOConfig(preset="paper")
     impls: Dict[str, Callable] = {
-        "reference-eager": lambda x, ids, m, a: plain_pytorch_gtpo_loss(
-            x, ids, m, a, group_size=GROUP_SIZE, config=config).loss,
+        "reference-eager": lambda x, ids, m, a: (
+            plain_pytorch_gtpo_loss(x, ids, m, a, group_size=GROUP_SIZE, config=config).loss
+        ),
     }
     if with_compile:
         compiled = torch.compile(plain_pytorch_gtpo_loss)
-        impls["reference-compile"] = lambda x, ids, m, a: compiled(
-            x, ids, m, a, group_size=GROUP_SIZE, config=config).loss
-    impls["gtpo-torch"] = lambda x, ids, m, a: gtpo_loss(
-        x, ids, m, a, group_size=GROUP_SIZE, config=config, backend="torch").loss
+        impls["reference-compile"] = lambda x, ids, m, a: (
+            compiled(x, ids, m, a, group_size=GROUP_SIZE, config=config).loss
+        )
+    impls["gtpo-torch"] = lambda x, ids, m, a: (
+        gtpo_loss(x, ids, m, a, group_size=GROUP_SIZE, config=config, backend="torch").loss
+    )
     if device.type == "cpu" and cpu_kernels_available():
         inplace_cpu = GTPOConfig(preset="paper", inplace_backward=True)
-        impls["gtpo-cpu"] = lambda x, ids, m, a: gtpo_loss(
-            x, ids, m, a, group_size=GROUP_SIZE, config=config, backend="cpu").loss
-        impls["gtpo-cpu-inplace"] = lambda x, ids, m, a: gtpo_loss(
-            x, ids, m, a, group_size=GROUP_SIZE, config=inplace_cpu, backend="cpu").loss
+        impls["gtpo-cpu"] = lambda x, ids, m, a: (
+            gtpo_loss(x, ids, m, a, group_size=GROUP_SIZE, config=config, backend="cpu").loss
+        )
+        impls["gtpo-cpu-inplace"] = lambda x, ids, m, a: (
+            gtpo_loss(x, ids, m, a, group_size=GROUP_SIZE, config=inplace_cpu, backend="cpu").loss
+        )
     if device.type == "cuda" if triton_rows is None else triton_rows:
         inplace = GTPOConfig(preset="paper", inplace_backward=True)
-        impls["gtpo-triton"] = lambda x, ids, m, a: gtpo_loss(
-            x, ids, m, a, group_size=GROUP_SIZE, config=config, backend="triton").loss
-        impls["gtpo-triton-inplace"] = lambda x, ids, m, a: gtpo_loss(
-            x, ids, m, a, group_size=GROUP_SIZE, config=inplace, backend="triton").loss
+        impls["gtpo-triton"] = lambda x, ids, m, a: (
+            gtpo_loss(x, ids, m, a, group_size=GROUP_SIZE, config=config, backend="triton").loss
+        )
+        impls["gtpo-triton-inplace"] = lambda x, ids, m, a: (
+            gtpo_loss(x, ids, m, a, group_size=GROUP_SIZE, config=inplace, backend="triton").loss
+        )
         try:
             from liger_kernel.transformers.grpo_loss import triton_grpo_loss
         except ImportError:
             print("liger-kernel not installed: no liger-grpo rows")
         else:
+
             def liger(x, ids, m, a):
                 # Liger takes [N, L + 1, V] logits and drops the last position; pad one position.
-                loss, _ = triton_grpo_loss(x, None, None, ids, a, m.to(x.dtype), temperature=1.0,
-                                           beta=0.0, inplace=True, loss_type="grpo", reduce=True)
+                loss, _ = triton_grpo_loss(
+                    x,
+                    None,
+                    None,
+                    ids,
+                    a,
+                    m.to(x.dtype),
+                    temperature=1.0,
+                    beta=0.0,
+                    inplace=True,
+                    loss_type="grpo",
+                    reduce=True,
+                )
                 return loss
+
             impls["liger-grpo"] = liger
     return impls
 
 
-def run(device: torch.device, tokens_list: List[int], vocabs: List[int], dtypes: List[torch.dtype],
-        reps: int, with_compile: bool, only: List[str], triton_rows=None, on_row=None):
+def run(
+    device: torch.device,
+    tokens_list: List[int],
+    vocabs: List[int],
+    dtypes: List[torch.dtype],
+    reps: int,
+    with_compile: bool,
+    only: List[str],
+    triton_rows=None,
+    on_row=None,
+):
     """Every implementation at every shape, side by side; ``on_row(rows)`` after each row (save as it goes)."""
     impls = implementations(device, with_compile, triton_rows)
     if only:
@@ -116,14 +155,16 @@ def run(device: torch.device, tokens_list: List[int], vocabs: List[int], dtypes:
                             floor_ms = 1e3 * floor_bytes / (bandwidth * 1e9)
                             row.extra["GB/s"] = floor_bytes / (t.total_ms / 1e3) / 1e9
                             row.extra["x floor"] = t.total_ms / floor_ms
-                    print(f"{row.impl:>22} T={tokens:>6} V={vocab:>6} {row.dtype:>8}: "
-                          + (row.error or f"fwd+bwd {row.total_ms:9.2f} ms, peak +{row.peak_extra_mb:8.1f} MB"),
-                          flush=True)
+                    print(
+                        f"{row.impl:>22} T={tokens:>6} V={vocab:>6} {row.dtype:>8}: "
+                        + (row.error or f"fwd+bwd {row.total_ms:9.2f} ms, peak +{row.peak_extra_mb:8.1f} MB"),
+                        flush=True,
+                    )
                     rows.append(row)
                     if on_row is not None:
                         on_row(rows)
                 # Side-by-side ratios against the references, within this run.
-                this = [r for r in rows[-len(impls):] if r.total_ms]
+                this = [r for r in rows[-len(impls) :] if r.total_ms]
                 refs = {r.impl: r.total_ms for r in this if r.impl.startswith("reference")}
                 for r in this:
                     for ref_name, ref_ms in refs.items():
@@ -132,8 +173,9 @@ def run(device: torch.device, tokens_list: List[int], vocabs: List[int], dtypes:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m bench logits", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench logits", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tokens", type=int, nargs="+", help="T = N * L values (default: by device)")
     p.add_argument("--vocab", type=int, nargs="+", help="V values (default: by device)")
@@ -153,19 +195,29 @@ def main(argv=None) -> None:
     dtypes = [getattr(torch, d) for d in args.dtype]
     env = environment(device)
     name = args.name or f"logits-{device.type}"
-    rows, bandwidth = run(device, tokens, vocabs, dtypes, reps, not args.no_compile, args.only,
-                          triton_rows=True if args.triton_rows else None,
-                          on_row=lambda done: save(name, env, done, "(partial: the run is still going)"))
+    rows, bandwidth = run(
+        device,
+        tokens,
+        vocabs,
+        dtypes,
+        reps,
+        not args.no_compile,
+        args.only,
+        triton_rows=True if args.triton_rows else None,
+        on_row=lambda done: save(name, env, done, "(partial: the run is still going)"),
+    )
 
     if bandwidth:
         env["copy_bandwidth_GBps"] = round(bandwidth, 1)
     columns = sorted({k for r in rows for k in r.extra})
     table = markdown_table(rows, columns)
     print(table)
-    notes = ("Loss: paper preset, N = 16 completions (2 groups of 8), L = T / 16, random bf16/fp32 logits. "
-             f"Median of {reps} repetitions; 'peak extra' is memory beyond the inputs "
-             "(GPU: allocator peak; CPU: resident-set peak, sampled). "
-             "'peak/logits' divides it by the size of one copy of the logits in their dtype.")
+    notes = (
+        "Loss: paper preset, N = 16 completions (2 groups of 8), L = T / 16, random bf16/fp32 logits. "
+        f"Median of {reps} repetitions; 'peak extra' is memory beyond the inputs "
+        "(GPU: allocator peak; CPU: resident-set peak, sampled). "
+        "'peak/logits' divides it by the size of one copy of the logits in their dtype."
+    )
     print("wrote", save(name, env, rows, table, notes))
     plot = plot_time_vs_vocab(name, rows, f"GTPO loss on logits, {env.get('gpu', env['cpu'])}")
     if plot:

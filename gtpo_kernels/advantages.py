@@ -20,12 +20,18 @@ def compute_advantages(
         ``[N]`` advantages, ``A_i = R_i - mean_group(R)`` (optionally ``/ (std + eps)``).
     """
     if not isinstance(rewards, torch.Tensor) or rewards.dim() != 1:
-        raise ValueError(f"compute_advantages: rewards must be a 1-D tensor [N], got "
-                         f"{tuple(rewards.shape) if isinstance(rewards, torch.Tensor) else type(rewards).__name__}")
+        raise ValueError(
+            f"compute_advantages: rewards must be a 1-D tensor [N], got "
+            f"{tuple(rewards.shape) if isinstance(rewards, torch.Tensor) else type(rewards).__name__}"
+        )
     if not rewards.is_floating_point():
         rewards = rewards.to(torch.float32)
-    if (isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1
-            or rewards.numel() % group_size):
+    if (
+        isinstance(group_size, bool)
+        or not isinstance(group_size, int)
+        or group_size < 1
+        or rewards.numel() % group_size
+    ):
         raise ValueError(
             f"compute_advantages: group_size ({group_size!r}) must be a positive int dividing the "
             f"number of rewards ({rewards.numel()})"

@@ -29,10 +29,23 @@ def _row_chunks(n_rows: int, length: int, vocab: int, max_chunk_bytes: Optional[
     return [slice(start, min(start + rows, n_rows)) for start in range(0, n_rows, rows)]
 
 
-def transformed_logits_gtpo_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                                 transform: Callable, completion_ids, completion_mask, advantages, *,
-                                 config: GTPOConfig, conflict=None, old_logprobs=None, ref_logprobs=None,
-                                 num_sequences=None, num_tokens=None, **loss_kwargs) -> GTPOLossOutput:
+def transformed_logits_gtpo_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    transform: Callable,
+    completion_ids,
+    completion_mask,
+    advantages,
+    *,
+    config: GTPOConfig,
+    conflict=None,
+    old_logprobs=None,
+    ref_logprobs=None,
+    num_sequences=None,
+    num_tokens=None,
+    **loss_kwargs,
+) -> GTPOLossOutput:
     """`gtpo_loss` on ``transform(hidden @ weight.T + bias)`` (``hidden [N, L, H]``), in row chunks.
 
     ``conflict`` (whole groups' weights, sliced like the rows) is required when the config uses conflict
@@ -48,14 +61,26 @@ def transformed_logits_gtpo_loss(hidden: torch.Tensor, weight: torch.Tensor, bia
     def part(rows, h, w, b):
         def pick(t):
             return None if t is None else t[rows]
+
         logits = transform(F.linear(h, w, b))
-        out = gtpo_loss(logits, completion_ids[rows], completion_mask[rows], advantages[rows], config=config,
-                        conflict=None if conflict is None else (conflict[0][rows], conflict[1][rows]),
-                        old_logprobs=pick(old_logprobs), ref_logprobs=pick(ref_logprobs),
-                        num_sequences=num_sequences, num_tokens=num_tokens, **loss_kwargs)
+        out = gtpo_loss(
+            logits,
+            completion_ids[rows],
+            completion_mask[rows],
+            advantages[rows],
+            config=config,
+            conflict=None if conflict is None else (conflict[0][rows], conflict[1][rows]),
+            old_logprobs=pick(old_logprobs),
+            ref_logprobs=pick(ref_logprobs),
+            num_sequences=num_sequences,
+            num_tokens=num_tokens,
+            **loss_kwargs,
+        )
         m = out.metrics
-        rows_out = [m.completion_entropy] + [torch.zeros_like(m.completion_entropy) if r is None else r
-                                             for r in (m.completion_clip_low, m.completion_clip_high)]
+        rows_out = [m.completion_entropy] + [
+            torch.zeros_like(m.completion_entropy) if r is None else r
+            for r in (m.completion_clip_low, m.completion_clip_high)
+        ]
         return out.loss, m.to_sums(), *rows_out
 
     losses, sums, per_row = [], [], []
@@ -66,13 +91,23 @@ def transformed_logits_gtpo_loss(hidden: torch.Tensor, weight: torch.Tensor, bia
         per_row.append([o.detach() for o in outs[2:]])
     metrics = GTPOMetrics.from_sums(torch.stack(sums).sum(0), parts=len(sums))
     metrics.completion_entropy, metrics.completion_clip_low, metrics.completion_clip_high = (
-        torch.cat([p[k] for p in per_row]) for k in range(3))
+        torch.cat([p[k] for p in per_row]) for k in range(3)
+    )
     return GTPOLossOutput(torch.stack(losses).sum(), metrics)
 
 
 @torch.no_grad()
-def transformed_logits_token_stats(hidden, weight, bias, transform, completion_ids, completion_mask=None, *,
-                                   temperature: float = 1.0, max_chunk_bytes: Optional[int] = None):
+def transformed_logits_token_stats(
+    hidden,
+    weight,
+    bias,
+    transform,
+    completion_ids,
+    completion_mask=None,
+    *,
+    temperature: float = 1.0,
+    max_chunk_bytes: Optional[int] = None,
+):
     """``(logp [N, L], H [N, L])`` of ``transform(hidden @ weight.T + bias)``, in row chunks (no gradient)."""
     n_rows, length = completion_ids.shape
     logps, entropies = [], []

@@ -1,8 +1,8 @@
 """`GTPOConfig`: every knob of the GTPO loss, filled from a preset, validated, immutable.
 
 A preset fills only the knobs the user did not set: a knob left at its default (``PRESET``, the string
-``"<from the preset>"``, in the class's signature, never in an instance) takes the preset's value, and any value given, ``None``
-included, wins. The config is frozen, so it is validated once and cannot drift afterwards; change it
+``"<from the preset>"``, in the class's signature, never in an instance) takes the preset's value, and any value
+given, ``None`` included, wins. The config is frozen, so it is validated once and cannot drift afterwards; change it
 with ``config.replace(**changes)`` (or ``dataclasses.replace``), which re-resolves the preset: for example
 ``GTPOConfig(entropy_coef=0.05).replace(preset="grpo")`` is the ``grpo`` preset with ``entropy_coef=0.05``.
 
@@ -150,7 +150,8 @@ class GTPOConfig:
     # (knobs the user set, values filled in for the others) of the config this one was copied from by
     # `dataclasses.replace`: lets the copy tell filled-in values from the user's own.
     _origin: Optional[Tuple[FrozenSet[str], Tuple[Tuple[str, Any], ...]]] = field(
-        default=None, repr=False, compare=False)
+        default=None, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -195,10 +196,15 @@ class GTPOConfig:
         if self.loss_reduction not in REDUCTIONS:
             raise bad("loss_reduction", f"must be one of {REDUCTIONS}")
         if self.clip_eps_low is not None and not (
-                is_number(self.clip_eps_low) and self.clip_eps_low >= 0
-                and (self.clip_eps_low < 1 or math.isinf(self.clip_eps_low))):
-            raise bad("clip_eps_low", "must be a number in [0, 1) (the lower clip bound 1 - eps_low stays "
-                                      "positive), or None / float('inf') to leave the lower side open")
+            is_number(self.clip_eps_low)
+            and self.clip_eps_low >= 0
+            and (self.clip_eps_low < 1 or math.isinf(self.clip_eps_low))
+        ):
+            raise bad(
+                "clip_eps_low",
+                "must be a number in [0, 1) (the lower clip bound 1 - eps_low stays "
+                "positive), or None / float('inf') to leave the lower side open",
+            )
         if self.clip_eps_high is not None and not (is_number(self.clip_eps_high) and self.clip_eps_high >= 0):
             raise bad("clip_eps_high", "must be a number >= 0, or None / float('inf') to leave the upper side open")
         if not (is_number(self.kl_beta) and math.isfinite(self.kl_beta) and self.kl_beta >= 0):
@@ -209,9 +215,16 @@ class GTPOConfig:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
                 raise bad(name, "must be a positive int, or None")
-        for name in ("normalize_advantages_by_std", "entropy_gate", "use_conflict_weights",
-                     "divide_by_conflict_count", "inplace_backward", "validate_inputs", "warn_no_signal",
-                     "kl_ratio_weighted"):
+        for name in (
+            "normalize_advantages_by_std",
+            "entropy_gate",
+            "use_conflict_weights",
+            "divide_by_conflict_count",
+            "inplace_backward",
+            "validate_inputs",
+            "warn_no_signal",
+            "kl_ratio_weighted",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be True or False")
 
@@ -234,7 +247,7 @@ class GTPOConfig:
         """Whether a finite entropy threshold is set (the gate may still switch it off per call)."""
         return self.entropy_threshold is not None and self.entropy_threshold < math.inf
 
-    def replace(self, **changes) -> "GTPOConfig":
+    def replace(self, **changes) -> GTPOConfig:
         """A copy with ``changes``; knobs the user never set follow the (possibly new) preset."""
         known = {f.name for f in fields(self) if f.name != "_origin"}
         unknown = sorted(set(changes) - known)
@@ -250,7 +263,7 @@ class GTPOConfig:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "_origin"}
 
     @classmethod
-    def from_dict(cls, values: dict) -> "GTPOConfig":
+    def from_dict(cls, values: dict) -> GTPOConfig:
         known = {f.name for f in fields(cls) if f.name != "_origin"}
         unknown = sorted(set(values) - known)
         if unknown:

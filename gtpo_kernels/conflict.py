@@ -51,8 +51,9 @@ def conflict_weights(
     validation.check_float("advantages", advantages, (shape[0],), "[N]")
     validation.check_group_size(group_size, shape[0])
     checks.read()
-    return compute_conflict_weights(resolve_backend_name(backend, completion_ids.device.type), completion_ids, valid,
-                                    advantages, group_size, weight)
+    return compute_conflict_weights(
+        resolve_backend_name(backend, completion_ids.device.type), completion_ids, valid, advantages, group_size, weight
+    )
 
 
 def as_generated(valid: torch.Tensor) -> torch.Tensor:
@@ -65,5 +66,6 @@ def as_generated(valid: torch.Tensor) -> torch.Tensor:
 def compute_conflict_weights(backend: str, completion_ids, valid, advantages, group_size: int, weight: float):
     """Unchecked: ``valid`` a bool mask (holes allowed: the runs are those of `as_generated`); float64 advantages
     keep float64 weights (torch backend). Through the registered operator ``gtpo_kernels::conflict_weights``."""
-    return custom_ops.conflict_weights(completion_ids, as_generated(valid), advantages.detach(), group_size,
-                                       float(weight), backend)
+    return custom_ops.conflict_weights(
+        completion_ids, as_generated(valid), advantages.detach(), group_size, float(weight), backend
+    )

@@ -32,9 +32,11 @@ NAMESPACE = "gtpo_kernels"
 
 # ------------------------------------------------------------------------------------------ token statistics
 
+
 @torch.library.custom_op(f"{NAMESPACE}::token_stats", mutates_args=())
-def token_stats(logits: Tensor, ids: Tensor, valid: Tensor, temperature: float, backend: str,
-                max_chunk_bytes: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+def token_stats(
+    logits: Tensor, ids: Tensor, valid: Tensor, temperature: float, backend: str, max_chunk_bytes: int
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(row_max, log_s, logp, H)`` ``[N, L]`` of ``softmax(logits / temperature)``; ``max_chunk_bytes`` 0: the
     backend's default. ``logits`` must have a contiguous last dimension."""
     kernels = kernels_for(get_backend(backend), logits.dtype)
@@ -48,20 +50,45 @@ def _(logits, ids, valid, temperature, backend, max_chunk_bytes):
 
 
 @torch.library.custom_op(f"{NAMESPACE}::token_stats_backward", mutates_args=())
-def token_stats_backward(logits: Tensor, ids: Tensor, valid: Tensor, row_max: Tensor, log_s: Tensor, logp: Tensor,
-                         entropy: Tensor, grad_logp: Tensor, grad_entropy: Optional[Tensor], temperature: float, backend: str,
-                         max_chunk_bytes: int) -> Tensor:
+def token_stats_backward(
+    logits: Tensor,
+    ids: Tensor,
+    valid: Tensor,
+    row_max: Tensor,
+    log_s: Tensor,
+    logp: Tensor,
+    entropy: Tensor,
+    grad_logp: Tensor,
+    grad_entropy: Optional[Tensor],
+    temperature: float,
+    backend: str,
+    max_chunk_bytes: int,
+) -> Tensor:
     """The gradient of ``sum grad_logp logp + grad_H H`` with respect to ``logits`` (a new tensor); ``grad_H``
     None is zero (nothing downstream differentiates the entropy: the kernels skip its term)."""
     kernels = kernels_for(get_backend(backend), logits.dtype)
     out = torch.empty_like(logits, memory_format=torch.contiguous_format)
-    kernels.backward(logits, ids, valid, row_max, log_s, logp, entropy, grad_logp, grad_entropy, out, temperature,
-                     max_chunk_bytes or None)
+    kernels.backward(
+        logits,
+        ids,
+        valid,
+        row_max,
+        log_s,
+        logp,
+        entropy,
+        grad_logp,
+        grad_entropy,
+        out,
+        temperature,
+        max_chunk_bytes or None,
+    )
     return out
 
 
 @token_stats_backward.register_fake
-def _(logits, ids, valid, row_max, log_s, logp, entropy, grad_logp, grad_entropy, temperature, backend, max_chunk_bytes):
+def _(
+    logits, ids, valid, row_max, log_s, logp, entropy, grad_logp, grad_entropy, temperature, backend, max_chunk_bytes
+):
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
@@ -74,8 +101,9 @@ def _token_stats_setup(ctx, inputs, output):
 def _token_stats_grad(ctx, grad_row_max, grad_log_s, grad_logp, grad_entropy):
     logits, ids, valid, row_max, log_s, logp, entropy = ctx.saved_tensors
     grad_logp = torch.zeros_like(logp) if grad_logp is None else grad_logp
-    grad = token_stats_backward(logits, ids, valid, row_max, log_s, logp, entropy, grad_logp, grad_entropy,
-                                *ctx.settings)
+    grad = token_stats_backward(
+        logits, ids, valid, row_max, log_s, logp, entropy, grad_logp, grad_entropy, *ctx.settings
+    )
     return grad, None, None, None, None, None
 
 
@@ -84,15 +112,18 @@ def _refuse_second_derivative(ctx, *grads):
 
 
 torch.library.register_autograd(f"{NAMESPACE}::token_stats", _token_stats_grad, setup_context=_token_stats_setup)
-torch.library.register_autograd(f"{NAMESPACE}::token_stats_backward", _refuse_second_derivative,
-                                setup_context=lambda ctx, inputs, output: None)
+torch.library.register_autograd(
+    f"{NAMESPACE}::token_stats_backward", _refuse_second_derivative, setup_context=lambda ctx, inputs, output: None
+)
 
 
 # ------------------------------------------------------------------------------------------ conflict weights
 
+
 @torch.library.custom_op(f"{NAMESPACE}::conflict_weights", mutates_args=())
-def conflict_weights(ids: Tensor, valid: Tensor, advantages: Tensor, group_size: int, weight: float,
-                     backend: str) -> Tuple[Tensor, Tensor]:
+def conflict_weights(
+    ids: Tensor, valid: Tensor, advantages: Tensor, group_size: int, weight: float, backend: str
+) -> Tuple[Tensor, Tensor]:
     """``(lambda [N, L], n_conflict [N])`` of whole groups (see `gtpo_kernels.conflict_weights`)."""
     kernels = get_backend("torch") if advantages.dtype == torch.float64 else get_backend(backend)
     return tuple(kernels.conflict_weights(ids, valid, advantages, group_size, weight))
@@ -106,13 +137,29 @@ def _(ids, valid, advantages, group_size, weight, backend):
 
 # ------------------------------------------------------------------------------------------ the fused loss
 
+
 @torch.library.custom_op(f"{NAMESPACE}::fused_linear_gtpo", mutates_args=())
-def fused_linear_gtpo(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ids: Tensor, valid: Tensor,
-                      advantages: Tensor, lambda_: Optional[Tensor], n_conflict: Optional[Tensor],
-                      old_logprobs: Optional[Tensor], ref_logprobs: Optional[Tensor], config_json: str,
-                      initial_entropy: Optional[float], backend: str, compute_dtype: torch.dtype,
-                      temperature: float, num_sequences: Optional[Tensor], num_tokens: Optional[Tensor],
-                      row_lengths: Optional[List[int]], need_grads: List[bool]) -> List[Tensor]:
+def fused_linear_gtpo(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    ids: Tensor,
+    valid: Tensor,
+    advantages: Tensor,
+    lambda_: Optional[Tensor],
+    n_conflict: Optional[Tensor],
+    old_logprobs: Optional[Tensor],
+    ref_logprobs: Optional[Tensor],
+    config_json: str,
+    initial_entropy: Optional[float],
+    backend: str,
+    compute_dtype: torch.dtype,
+    temperature: float,
+    num_sequences: Optional[Tensor],
+    num_tokens: Optional[Tensor],
+    row_lengths: Optional[List[int]],
+    need_grads: List[bool],
+) -> List[Tensor]:
     """The fused loss and, computed on the way, its gradients: ``[loss, d_hidden, d_weight, d_bias, logp, H,
     metric sums, completion entropy]`` (gradients not asked for are empty tensors). ``row_lengths``: the
     unmasked tokens of each row, when the caller has read them already (else one host synchronisation here)."""
@@ -120,27 +167,69 @@ def fused_linear_gtpo(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], id
 
     config = GTPOConfig.from_dict(json.loads(config_json))
     kernels = kernels_for(get_backend(backend), compute_dtype)
-    return fused_forward(hidden, weight, bias, ids, valid, advantages, lambda_, n_conflict, old_logprobs,
-                         ref_logprobs, config, initial_entropy, kernels, compute_dtype, temperature, num_sequences,
-                         num_tokens, row_lengths, need_grads)
+    return fused_forward(
+        hidden,
+        weight,
+        bias,
+        ids,
+        valid,
+        advantages,
+        lambda_,
+        n_conflict,
+        old_logprobs,
+        ref_logprobs,
+        config,
+        initial_entropy,
+        kernels,
+        compute_dtype,
+        temperature,
+        num_sequences,
+        num_tokens,
+        row_lengths,
+        need_grads,
+    )
 
 
 @fused_linear_gtpo.register_fake
-def _(hidden, weight, bias, ids, valid, advantages, lambda_, n_conflict, old_logprobs, ref_logprobs, config_json,
-      initial_entropy, backend, compute_dtype, temperature, num_sequences, num_tokens, row_lengths, need_grads):
+def _(
+    hidden,
+    weight,
+    bias,
+    ids,
+    valid,
+    advantages,
+    lambda_,
+    n_conflict,
+    old_logprobs,
+    ref_logprobs,
+    config_json,
+    initial_entropy,
+    backend,
+    compute_dtype,
+    temperature,
+    num_sequences,
+    num_tokens,
+    row_lengths,
+    need_grads,
+):
     from .result import SUMS_SIZE
 
     stat = stats_dtype(compute_dtype)
     n_rows, length = ids.shape
+
     def empty():  # a fresh one each time: an operator's outputs may not alias one another
         return hidden.new_empty((0,))
 
-    return [hidden.new_empty((), dtype=stat),
-            torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_grads[0] else empty(),
-            torch.empty_like(weight) if need_grads[1] else empty(),
-            torch.empty_like(bias) if bias is not None and need_grads[2] else empty(),
-            hidden.new_empty((n_rows, length), dtype=stat), hidden.new_empty((n_rows, length), dtype=stat),
-            hidden.new_empty((SUMS_SIZE,), dtype=torch.float64), hidden.new_empty((n_rows,), dtype=stat)]
+    return [
+        hidden.new_empty((), dtype=stat),
+        torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_grads[0] else empty(),
+        torch.empty_like(weight) if need_grads[1] else empty(),
+        torch.empty_like(bias) if bias is not None and need_grads[2] else empty(),
+        hidden.new_empty((n_rows, length), dtype=stat),
+        hidden.new_empty((n_rows, length), dtype=stat),
+        hidden.new_empty((SUMS_SIZE,), dtype=torch.float64),
+        hidden.new_empty((n_rows,), dtype=stat),
+    ]
 
 
 def _fused_setup(ctx, inputs, output):

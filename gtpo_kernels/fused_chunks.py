@@ -39,10 +39,10 @@ def chunk_tokens_for(vocab: int, device: torch.device, max_chunk_bytes: Optional
 class _Tokens:
     """The unmasked tokens of a batch, in row-major order, and where each row's tokens start."""
 
-    flat: torch.Tensor        # [T] int64: i * L + t of each unmasked token
-    rows: torch.Tensor        # [T] int64: i
-    positions: torch.Tensor   # [T] int64: t
-    offsets: List[int]        # [N + 1]: row i's tokens are flat[offsets[i]:offsets[i + 1]]
+    flat: torch.Tensor  # [T] int64: i * L + t of each unmasked token
+    rows: torch.Tensor  # [T] int64: i
+    positions: torch.Tensor  # [T] int64: t
+    offsets: List[int]  # [N + 1]: row i's tokens are flat[offsets[i]:offsets[i + 1]]
 
 
 def _unmasked_tokens(valid: torch.Tensor, lengths: Optional[List[int]] = None) -> _Tokens:
@@ -89,12 +89,21 @@ def _gradient_in_place(kernels: Backend, logits, ids, stats, c, e, temperature: 
     """Overwrites ``logits [t, V]`` with the gradient ``c (onehot - p) + e dH/dz`` (for ``z / T``), from the
     forward's ``stats = (row_max, log_s, logp, H)``."""
     everything = torch.ones((1, logits.shape[0]), dtype=torch.bool, device=logits.device)
-    kernels.backward(logits[None], ids[None], everything, *(x[None] for x in stats), c[None], e[None],
-                     logits[None], temperature, None)
+    kernels.backward(
+        logits[None],
+        ids[None],
+        everything,
+        *(x[None] for x in stats),
+        c[None],
+        e[None],
+        logits[None],
+        temperature,
+        None,
+    )
     return logits
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _addmm_out_dtype_works(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``addmm(acc, a, b, out_dtype=float32, out=acc)`` accumulates low-precision products into a
     float32 tensor in place on this device (tried once on a small case and checked)."""
@@ -125,9 +134,27 @@ def _add_weight_grad(d_weight: torch.Tensor, dlogits: torch.Tensor, h: torch.Ten
         d_weight[v0:v1] += (dlogits[:, v0:v1].T @ h).to(d_weight.dtype)
 
 
-def fused_forward(hidden, weight, bias, ids, valid, advantages, lambda_, n_conflict, old_logprobs, ref_logprobs,
-                  config: GTPOConfig, initial_entropy, kernels: Backend, compute_dtype: torch.dtype, temperature: float,
-                  num_sequences, num_tokens, row_lengths, need_grads) -> List[torch.Tensor]:
+def fused_forward(
+    hidden,
+    weight,
+    bias,
+    ids,
+    valid,
+    advantages,
+    lambda_,
+    n_conflict,
+    old_logprobs,
+    ref_logprobs,
+    config: GTPOConfig,
+    initial_entropy,
+    kernels: Backend,
+    compute_dtype: torch.dtype,
+    temperature: float,
+    num_sequences,
+    num_tokens,
+    row_lengths,
+    need_grads,
+) -> List[torch.Tensor]:
     """The body of ``gtpo_kernels::fused_linear_gtpo`` (`custom_ops`): the loss and its gradients in one walk over
     the chunks. Returns ``[loss, d_hidden, d_weight, d_bias, logp, H, metric sums, completion entropy]``; a
     gradient not in ``need_grads`` is an empty tensor."""
@@ -153,17 +180,27 @@ def fused_forward(hidden, weight, bias, ids, valid, advantages, lambda_, n_confl
     d_bias = torch.zeros(vocab, dtype=stat_dtype, device=device) if need_bias else None
 
     def rows_of(t0: int, t1: int):
-        return hidden[tokens.rows[t0:t1], tokens.positions[t0:t1]].to(compute_dtype), ids.reshape(-1)[tokens.flat[t0:t1]]
+        return hidden[tokens.rows[t0:t1], tokens.positions[t0:t1]].to(compute_dtype), ids.reshape(-1)[
+            tokens.flat[t0:t1]
+        ]
 
     def coefficients(r0: int, r1: int):
         """``(c, e)`` ``[r1 - r0, L]``: the gradient of the batch loss w.r.t. these rows' logp and H."""
         rows = slice(r0, r1)
         return loss_gradients(
-            logp_all[rows], entropy_all[rows], valid[rows], advantages[rows],
-            None if lambda_ is None else lambda_[rows], None if n_conflict is None else n_conflict[rows],
-            config, old_logprobs=None if old_logprobs is None else old_logprobs[rows],
+            logp_all[rows],
+            entropy_all[rows],
+            valid[rows],
+            advantages[rows],
+            None if lambda_ is None else lambda_[rows],
+            None if n_conflict is None else n_conflict[rows],
+            config,
+            old_logprobs=None if old_logprobs is None else old_logprobs[rows],
             ref_logprobs=None if ref_logprobs is None else ref_logprobs[rows],
-            initial_entropy=initial_entropy, num_sequences=sequences, num_tokens=token_total)
+            initial_entropy=initial_entropy,
+            num_sequences=sequences,
+            num_tokens=token_total,
+        )
 
     def gradients(t0: int, t1: int, r0: int, c, e, logits=None):
         """The gradient of tokens ``[t0, t1)`` (rows from ``r0``), into d_hidden, d_W and d_b."""
@@ -172,8 +209,9 @@ def fused_forward(hidden, weight, bias, ids, valid, advantages, lambda_, n_confl
             logits = _logits(h, w, b)
         index = tokens.flat[t0:t1]
         local = index - r0 * length
-        dlogits = _gradient_in_place(kernels, logits, y, stats_all.view(4, -1)[:, index], c.reshape(-1)[local],
-                                     e.reshape(-1)[local], temperature)
+        dlogits = _gradient_in_place(
+            kernels, logits, y, stats_all.view(4, -1)[:, index], c.reshape(-1)[local], e.reshape(-1)[local], temperature
+        )
         if need_hidden:
             d_hidden.view(-1, hidden_size).index_copy_(0, tokens.flat[t0:t1], (dlogits @ w).to(hidden.dtype))
         if need_weight:
@@ -192,7 +230,8 @@ def fused_forward(hidden, weight, bias, ids, valid, advantages, lambda_, n_confl
             h, y = rows_of(t0, t1)
             logits = _logits(h, w, b)
             stats_all.view(4, -1)[:, tokens.flat[t0:t1]] = torch.stack(_stats(kernels, logits, y, temperature)).to(
-                stat_dtype)
+                stat_dtype
+            )
         c, e = coefficients(r0, r1)
         if len(pieces) == 1:
             gradients(t_start, t_end, r0, c, e, logits)
@@ -204,16 +243,30 @@ def fused_forward(hidden, weight, bias, ids, valid, advantages, lambda_, n_confl
 
     # The loss value and metrics from the whole call's statistics (cheap, O(N L)).
     full = loss_from_token_stats(
-        logp_all, entropy_all, valid, advantages, lambda_, n_conflict, config, old_logprobs=old_logprobs,
-        ref_logprobs=ref_logprobs, initial_entropy=initial_entropy, num_sequences=num_sequences,
-        num_tokens=num_tokens)
+        logp_all,
+        entropy_all,
+        valid,
+        advantages,
+        lambda_,
+        n_conflict,
+        config,
+        old_logprobs=old_logprobs,
+        ref_logprobs=ref_logprobs,
+        initial_entropy=initial_entropy,
+        num_sequences=num_sequences,
+        num_tokens=num_tokens,
+    )
 
     def empty():  # a fresh one each time: an operator's outputs may not alias one another
         return hidden.new_empty((0,))
 
-    return [full.loss.detach().to(stat_dtype),
-            empty() if d_hidden is None else d_hidden,
-            empty() if d_weight is None else d_weight.to(weight.dtype),
-            empty() if d_bias is None else d_bias.to(bias.dtype),
-            logp_all.clone(), entropy_all.clone(), full.metrics.to_sums(),
-            full.metrics.completion_entropy.to(stat_dtype)]
+    return [
+        full.loss.detach().to(stat_dtype),
+        empty() if d_hidden is None else d_hidden,
+        empty() if d_weight is None else d_weight.to(weight.dtype),
+        empty() if d_bias is None else d_bias.to(bias.dtype),
+        logp_all.clone(),
+        entropy_all.clone(),
+        full.metrics.to_sums(),
+        full.metrics.completion_entropy.to(stat_dtype),
+    ]

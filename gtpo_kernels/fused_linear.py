@@ -41,7 +41,6 @@ from .loss import Conflict, loss_conflict_weights, prepare_loss_inputs
 from .objective import completion_clip_fractions, signal_beyond_advantages
 from .result import GTPOLossOutput, GTPOMetrics
 
-
 _CONFIG_FIELDS = tuple(GTPOConfig().to_dict())
 
 
@@ -63,26 +62,33 @@ def _check_linear_inputs(hidden_states, lm_head_weight, lm_head_bias) -> torch.d
     validation.check_float("hidden_states", hidden_states, hidden_states.shape, "[N, L, H]")
     if hidden_states.dim() != 3:
         raise ValueError(f"hidden_states must be 3-D [N, L, H], got shape {tuple(hidden_states.shape)}")
-    if not isinstance(lm_head_weight, torch.Tensor) or lm_head_weight.dim() != 2 or \
-            lm_head_weight.shape[1] != hidden_states.shape[2]:
-        raise ValueError(f"lm_head_weight must be [V, H] with H = {hidden_states.shape[2]} (the hidden size), "
-                         f"got {tuple(getattr(lm_head_weight, 'shape', ()))}; pass model.lm_head.weight")
+    if (
+        not isinstance(lm_head_weight, torch.Tensor)
+        or lm_head_weight.dim() != 2
+        or lm_head_weight.shape[1] != hidden_states.shape[2]
+    ):
+        raise ValueError(
+            f"lm_head_weight must be [V, H] with H = {hidden_states.shape[2]} (the hidden size), "
+            f"got {tuple(getattr(lm_head_weight, 'shape', ()))}; pass model.lm_head.weight"
+        )
     validation.check_float("lm_head_weight", lm_head_weight, lm_head_weight.shape, "[V, H]")
     if lm_head_bias is not None:
         validation.check_float("lm_head_bias", lm_head_bias, (lm_head_weight.shape[0],), "[V]")
-    validation.check_same_device(hidden_states=hidden_states, lm_head_weight=lm_head_weight,
-                                 lm_head_bias=lm_head_bias)
+    validation.check_same_device(hidden_states=hidden_states, lm_head_weight=lm_head_weight, lm_head_bias=lm_head_bias)
     device = hidden_states.device
     if torch.is_autocast_enabled(device.type):
         return torch.get_autocast_dtype(device.type)
     if lm_head_weight.dtype != hidden_states.dtype:
-        raise ValueError(f"hidden_states ({hidden_states.dtype}) and lm_head_weight ({lm_head_weight.dtype}) "
-                         f"must share a dtype; cast one, or run under torch.autocast")
+        raise ValueError(
+            f"hidden_states ({hidden_states.dtype}) and lm_head_weight ({lm_head_weight.dtype}) "
+            f"must share a dtype; cast one, or run under torch.autocast"
+        )
     return hidden_states.dtype
 
 
-def _read_checks_and_lengths(checks: validation.DeferredChecks, hidden_states, lm_head_weight, lm_head_bias,
-                             completion_ids, valid) -> Optional[List[int]]:
+def _read_checks_and_lengths(
+    checks: validation.DeferredChecks, hidden_states, lm_head_weight, lm_head_bias, completion_ids, valid
+) -> Optional[List[int]]:
     """The fused path's one host synchronisation: its value checks and the row lengths that plan its chunks,
     read together. Its logits are finite when the hidden states and weights are, so those are checked in
     place of the statistics (which come only after the chunks are planned). ``None`` under torch.compile
@@ -90,8 +96,11 @@ def _read_checks_and_lengths(checks: validation.DeferredChecks, hidden_states, l
     if torch.compiler.is_compiling():
         return None
     validation.add_ids_check(checks, completion_ids, valid, lm_head_weight.shape[0])
-    for name, tensor in (("hidden_states", hidden_states), ("lm_head_weight", lm_head_weight),
-                         ("lm_head_bias", lm_head_bias)):
+    for name, tensor in (
+        ("hidden_states", hidden_states),
+        ("lm_head_weight", lm_head_weight),
+        ("lm_head_bias", lm_head_bias),
+    ):
         validation.add_finite_check(checks, name, tensor)
     return checks.read(valid.sum(dim=1), stacklevel=5)
 
@@ -134,42 +143,83 @@ def fused_linear_gtpo_loss(
     """
     compute_dtype = _check_linear_inputs(hidden_states, lm_head_weight, lm_head_bias)
     inputs = prepare_loss_inputs(
-        hidden_states, completion_ids, completion_mask, advantages, group_size, config, old_logprobs,
-        ref_logprobs, initial_entropy, conflict, num_sequences, num_tokens, temperature,
-        what="hidden_states [N, L, H]")
+        hidden_states,
+        completion_ids,
+        completion_mask,
+        advantages,
+        group_size,
+        config,
+        old_logprobs,
+        ref_logprobs,
+        initial_entropy,
+        conflict,
+        num_sequences,
+        num_tokens,
+        temperature,
+        what="hidden_states [N, L, H]",
+    )
     config, valid = inputs.config, inputs.valid
     device = hidden_states.device
     backend_ = resolve_backend_name(backend, device.type)
     stat_dtype = stats_dtype(compute_dtype)
-    lambda_, n_conflict = loss_conflict_weights(config, backend_, completion_ids, valid,
-                                                advantages.to(stat_dtype), group_size, conflict)
+    lambda_, n_conflict = loss_conflict_weights(
+        config, backend_, completion_ids, valid, advantages.to(stat_dtype), group_size, conflict
+    )
     if config.warn_no_signal and not signal_beyond_advantages(config, ref_logprobs is not None):
         # What is known before the statistics: no unmasked token with a non-zero advantage and conflict weight.
         weight = advantages.detach()[:, None] * (1 if lambda_ is None else lambda_)
-        inputs.checks.add_warning(~((weight != 0) & valid).any(), "no_signal",
-                                  lambda: validation.no_signal_message(None, config))
-    row_lengths = _read_checks_and_lengths(inputs.checks, hidden_states, lm_head_weight, lm_head_bias,
-                                           completion_ids, valid)
+        inputs.checks.add_warning(
+            ~((weight != 0) & valid).any(), "no_signal", lambda: validation.no_signal_message(None, config)
+        )
+    row_lengths = _read_checks_and_lengths(
+        inputs.checks, hidden_states, lm_head_weight, lm_head_bias, completion_ids, valid
+    )
 
     def as_count(value):  # whole-batch counts travel as 0-d float64 tensors (the operator's signature)
         return None if value is None else torch.as_tensor(value, dtype=torch.float64, device=device)
 
-    need_grads = [hidden_states.requires_grad, lm_head_weight.requires_grad,
-                  lm_head_bias is not None and lm_head_bias.requires_grad]
+    need_grads = [
+        hidden_states.requires_grad,
+        lm_head_weight.requires_grad,
+        lm_head_bias is not None and lm_head_bias.requires_grad,
+    ]
     with torch.autocast(device.type, enabled=False):
         outputs = custom_ops.fused_linear_gtpo(
-            hidden_states, lm_head_weight, lm_head_bias, completion_ids, valid, advantages.detach().to(stat_dtype),
-            lambda_, n_conflict, old_logprobs, ref_logprobs, _config_json(config), inputs.initial_entropy,
-            backend_, compute_dtype, inputs.temperature, as_count(num_sequences), as_count(num_tokens),
-            row_lengths, need_grads)
+            hidden_states,
+            lm_head_weight,
+            lm_head_bias,
+            completion_ids,
+            valid,
+            advantages.detach().to(stat_dtype),
+            lambda_,
+            n_conflict,
+            old_logprobs,
+            ref_logprobs,
+            _config_json(config),
+            inputs.initial_entropy,
+            backend_,
+            compute_dtype,
+            inputs.temperature,
+            as_count(num_sequences),
+            as_count(num_tokens),
+            row_lengths,
+            need_grads,
+        )
     # The operator's outputs all carry its grad_fn; metrics are reports, never part of the graph.
     loss, sums, completion_entropy = outputs[0], outputs[6].detach(), outputs[7].detach()
     metrics = GTPOMetrics.from_sums(sums, has_kl=ref_logprobs is not None)
     metrics.completion_entropy = completion_entropy
     if config.clipping and old_logprobs is not None:  # per-row clip fractions from the call's statistics, O(N L)
         metrics.completion_clip_low, metrics.completion_clip_high = completion_clip_fractions(
-            outputs[4], outputs[5], valid, advantages.to(stat_dtype), lambda_, old_logprobs, config,
-            inputs.initial_entropy)
+            outputs[4],
+            outputs[5],
+            valid,
+            advantages.to(stat_dtype),
+            lambda_,
+            old_logprobs,
+            config,
+            inputs.initial_entropy,
+        )
     return GTPOLossOutput(loss, metrics)
 
 
@@ -199,8 +249,9 @@ def fused_linear_token_logprobs_and_entropy(
     compute_dtype = _check_linear_inputs(hidden_states, lm_head_weight, lm_head_bias)
     vocab = lm_head_weight.shape[0]
     checks = validation.DeferredChecks(validate and not torch.compiler.is_compiling())
-    valid, temperature = validation.check_stats_inputs(hidden_states, "hidden_states [N, L, H]", completion_ids,
-                                                       completion_mask, temperature, checks)
+    valid, temperature = validation.check_stats_inputs(
+        hidden_states, "hidden_states [N, L, H]", completion_ids, completion_mask, temperature, checks
+    )
     if max_chunk_bytes is not None and not (isinstance(max_chunk_bytes, int) and max_chunk_bytes > 0):
         raise ValueError(f"max_chunk_bytes must be a positive int or None, got {max_chunk_bytes!r}")
     device = hidden_states.device
@@ -208,8 +259,9 @@ def fused_linear_token_logprobs_and_entropy(
     stat_dtype = stats_dtype(compute_dtype)
     w = lm_head_weight.to(compute_dtype)
     b = None if lm_head_bias is None else lm_head_bias.to(compute_dtype)
-    tokens = _unmasked_tokens(valid, _read_checks_and_lengths(checks, hidden_states, lm_head_weight, lm_head_bias,
-                                                              completion_ids, valid))
+    tokens = _unmasked_tokens(
+        valid, _read_checks_and_lengths(checks, hidden_states, lm_head_weight, lm_head_bias, completion_ids, valid)
+    )
     logp_all = torch.zeros(valid.shape, dtype=stat_dtype, device=device)
     entropy_all = torch.zeros_like(logp_all)
     budget = chunk_tokens_for(vocab, device, max_chunk_bytes)
@@ -233,11 +285,20 @@ class FusedLinearGTPOLoss(nn.Module):
         self.config = config or GTPOConfig()
         self.backend = backend
 
-    def forward(self, hidden_states, lm_head_weight, completion_ids, completion_mask, advantages,
-                **kwargs) -> GTPOLossOutput:
+    def forward(
+        self, hidden_states, lm_head_weight, completion_ids, completion_mask, advantages, **kwargs
+    ) -> GTPOLossOutput:
         """Every keyword of `fused_linear_gtpo_loss` except ``config`` and ``backend``."""
-        return fused_linear_gtpo_loss(hidden_states, lm_head_weight, completion_ids, completion_mask, advantages,
-                                      config=self.config, backend=self.backend, **kwargs)
+        return fused_linear_gtpo_loss(
+            hidden_states,
+            lm_head_weight,
+            completion_ids,
+            completion_mask,
+            advantages,
+            config=self.config,
+            backend=self.backend,
+            **kwargs,
+        )
 
     def extra_repr(self) -> str:
         return f"preset={self.config.preset!r}, backend={self.backend!r}"

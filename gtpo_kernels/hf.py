@@ -47,8 +47,10 @@ def decoder_of(model):
     if decoder is base:
         decoder = getattr(base, "model", None) or getattr(base, "language_model", None)
         if decoder is None or decoder is base:
-            raise ValueError(f"{type(base).__name__}.get_decoder() returns the whole model and it has no inner "
-                             f"'model' to take the hidden states from")
+            raise ValueError(
+                f"{type(base).__name__}.get_decoder() returns the whole model and it has no inner "
+                f"'model' to take the hidden states from"
+            )
     return decoder
 
 
@@ -88,10 +90,17 @@ def check_hidden_states_supported(model, allow_unknown: bool = False) -> None:
     fails there). ``allow_unknown=True`` skips that probe."""
     transform = logit_transform(model)
     if transform is not None:
-        raise ValueError(f"{type(_unwrap(model)).__name__} {transform[0]} after lm_head; hidden @ lm_head.weight.T "
-                         f"would not be its logits: use gtpo_loss on model(...).logits")
-    _check_head(model, lambda x: x, "final_hidden @ lm_head.weight.T", advice="; use gtpo_loss on model(...).logits",
-                probe=not allow_unknown)
+        raise ValueError(
+            f"{type(_unwrap(model)).__name__} {transform[0]} after lm_head; hidden @ lm_head.weight.T "
+            f"would not be its logits: use gtpo_loss on model(...).logits"
+        )
+    _check_head(
+        model,
+        lambda x: x,
+        "final_hidden @ lm_head.weight.T",
+        advice="; use gtpo_loss on model(...).logits",
+        probe=not allow_unknown,
+    )
 
 
 def _check_head(model, transform: Callable, what: str, advice: str, probe: bool = True) -> None:
@@ -100,8 +109,10 @@ def _check_head(model, transform: Callable, what: str, advice: str, probe: bool 
     base = _unwrap(model)
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     if not isinstance(head, torch.nn.Linear) or not hasattr(base, "get_decoder"):
-        raise ValueError(f"{type(base).__name__} has no linear lm_head and decoder (get_output_embeddings(), "
-                         f"get_decoder()){advice + ' instead' if advice else ''}")
+        raise ValueError(
+            f"{type(base).__name__} has no linear lm_head and decoder (get_output_embeddings(), "
+            f"get_decoder()){advice + ' instead' if advice else ''}"
+        )
     if not probe or getattr(base, _CHECKED, False):
         return
     if not _sharded(base):
@@ -168,8 +179,10 @@ def shared_prompt_pass_issue(model) -> Optional[str]:
         if isinstance(rope, dict):
             kind = rope.get("rope_type", rope.get("type"))
             if kind in LENGTH_DEPENDENT_ROPE:
-                return (f"its RoPE ({kind!r}) picks frequencies from the longest position of a forward call, which "
-                        f"differs between a prompt pass and a completion pass on its cache")
+                return (
+                    f"its RoPE ({kind!r}) picks frequencies from the longest position of a forward call, which "
+                    f"differs between a prompt pass and a completion pass on its cache"
+                )
     layer_types = []
     for attr in ("layer_types", "layers_block_type"):  # Jamba and Falcon-H1 name them layers_block_type
         try:
@@ -178,7 +191,9 @@ def shared_prompt_pass_issue(model) -> Optional[str]:
             pass
     other = sorted({t for t in layer_types if isinstance(t, str) and t not in ATTENTION_LAYER_TYPES})
     if other:
-        return f"it has layers whose cache is a recurrent state ({', '.join(other)}), which one prompt pass cannot share"
+        return (
+            f"it has layers whose cache is a recurrent state ({', '.join(other)}), which one prompt pass cannot share"
+        )
     return None
 
 
@@ -216,8 +231,7 @@ def shared_prefix_issue(model) -> Optional[str]:
     return issue
 
 
-def prompt_pass(module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, share_prefix: bool = True,
-                **kwargs):
+def prompt_pass(module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, share_prefix: bool = True, **kwargs):
     """Runs left-padded prompts ``[B, P]`` through ``module`` (a causal LM or its decoder) with a cache.
 
     A prefix of at least `MIN_SHARED_PREFIX` tokens that every prompt starts with (`shared_prefix_length`)
@@ -235,27 +249,47 @@ def prompt_pass(module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, 
     lengths = prompt_mask.sum(1, keepdim=True)
     c = shared_prefix_length(prompt_ids, prompt_mask) if share_prefix and shared_prefix_issue(module) is None else 0
     if c < MIN_SHARED_PREFIX:
-        out = module(input_ids=prompt_ids, attention_mask=prompt_mask, use_cache=True,
-                     position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0), **kwargs)
+        out = module(
+            input_ids=prompt_ids,
+            attention_mask=prompt_mask,
+            use_cache=True,
+            position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0),
+            **kwargs,
+        )
         return out, getattr(out, cache_kw), prompt_mask, lengths
     batch, width = prompt_ids.shape
     start = width - int(lengths[0])  # row 0's first token; every row starts with the same c tokens
-    prefix = prompt_ids[:1, start:start + c]
-    out = module(input_ids=prefix, attention_mask=torch.ones_like(prefix), use_cache=True,
-                 position_ids=torch.arange(c, device=prefix.device)[None], **kwargs)
+    prefix = prompt_ids[:1, start : start + c]
+    out = module(
+        input_ids=prefix,
+        attention_mask=torch.ones_like(prefix),
+        use_cache=True,
+        position_ids=torch.arange(c, device=prefix.device)[None],
+        **kwargs,
+    )
     cache = getattr(out, cache_kw)
     cache.batch_repeat_interleave(batch)
     own = int(lengths.max()) - c  # the longest prompt's own tokens; shorter prompts' are left-padded to it
     own_mask = (torch.arange(own, device=prompt_ids.device) >= own - (lengths - c)).long()  # [B, own]
     attention = torch.cat([torch.ones_like(prompt_mask[:, :c]), own_mask], dim=1)
-    out = module(input_ids=prompt_ids[:, width - own:], attention_mask=attention, use_cache=True,
-                 position_ids=(c + own_mask.cumsum(1) - 1).clamp(min=c), **{cache_kw: cache}, **kwargs)
+    out = module(
+        input_ids=prompt_ids[:, width - own :],
+        attention_mask=attention,
+        use_cache=True,
+        position_ids=(c + own_mask.cumsum(1) - 1).clamp(min=c),
+        **{cache_kw: cache},
+        **kwargs,
+    )
     return out, cache, attention, lengths
 
 
 def causal_lm_hidden_states(
-    model, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, *,
-    allow_unknown: bool = False, **model_kwargs,
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: Optional[torch.Tensor] = None,
+    *,
+    allow_unknown: bool = False,
+    **model_kwargs,
 ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Runs the decoder of a Llama/Qwen2-style causal LM and stops before ``lm_head``.
 
@@ -269,15 +303,20 @@ def causal_lm_hidden_states(
     """
     check_hidden_states_supported(model, allow_unknown)
     base = _unwrap(model)
-    outputs = decoder_of(base)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                                 **model_kwargs)
+    outputs = decoder_of(base)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **model_kwargs)
     head = base.get_output_embeddings()
     return outputs.last_hidden_state, head.weight, head.bias
 
 
 def grouped_completion_hidden_states(
-    model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
-    completion_mask: torch.Tensor, group_size: int, *, allow_unknown: bool = False,
+    model,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    group_size: int,
+    *,
+    allow_unknown: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """The hidden states that predict each completion token, running each prompt once per group.
 
@@ -302,13 +341,17 @@ def grouped_completion_hidden_states(
     check_hidden_states_supported(model, allow_unknown)
     n_prompts, n_rows = prompt_ids.shape[0], completion_ids.shape[0]
     if n_rows != n_prompts * group_size:
-        raise ValueError(f"completion_ids has {n_rows} rows; expected prompt_ids' {n_prompts} rows x "
-                         f"group_size {group_size} = {n_prompts * group_size}")
+        raise ValueError(
+            f"completion_ids has {n_rows} rows; expected prompt_ids' {n_prompts} rows x "
+            f"group_size {group_size} = {n_prompts * group_size}"
+        )
     if prompt_mask.shape != prompt_ids.shape or completion_mask.shape != completion_ids.shape:
         raise ValueError("prompt_mask / completion_mask must have the shapes of prompt_ids / completion_ids")
     if not bool(prompt_mask[:, -1].all()):
-        raise ValueError("prompts must be left-padded (prompt_mask[:, -1] all ones): the last prompt position "
-                         "predicts the first completion token")
+        raise ValueError(
+            "prompts must be left-padded (prompt_mask[:, -1] all ones): the last prompt position "
+            "predicts the first completion token"
+        )
     base = _unwrap(model)
     decoder = decoder_of(base)
     prompt_mask = prompt_mask.long()
@@ -321,17 +364,26 @@ def grouped_completion_hidden_states(
         rows = prompt_mask.repeat_interleave(group_size, 0)
         attention = torch.cat([rows, completion_mask.long()], dim=1)
         hidden, weight, bias = causal_lm_hidden_states(
-            model, torch.cat([prompt_ids.repeat_interleave(group_size, 0), completion_ids], dim=1), attention,
-            allow_unknown=allow_unknown, position_ids=(attention.cumsum(1) - 1).clamp(min=0))
-        return hidden[:, prompt_ids.shape[1] - 1:-1], weight, bias
+            model,
+            torch.cat([prompt_ids.repeat_interleave(group_size, 0), completion_ids], dim=1),
+            attention,
+            allow_unknown=allow_unknown,
+            position_ids=(attention.cumsum(1) - 1).clamp(min=0),
+        )
+        return hidden[:, prompt_ids.shape[1] - 1 : -1], weight, bias
     prompt, cache, prompt_attention, lengths = prompt_pass(decoder, prompt_ids, prompt_mask)
     cache.batch_repeat_interleave(group_size)  # new tensors: gradients still reach the prompt pass
     prompt_attention = prompt_attention.repeat_interleave(group_size, 0)
-    positions = lengths.repeat_interleave(group_size, 0) + torch.arange(completion_ids.shape[1],
-                                                                        device=completion_ids.device)
-    completion = decoder(input_ids=completion_ids, position_ids=positions, use_cache=True,
-                         attention_mask=torch.cat([prompt_attention, completion_mask.long()], 1),
-                         **{cache_kwarg(decoder): cache})
+    positions = lengths.repeat_interleave(group_size, 0) + torch.arange(
+        completion_ids.shape[1], device=completion_ids.device
+    )
+    completion = decoder(
+        input_ids=completion_ids,
+        position_ids=positions,
+        use_cache=True,
+        attention_mask=torch.cat([prompt_attention, completion_mask.long()], 1),
+        **{cache_kwarg(decoder): cache},
+    )
     last_prompt = prompt.last_hidden_state[:, -1:].repeat_interleave(group_size, 0)
     hidden = torch.cat([last_prompt, completion.last_hidden_state[:, :-1]], dim=1)
     head = base.get_output_embeddings()

@@ -76,24 +76,58 @@ def gtpo_loss(
     """
     validation.check_logits(logits)
     inputs = prepare_loss_inputs(
-        logits, completion_ids, completion_mask, advantages, group_size, config, old_logprobs, ref_logprobs,
-        initial_entropy, conflict, num_sequences, num_tokens, temperature, what="logits [N, L, V]")
+        logits,
+        completion_ids,
+        completion_mask,
+        advantages,
+        group_size,
+        config,
+        old_logprobs,
+        ref_logprobs,
+        initial_entropy,
+        conflict,
+        num_sequences,
+        num_tokens,
+        temperature,
+        what="logits [N, L, V]",
+    )
     config = inputs.config
     backend_ = resolve_backend_name(backend, logits.device.type)
-    logp, entropy = token_stats(backend_, logits, completion_ids, inputs.valid, temperature=inputs.temperature,
-                                max_chunk_bytes=config.max_chunk_bytes, inplace=config.inplace_backward)
+    logp, entropy = token_stats(
+        backend_,
+        logits,
+        completion_ids,
+        inputs.valid,
+        temperature=inputs.temperature,
+        max_chunk_bytes=config.max_chunk_bytes,
+        inplace=config.inplace_backward,
+    )
     # The kernels report ids outside the vocabulary, NaN/+inf logits and sampled -inf tokens as NaN statistics.
     validation.add_stats_check(inputs.checks, logp, entropy, inputs.valid, completion_ids, logits.shape[-1])
-    lambda_, n_conflict = loss_conflict_weights(config, backend_, completion_ids, inputs.valid, advantages,
-                                                group_size, conflict)
+    lambda_, n_conflict = loss_conflict_weights(
+        config, backend_, completion_ids, inputs.valid, advantages, group_size, conflict
+    )
     out = loss_from_token_stats(
-        logp, entropy, inputs.valid, advantages, lambda_, n_conflict, config, old_logprobs=old_logprobs,
-        ref_logprobs=ref_logprobs, initial_entropy=inputs.initial_entropy, num_sequences=num_sequences,
-        num_tokens=num_tokens)
+        logp,
+        entropy,
+        inputs.valid,
+        advantages,
+        lambda_,
+        n_conflict,
+        config,
+        old_logprobs=old_logprobs,
+        ref_logprobs=ref_logprobs,
+        initial_entropy=inputs.initial_entropy,
+        num_sequences=num_sequences,
+        num_tokens=num_tokens,
+    )
     if config.warn_no_signal:
         metrics = out.metrics
-        inputs.checks.add_warning(metrics.signal_fraction == 0, "no_signal", lambda: validation.no_signal_message(
-            float(metrics.filtered_fraction), config))
+        inputs.checks.add_warning(
+            metrics.signal_fraction == 0,
+            "no_signal",
+            lambda: validation.no_signal_message(float(metrics.filtered_fraction), config),
+        )
     inputs.checks.read()  # the call's one host synchronisation, after every kernel is queued
     return out
 
@@ -107,9 +141,22 @@ class LossInputs:
     checks: validation.DeferredChecks  # value checks, read once at the end of the call
 
 
-def prepare_loss_inputs(source, completion_ids, completion_mask, advantages, group_size, config, old_logprobs,
-                        ref_logprobs, initial_entropy, conflict, num_sequences, num_tokens, temperature,
-                        what: str) -> LossInputs:
+def prepare_loss_inputs(
+    source,
+    completion_ids,
+    completion_mask,
+    advantages,
+    group_size,
+    config,
+    old_logprobs,
+    ref_logprobs,
+    initial_entropy,
+    conflict,
+    num_sequences,
+    num_tokens,
+    temperature,
+    what: str,
+) -> LossInputs:
     """Checks the inputs shared by every GTPO loss entry point.
 
     ``source`` is the ``[N, L, *]`` tensor the loss reads (logits or hidden states), named ``what`` in
@@ -124,38 +171,59 @@ def prepare_loss_inputs(source, completion_ids, completion_mask, advantages, gro
     checks = validation.DeferredChecks(config.validate_inputs and not torch.compiler.is_compiling())
     needs_groups = config.use_conflict_weights and conflict is None
     if needs_groups and group_size is None:
-        raise ValueError("the config uses conflict weights, which compare the completions of a group: pass "
-                         "group_size=G with whole groups, or conflict=conflict_weights(ids, mask, advantages, G) "
-                         "computed on whole groups and sliced like these rows (or set use_conflict_weights=False)")
+        raise ValueError(
+            "the config uses conflict weights, which compare the completions of a group: pass "
+            "group_size=G with whole groups, or conflict=conflict_weights(ids, mask, advantages, G) "
+            "computed on whole groups and sliced like these rows (or set use_conflict_weights=False)"
+        )
     if group_size is not None and not needs_groups:
         validation.check_group_size(group_size, None)
         group_size = None  # unused: not required to divide a slice's rows
     valid, initial_entropy = validation.check_loss_inputs(
-        source, completion_ids, completion_mask, advantages, group_size, old_logprobs, ref_logprobs,
-        initial_entropy, checks)
+        source,
+        completion_ids,
+        completion_mask,
+        advantages,
+        group_size,
+        old_logprobs,
+        ref_logprobs,
+        initial_entropy,
+        checks,
+    )
     if config.use_conflict_weights and conflict is not None:
         validation.check_conflict(conflict, shape, source, what.split(" ")[0], checks)
     if config.loss_reduction == "dr_grpo" and num_sequences is not None and config.max_completion_length is None:
-        raise ValueError("loss_reduction='dr_grpo' divides by num_sequences * max_completion_length; for a call that "
-                         "holds a slice of the batch (num_sequences given) set GTPOConfig(max_completion_length=...) "
-                         "to the generation cap, or each slice would divide by its own padded length and the "
-                         "slices would not add up to the whole batch's loss")
+        raise ValueError(
+            "loss_reduction='dr_grpo' divides by num_sequences * max_completion_length; for a call that "
+            "holds a slice of the batch (num_sequences given) set GTPOConfig(max_completion_length=...) "
+            "to the generation cap, or each slice would divide by its own padded length and the "
+            "slices would not add up to the whole batch's loss"
+        )
     if config.kl_beta and ref_logprobs is None:
-        raise ValueError(f"config.kl_beta = {config.kl_beta} needs ref_logprobs [N, L]; pass the reference "
-                         f"model's log-probs or set kl_beta=0")
-    validation.check_count("num_sequences", num_sequences, shape[0], checks,
-                           "the number of completions in the whole optimisation batch")
+        raise ValueError(
+            f"config.kl_beta = {config.kl_beta} needs ref_logprobs [N, L]; pass the reference "
+            f"model's log-probs or set kl_beta=0"
+        )
+    validation.check_count(
+        "num_sequences", num_sequences, shape[0], checks, "the number of completions in the whole optimisation batch"
+    )
     # No lower bound from this call: under DDP, which averages the processes' gradients, each process passes
     # the whole batch's tokens divided by the number of processes, which a process with long completions
     # may exceed on its own.
-    validation.check_count("num_tokens", num_tokens, 0, checks,
-                           "the number of unmasked tokens in the whole optimisation batch (summed over every "
-                           "rank and micro-batch; divided by the number of processes when DDP averages them)")
+    validation.check_count(
+        "num_tokens",
+        num_tokens,
+        0,
+        checks,
+        "the number of unmasked tokens in the whole optimisation batch (summed over every "
+        "rank and micro-batch; divided by the number of processes when DDP averages them)",
+    )
     return LossInputs(config, valid, initial_entropy, validation.check_temperature(temperature), checks)
 
 
-def loss_conflict_weights(config: GTPOConfig, backend: str, completion_ids, valid, advantages, group_size,
-                          conflict: Optional[Conflict]):
+def loss_conflict_weights(
+    config: GTPOConfig, backend: str, completion_ids, valid, advantages, group_size, conflict: Optional[Conflict]
+):
     """``(lambda_, n_conflict)`` for the loss: the given slice, computed from whole groups, or ``(None, None)``
     when the config does not use conflict weights."""
     if not config.use_conflict_weights:
@@ -175,8 +243,9 @@ class GTPOLoss(nn.Module):
 
     def forward(self, logits, completion_ids, completion_mask, advantages, **kwargs) -> GTPOLossOutput:
         """Every keyword of `gtpo_loss` except ``config`` and ``backend``, which the module holds."""
-        return gtpo_loss(logits, completion_ids, completion_mask, advantages, config=self.config,
-                         backend=self.backend, **kwargs)
+        return gtpo_loss(
+            logits, completion_ids, completion_mask, advantages, config=self.config, backend=self.backend, **kwargs
+        )
 
     def extra_repr(self) -> str:
         return f"preset={self.config.preset!r}, backend={self.backend!r}"

@@ -34,7 +34,7 @@ class _K3(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        d, = ctx.saved_tensors
+        (d,) = ctx.saved_tensors
         return grad * torch.expm1(d)
 
 
@@ -70,9 +70,15 @@ def _shaping(entropy, mask, lengths, advantages, lambda_, config: GTPOConfig, in
     return completion_entropy, keep, token_advantage.expand(mask.shape)
 
 
-def token_advantages(token_entropy: torch.Tensor, valid: torch.Tensor, advantages: torch.Tensor,
-                     lambda_: Optional[torch.Tensor], n_conflict: Optional[torch.Tensor], config: GTPOConfig,
-                     initial_entropy: Optional[float] = None):
+def token_advantages(
+    token_entropy: torch.Tensor,
+    valid: torch.Tensor,
+    advantages: torch.Tensor,
+    lambda_: Optional[torch.Tensor],
+    n_conflict: Optional[torch.Tensor],
+    config: GTPOConfig,
+    initial_entropy: Optional[float] = None,
+):
     """Everything GTPO does to the advantages, folded into one per-token advantage, for trainers whose policy
     loss takes per-token advantages and knows nothing of GTPO (verl).
 
@@ -89,15 +95,17 @@ def token_advantages(token_entropy: torch.Tensor, valid: torch.Tensor, advantage
         entropy term needs the current entropy with its gradient and cannot be folded.
     """
     if config.entropy_mode == "penalty" and config.entropy_coef > 0:
-        raise ValueError("entropy_mode='penalty' adds gamma * H with its gradient to the loss, which per-token "
-                         "advantages cannot carry: use entropy_mode='advantage_shift'")
+        raise ValueError(
+            "entropy_mode='penalty' adds gamma * H with its gradient to the loss, which per-token "
+            "advantages cannot carry: use entropy_mode='advantage_shift'"
+        )
     dtype = token_entropy.dtype if token_entropy.is_floating_point() else torch.float32
     mask = valid.to(dtype)
     lengths = mask.sum(dim=1)
-    entropy = torch.where(valid, token_entropy.detach().to(dtype), torch.zeros((), dtype=dtype,
-                                                                               device=mask.device))
-    completion_entropy, keep, token_advantage = _shaping(entropy, mask, lengths, advantages, lambda_, config,
-                                                         initial_entropy)
+    entropy = torch.where(valid, token_entropy.detach().to(dtype), torch.zeros((), dtype=dtype, device=mask.device))
+    completion_entropy, keep, token_advantage = _shaping(
+        entropy, mask, lengths, advantages, lambda_, config, initial_entropy
+    )
     if config.divide_by_conflict_count and n_conflict is not None:
         token_advantage = token_advantage / n_conflict.clamp(min=1).to(dtype)[:, None]
     return completion_entropy, keep, token_advantage * mask
@@ -110,8 +118,9 @@ def clip_flags(ratio: torch.Tensor, token_advantage: torch.Tensor, config: GTPOC
     return (ratio < low) & (token_advantage < 0), (ratio > high) & (token_advantage > 0)
 
 
-def completion_clip_fractions(token_logprobs, token_entropy, valid, advantages, lambda_, old_logprobs,
-                              config: GTPOConfig, initial_entropy=None):
+def completion_clip_fractions(
+    token_logprobs, token_entropy, valid, advantages, lambda_, old_logprobs, config: GTPOConfig, initial_entropy=None
+):
     """``(low [N], high [N])``: each completion's fraction of clipped tokens on each side (NaN for an empty
     completion; 0 without clipping or on-policy), from a call's statistics: what `loss_from_token_stats`
     reports, for a path (the fused one) whose operator returns the statistics but not these."""
@@ -148,8 +157,11 @@ def _token_weights(valid, lengths, n_conflict, config: GTPOConfig, num_sequences
             row = row / sequences
     elif config.loss_reduction == "token_mean":
         tokens = lengths.sum() if num_tokens is None else num_tokens
-        tokens = tokens.to(dtype) if isinstance(tokens, torch.Tensor) else torch.tensor(float(tokens), dtype=dtype,
-                                                                                       device=lengths.device)
+        tokens = (
+            tokens.to(dtype)
+            if isinstance(tokens, torch.Tensor)
+            else torch.tensor(float(tokens), dtype=dtype, device=lengths.device)
+        )
         row = torch.ones_like(lengths) / tokens.clamp(min=1)
     else:  # dr_grpo
         row = torch.ones_like(lengths) / (sequences * (config.max_completion_length or n_positions))
@@ -188,8 +200,11 @@ def loss_gradients(
     # Policy term -min(min(rho, delta) a, clip(rho) a): its gradient is -a rho on the branch the min takes (ties
     # go to the first, as torch.minimum does) where that branch is not flat: the first below the cap, the
     # clipped one inside [1 - eps_low, 1 + eps_high] (torch.clamp passes the gradient at the bounds).
-    ratio = torch.ones_like(logp) if old_logprobs is None else torch.exp(
-        logp - torch.where(valid, old_logprobs.to(dtype), zero))
+    ratio = (
+        torch.ones_like(logp)
+        if old_logprobs is None
+        else torch.exp(logp - torch.where(valid, old_logprobs.to(dtype), zero))
+    )
     c = -token_advantage * ratio
     first = ratio
     if config.ratio_cap is not None:
@@ -259,8 +274,9 @@ def loss_from_token_stats(
 
     logp = torch.where(valid, token_logprobs, zero)
     entropy = torch.where(valid, token_entropy, zero)
-    completion_entropy, keep, token_advantage = _shaping(entropy, mask, lengths, advantages, lambda_, config,
-                                                         initial_entropy)
+    completion_entropy, keep, token_advantage = _shaping(
+        entropy, mask, lengths, advantages, lambda_, config, initial_entropy
+    )
 
     # Importance ratio; on-policy it is 1 in value and carries the gradient of logp.
     old = logp.detach() if old_logprobs is None else torch.where(valid, old_logprobs.to(dtype), zero)

@@ -34,7 +34,10 @@ def token_logprobs_and_entropy(logits: torch.Tensor, completion_ids: torch.Tenso
 
 
 def reference_conflict_weights(
-    completion_ids: torch.Tensor, completion_mask: torch.Tensor, advantages: torch.Tensor, group_size: int,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    advantages: torch.Tensor,
+    group_size: int,
     weight: float = 2.0,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(lambda [N, L] float64, n_conflict [N] int64)`` by loops over each group's rows (docs/method.md)."""
@@ -101,9 +104,20 @@ def reference_gtpo_loss(
     safe_ids = torch.where(valid, completion_ids.long(), 0)  # masked ids may be pad values like -100
     logp, entropy = token_logprobs_and_entropy(logits / temperature, safe_ids)
     return reference_loss_from_token_stats(
-        logp, entropy, completion_ids, valid, advantages, group_size=group_size, config=config,
-        old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, initial_entropy=initial_entropy, conflict=conflict,
-        num_sequences=num_sequences, num_tokens=num_tokens)
+        logp,
+        entropy,
+        completion_ids,
+        valid,
+        advantages,
+        group_size=group_size,
+        config=config,
+        old_logprobs=old_logprobs,
+        ref_logprobs=ref_logprobs,
+        initial_entropy=initial_entropy,
+        conflict=conflict,
+        num_sequences=num_sequences,
+        num_tokens=num_tokens,
+    )
 
 
 def reference_loss_from_token_stats(
@@ -134,10 +148,12 @@ def reference_loss_from_token_stats(
     else:
         # Runs are those of the completions as generated: a masked position inside a completion (a tool's
         # output) is still part of it there, and only the positions after the last unmasked one are not.
-        as_generated = torch.tensor([[any(row[t:]) for t in range(length)] for row in valid.cpu().tolist()],
-                                    dtype=torch.bool).reshape(n_rows, length)
-        lambda_, n_conflict = reference_conflict_weights(completion_ids.cpu(), as_generated, advantages.cpu(),
-                                                         group_size, config.conflict_weight)
+        as_generated = torch.tensor(
+            [[any(row[t:]) for t in range(length)] for row in valid.cpu().tolist()], dtype=torch.bool
+        ).reshape(n_rows, length)
+        lambda_, n_conflict = reference_conflict_weights(
+            completion_ids.cpu(), as_generated, advantages.cpu(), group_size, config.conflict_weight
+        )
     device = logp.device
     lambda_, n_conflict = lambda_.to(device), n_conflict.tolist()
     lengths = valid.sum(dim=1).tolist()  # the tokens that take part in the loss
@@ -202,9 +218,11 @@ def reference_loss_from_token_stats(
         row_losses.append(row_loss)
         row_entropies.append(h_bar)
         kept.append(delta == 1.0)
-        signal.append(bool((token_adv != 0).any())
-                      or (config.entropy_mode == "penalty" and gamma > 0)
-                      or (config.kl_beta > 0 and ref_logprobs is not None))
+        signal.append(
+            bool((token_adv != 0).any())
+            or (config.entropy_mode == "penalty" and gamma > 0)
+            or (config.kl_beta > 0 and ref_logprobs is not None)
+        )
         token_count += n
         entropy_sum += float(h.detach().sum())
 

@@ -84,8 +84,11 @@ class GTPOMetrics:
             if value is None or f.name in _PER_ROW_ONLY:
                 continue
             names.append(f.name)
-            values.append(value.detach().to(torch.float64).mean() if value.numel()
-                          else torch.zeros((), dtype=torch.float64, device=value.device))
+            values.append(
+                value.detach().to(torch.float64).mean()
+                if value.numel()
+                else torch.zeros((), dtype=torch.float64, device=value.device)
+            )
         if not values:
             return {}
         return dict(zip(names, torch.stack([v.to(values[0].device) for v in values]).tolist()))
@@ -103,20 +106,24 @@ class GTPOMetrics:
             else:
                 mean = getattr(self, name)
                 weight = getattr(self, _AVERAGED_OVER[name]).to(torch.float64)
-                values.append(torch.zeros((), dtype=torch.float64, device=device) if mean is None
-                              else mean.detach().to(torch.float64) * weight)
+                values.append(
+                    torch.zeros((), dtype=torch.float64, device=device)
+                    if mean is None
+                    else mean.detach().to(torch.float64) * weight
+                )
         return torch.stack(values)
 
     @classmethod
-    def from_sums(cls, sums: torch.Tensor, parts: Optional[int] = None,
-                  has_kl: Optional[bool] = None) -> "GTPOMetrics":
+    def from_sums(cls, sums: torch.Tensor, parts: Optional[int] = None, has_kl: Optional[bool] = None) -> GTPOMetrics:
         """The metrics of the union of the calls whose `to_sums` vectors were added into ``sums``.
 
         ``kl`` is kept when every part had it (``parts``: how many vectors were added; by default it is
         kept when any part had it), or as ``has_kl`` says (no read of the tensor: no host sync)."""
         if sums.shape != (len(_SUM_LAYOUT),):
-            raise ValueError(f"GTPOMetrics.from_sums: expected a vector of {len(_SUM_LAYOUT)} sums from to_sums(), "
-                             f"got shape {tuple(sums.shape)}")
+            raise ValueError(
+                f"GTPOMetrics.from_sums: expected a vector of {len(_SUM_LAYOUT)} sums from to_sums(), "
+                f"got shape {tuple(sums.shape)}"
+            )
         named = dict(zip(_SUM_LAYOUT, sums.unbind()))
         if has_kl is None:
             has_kl = bool(named["has_kl"] > 0) if parts is None else bool(named["has_kl"] >= parts)
@@ -128,14 +135,15 @@ class GTPOMetrics:
         return cls(completion_entropy=None, **values)
 
     @classmethod
-    def merge(cls, parts: Sequence["GTPOMetrics"]) -> "GTPOMetrics":
+    def merge(cls, parts: Sequence[GTPOMetrics]) -> GTPOMetrics:
         """The metrics of several calls' rows taken together, exactly (count-weighted means);
         ``completion_entropy`` is the concatenation, in the order given."""
         parts = list(parts)
         if not parts:
             raise ValueError("GTPOMetrics.merge: nothing to merge")
-        merged = cls.from_sums(torch.stack([p.to_sums().to(parts[0].entropy.device) for p in parts]).sum(0),
-                               parts=len(parts))
+        merged = cls.from_sums(
+            torch.stack([p.to_sums().to(parts[0].entropy.device) for p in parts]).sum(0), parts=len(parts)
+        )
         for name in ("completion_entropy",) + _PER_ROW_ONLY:
             rows: List[Optional[torch.Tensor]] = [getattr(p, name) for p in parts]
             setattr(merged, name, None if any(r is None for r in rows) else torch.cat(rows))

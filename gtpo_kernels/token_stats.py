@@ -30,8 +30,16 @@ class TokenStats(torch.autograd.Function):
     through it raises an error instead of returning a wrong one."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, kernels: Backend,
-                temperature: float, max_chunk_bytes: Optional[int], inplace: bool):
+    def forward(
+        ctx,
+        logits: torch.Tensor,
+        ids: torch.Tensor,
+        valid: torch.Tensor,
+        kernels: Backend,
+        temperature: float,
+        max_chunk_bytes: Optional[int],
+        inplace: bool,
+    ):
         if logits.stride(-1) != 1:
             logits = logits.contiguous()  # the kernels stream rows of V; strided rows are copied once
         row_max, log_s, logp, entropy = kernels.forward(logits, ids, valid, temperature, max_chunk_bytes)
@@ -45,30 +53,57 @@ class TokenStats(torch.autograd.Function):
         logits, ids, valid, row_max, log_s, logp, entropy = ctx.saved_tensors
         grad_logp = torch.zeros_like(logp) if grad_logp is None else grad_logp
         out = logits if ctx.inplace else torch.empty_like(logits, memory_format=torch.contiguous_format)
-        ctx.kernels.backward(logits, ids, valid, row_max, log_s, logp, entropy, grad_logp, grad_entropy, out,
-                             ctx.temperature, ctx.max_chunk_bytes)
+        ctx.kernels.backward(
+            logits,
+            ids,
+            valid,
+            row_max,
+            log_s,
+            logp,
+            entropy,
+            grad_logp,
+            grad_entropy,
+            out,
+            ctx.temperature,
+            ctx.max_chunk_bytes,
+        )
         if ctx.inplace:
             torch.autograd.graph.increment_version(logits)
         return out, None, None, None, None, None, None
 
 
-def token_stats(backend: str, logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, *,
-                temperature: float = 1.0, max_chunk_bytes: Optional[int] = None,
-                inplace: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(logp, H)`` ``[N, L]`` from a resolved backend (by name); differentiable w.r.t. ``logits``. Through the registered
-    operator ``gtpo_kernels::token_stats`` (what ``torch.compile`` sees); the in-place gradient mode, which
+def token_stats(
+    backend: str,
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    valid: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    max_chunk_bytes: Optional[int] = None,
+    inplace: bool = False,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(logp, H)`` ``[N, L]`` from a resolved backend (by name); differentiable w.r.t. ``logits``. Through the
+    registered operator ``gtpo_kernels::token_stats`` (what ``torch.compile`` sees); the in-place gradient mode, which
     writes over a saved input, through `TokenStats` (eager mode)."""
     if inplace:
         if logits.requires_grad and logits.is_leaf:
-            raise ValueError("inplace_backward=True would write the gradient over a leaf tensor that is its own "
-                             "parameter (logits.grad would alias logits); use it on logits computed by the "
-                             "model, or set inplace_backward=False")
-        return TokenStats.apply(logits, ids, valid, kernels_for(get_backend(backend), logits.dtype),
-                                float(temperature), max_chunk_bytes, True)
+            raise ValueError(
+                "inplace_backward=True would write the gradient over a leaf tensor that is its own "
+                "parameter (logits.grad would alias logits); use it on logits computed by the "
+                "model, or set inplace_backward=False"
+            )
+        return TokenStats.apply(
+            logits,
+            ids,
+            valid,
+            kernels_for(get_backend(backend), logits.dtype),
+            float(temperature),
+            max_chunk_bytes,
+            True,
+        )
     if logits.stride(-1) != 1:
         logits = logits.contiguous()  # the kernels stream rows of V; strided rows are copied once
-    _, _, logp, entropy = custom_ops.token_stats(logits, ids, valid, float(temperature), backend,
-                                                 max_chunk_bytes or 0)
+    _, _, logp, entropy = custom_ops.token_stats(logits, ids, valid, float(temperature), backend, max_chunk_bytes or 0)
     return logp, entropy
 
 
@@ -95,11 +130,13 @@ def token_logprobs_and_entropy(
     """
     validation.check_logits(logits)
     checks = validation.DeferredChecks(validate and not torch.compiler.is_compiling())
-    valid, temperature = validation.check_stats_inputs(logits, "logits [N, L, V]", completion_ids, completion_mask,
-                                                       temperature, checks)
+    valid, temperature = validation.check_stats_inputs(
+        logits, "logits [N, L, V]", completion_ids, completion_mask, temperature, checks
+    )
     with torch.no_grad():
-        logp, entropy = token_stats(resolve_backend_name(backend, logits.device.type), logits, completion_ids, valid,
-                                    temperature=temperature)
+        logp, entropy = token_stats(
+            resolve_backend_name(backend, logits.device.type), logits, completion_ids, valid, temperature=temperature
+        )
     validation.add_stats_check(checks, logp, entropy, valid, completion_ids, logits.shape[-1])
     checks.read()  # one host synchronisation
     return logp, entropy

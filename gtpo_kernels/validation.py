@@ -26,14 +26,18 @@ _WARNED = set()  # warnings given in this process (each once)
 
 
 def no_signal_message(filtered_fraction: Optional[float], config) -> str:
-    why = ("every completion was dropped by the entropy filter (metrics.filtered_fraction = 1: their mean "
-           f"entropy is above entropy_threshold = {config.entropy_threshold:.3g} nats; a trained policy is far more "
-           "confident than random logits, or pass initial_entropy for the paper preset's gate)"
-           if filtered_fraction is not None and filtered_fraction >= 1 else
-           "no completion carries a non-zero advantage (groups whose rewards are all equal, or every token "
-           "masked; metrics.signal_fraction = 0)")
-    return (f"gtpo_kernels: this loss call has no learning signal, so its loss and gradient are exactly 0: {why}. "
-            f"Warned once per process; GTPOConfig(warn_no_signal=False) turns it off")
+    why = (
+        "every completion was dropped by the entropy filter (metrics.filtered_fraction = 1: their mean "
+        f"entropy is above entropy_threshold = {config.entropy_threshold:.3g} nats; a trained policy is far more "
+        "confident than random logits, or pass initial_entropy for the paper preset's gate)"
+        if filtered_fraction is not None and filtered_fraction >= 1
+        else "no completion carries a non-zero advantage (groups whose rewards are all equal, or every token "
+        "masked; metrics.signal_fraction = 0)"
+    )
+    return (
+        f"gtpo_kernels: this loss call has no learning signal, so its loss and gradient are exactly 0: {why}. "
+        f"Warned once per process; GTPOConfig(warn_no_signal=False) turns it off"
+    )
 
 
 class DeferredChecks:
@@ -72,20 +76,19 @@ class DeferredChecks:
             if flag:
                 explain()
                 raise AssertionError("a gtpo_kernels input check failed on the device but not on the host")
-        for flag, (_, key, message) in zip(data[n_flags:n_flags + n_warnings], self._warnings):
+        for flag, (_, key, message) in zip(data[n_flags : n_flags + n_warnings], self._warnings):
             if flag and key not in _WARNED:
                 _WARNED.add(key)
                 warnings.warn(message(), RuntimeWarning, stacklevel=stacklevel)  # at the user's call
         self._flags, self._explain, self._warnings = [], [], []
-        return None if values is None else data[n_flags + n_warnings:]
+        return None if values is None else data[n_flags + n_warnings :]
 
 
 def check_float(name: str, tensor: torch.Tensor, shape: tuple, what: str) -> None:
     if not isinstance(tensor, torch.Tensor):
         _fail(f"{name} must be a torch.Tensor of shape {what}, got {type(tensor).__name__}")
     if not tensor.is_floating_point():
-        _fail(f"{name} must be a floating-point tensor, got {tensor.dtype}; "
-              f"did you pass ids or a mask in its place?")
+        _fail(f"{name} must be a floating-point tensor, got {tensor.dtype}; did you pass ids or a mask in its place?")
     if tuple(tensor.shape) != tuple(shape):
         _fail(f"{name} must have shape {what} = {tuple(shape)}, got {tuple(tensor.shape)}")
 
@@ -95,9 +98,11 @@ def check_group_size(group_size, n_rows: Optional[int]) -> None:
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         _fail(f"group_size must be a positive int (completions per prompt), got {group_size!r}")
     if n_rows is not None and n_rows % group_size:
-        _fail(f"group_size ({group_size}) must divide the number of completions N = {n_rows}; "
-              f"pass whole groups (rows b*G .. b*G+G-1 are one prompt's completions), or, for a slice of a "
-              f"batch that cuts through groups, pass conflict=conflict_weights(...) computed on whole groups")
+        _fail(
+            f"group_size ({group_size}) must divide the number of completions N = {n_rows}; "
+            f"pass whole groups (rows b*G .. b*G+G-1 are one prompt's completions), or, for a slice of a "
+            f"batch that cuts through groups, pass conflict=conflict_weights(...) computed on whole groups"
+        )
 
 
 def check_temperature(temperature) -> float:
@@ -105,27 +110,40 @@ def check_temperature(temperature) -> float:
         return temperature
     if isinstance(temperature, torch.Tensor) and temperature.numel() == 1:
         temperature = float(temperature)
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
-            math.isfinite(temperature) and temperature > 0):
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, (int, float))
+        or not (math.isfinite(temperature) and temperature > 0)
+    ):
         _fail(f"temperature must be a finite number > 0 (the sampling temperature), got {temperature!r}")
     return float(temperature)
 
 
 def check_conflict(conflict, shape: tuple, anchor: torch.Tensor, anchor_name: str, checks: DeferredChecks) -> None:
     """``conflict = (lambda_ [N, L] float, n_conflict [N] integer)``, as `conflict_weights` returns."""
-    if not (isinstance(conflict, (tuple, list)) and len(conflict) == 2
-            and all(isinstance(t, torch.Tensor) for t in conflict)):
-        _fail(f"conflict must be the pair (lambda_ [N, L], n_conflict [N]) returned by conflict_weights(...), "
-              f"got {type(conflict).__name__}")
+    if not (
+        isinstance(conflict, (tuple, list))
+        and len(conflict) == 2
+        and all(isinstance(t, torch.Tensor) for t in conflict)
+    ):
+        _fail(
+            f"conflict must be the pair (lambda_ [N, L], n_conflict [N]) returned by conflict_weights(...), "
+            f"got {type(conflict).__name__}"
+        )
     lambda_, n_conflict = conflict
     check_float("conflict[0] (lambda_)", lambda_, shape, "[N, L]")
     if n_conflict.is_floating_point() or n_conflict.dtype == torch.bool or tuple(n_conflict.shape) != shape[:1]:
-        _fail(f"conflict[1] (n_conflict) must be an integer tensor of shape [N] = {shape[:1]}, got "
-              f"{n_conflict.dtype} {tuple(n_conflict.shape)}")
+        _fail(
+            f"conflict[1] (n_conflict) must be an integer tensor of shape [N] = {shape[:1]}, got "
+            f"{n_conflict.dtype} {tuple(n_conflict.shape)}"
+        )
     check_same_device(**{anchor_name: anchor, "conflict[0]": lambda_, "conflict[1]": n_conflict})
+
     def explain():
-        _fail("conflict[0] (lambda_) must be finite and >= 0; pass what conflict_weights(...) returned, sliced "
-              "like the rows")
+        _fail(
+            "conflict[0] (lambda_) must be finite and >= 0; pass what conflict_weights(...) returned, sliced "
+            "like the rows"
+        )
 
     checks.add(~(torch.isfinite(lambda_) & (lambda_ >= 0)).all(), explain)
 
@@ -137,8 +155,10 @@ def check_count(name: str, value, at_least, checks: DeferredChecks, what: str) -
         return
     if isinstance(value, torch.Tensor):
         if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
-            _fail(f"{name} must be a number or a one-element tensor ({what}), got a {value.dtype} tensor of "
-                  f"shape {tuple(value.shape)}")
+            _fail(
+                f"{name} must be a number or a one-element tensor ({what}), got a {value.dtype} tensor of "
+                f"shape {tuple(value.shape)}"
+            )
     elif isinstance(value, bool) or not isinstance(value, (int, float)):
         _fail(f"{name} must be a number ({what}), got {value!r}")
 
@@ -146,8 +166,10 @@ def check_count(name: str, value, at_least, checks: DeferredChecks, what: str) -
         shown = float(value) if isinstance(value, torch.Tensor) else value
         if not float(at_least):
             _fail(f"{name} = {shown!r} must be a finite number > 0: {what}")
-        _fail(f"{name} = {shown!r} is less than this call's own count ({float(at_least):g}): it must be {what}, "
-              f"summed over every rank and micro-batch")
+        _fail(
+            f"{name} = {shown!r} is less than this call's own count ({float(at_least):g}): it must be {what}, "
+            f"summed over every rank and micro-batch"
+        )
 
     if isinstance(value, torch.Tensor) or isinstance(at_least, torch.Tensor):
         device = (value if isinstance(value, torch.Tensor) else at_least).device
@@ -167,6 +189,7 @@ def check_mask(completion_mask: torch.Tensor, shape: tuple, checks: DeferredChec
     if tuple(completion_mask.shape) != tuple(shape):
         _fail(f"completion_mask must have shape [N, L] = {tuple(shape)}, got {tuple(completion_mask.shape)}")
     if completion_mask.dtype != torch.bool:
+
         def explain_values():
             _fail("completion_mask must hold only 0 and 1 (or be a bool tensor)")
 
@@ -179,8 +202,10 @@ def check_mask(completion_mask: torch.Tensor, shape: tuple, checks: DeferredChec
 
         def explain_left_padding():
             row = int(left_padded.nonzero()[0, 0])
-            _fail(f"completion_mask must start each non-empty row with a 1 (right padding), but row {row} starts "
-                  f"with a 0; left-padded masks are not supported: shift each completion to start at position 0")
+            _fail(
+                f"completion_mask must start each non-empty row with a 1 (right padding), but row {row} starts "
+                f"with a 0; left-padded masks are not supported: shift each completion to start at position 0"
+            )
 
         checks.add(left_padded.any(), explain_left_padding)
     return completion_mask
@@ -191,8 +216,10 @@ def check_ids(completion_ids: torch.Tensor) -> tuple:
     if not isinstance(completion_ids, torch.Tensor):
         _fail(f"completion_ids must be a torch.Tensor [N, L], got {type(completion_ids).__name__}")
     if completion_ids.is_floating_point() or completion_ids.is_complex() or completion_ids.dtype == torch.bool:
-        _fail(f"completion_ids must be an integer tensor (token ids), got {completion_ids.dtype}; "
-              f"did you swap completion_ids with the mask or the logits?")
+        _fail(
+            f"completion_ids must be an integer tensor (token ids), got {completion_ids.dtype}; "
+            f"did you swap completion_ids with the mask or the logits?"
+        )
     if completion_ids.dim() != 2:
         _fail(f"completion_ids must be 2-D [N, L], got shape {tuple(completion_ids.shape)}")
     return tuple(completion_ids.shape)
@@ -203,20 +230,28 @@ def check_rows_match_ids(source: torch.Tensor, what: str, completion_ids: torch.
     one position per id; returns ``(N, L)``."""
     shape = check_ids(completion_ids)
     if tuple(source.shape[:2]) != shape:
-        _fail(f"{what} = {tuple(source.shape)} and completion_ids [N, L] = {shape} disagree on N or L; "
-              f"position t of row i must predict completion_ids[i, t]")
+        _fail(
+            f"{what} = {tuple(source.shape)} and completion_ids [N, L] = {shape} disagree on N or L; "
+            f"position t of row i must predict completion_ids[i, t]"
+        )
     return shape
 
 
-def check_stats_inputs(source: torch.Tensor, what: str, completion_ids: torch.Tensor,
-                       completion_mask: Optional[torch.Tensor], temperature,
-                       checks: DeferredChecks) -> Tuple[torch.Tensor, float]:
+def check_stats_inputs(
+    source: torch.Tensor,
+    what: str,
+    completion_ids: torch.Tensor,
+    completion_mask: Optional[torch.Tensor],
+    temperature,
+    checks: DeferredChecks,
+) -> Tuple[torch.Tensor, float]:
     """The checks of the no-grad statistics functions (on logits or on hidden states): ids, mask (default:
     every position), device and temperature. Returns ``(valid [N, L] bool, temperature)``."""
     shape = check_rows_match_ids(source, what, completion_ids)
     temperature = check_temperature(temperature)
-    check_same_device(**{what.split(" ")[0]: source, "completion_ids": completion_ids,
-                         "completion_mask": completion_mask})
+    check_same_device(
+        **{what.split(" ")[0]: source, "completion_ids": completion_ids, "completion_mask": completion_mask}
+    )
     if completion_mask is None:
         valid = torch.ones(shape, dtype=torch.bool, device=source.device)
     else:
@@ -232,15 +267,24 @@ def ids_outside_vocab(completion_ids: torch.Tensor, valid: torch.Tensor, vocab_s
 def add_ids_check(checks: DeferredChecks, completion_ids: torch.Tensor, valid: torch.Tensor, vocab_size: int) -> None:
     """Ids in ``[0, vocab_size)`` at unmasked positions, as a deferred check (the fused path, which has no
     statistics yet when it reads the flags; the logits path lets the kernels report them, `add_stats_check`)."""
-    checks.add(ids_outside_vocab(completion_ids, valid, vocab_size).any(),
-               lambda: check_ids_in_vocab(completion_ids, valid, vocab_size))
+    checks.add(
+        ids_outside_vocab(completion_ids, valid, vocab_size).any(),
+        lambda: check_ids_in_vocab(completion_ids, valid, vocab_size),
+    )
 
 
-def add_stats_check(checks: DeferredChecks, logp: torch.Tensor, entropy: torch.Tensor, valid: torch.Tensor,
-                    completion_ids: torch.Tensor, vocab_size: int) -> None:
+def add_stats_check(
+    checks: DeferredChecks,
+    logp: torch.Tensor,
+    entropy: torch.Tensor,
+    valid: torch.Tensor,
+    completion_ids: torch.Tensor,
+    vocab_size: int,
+) -> None:
     """Finite statistics at unmasked positions, as a deferred check. The kernels return NaN for an id
     outside the vocabulary, NaN or +inf logits and a sampled token at -inf, so this one small reduction over
     ``[N, L]`` covers all of them; ``explain`` tells which."""
+
     def explain():
         check_ids_in_vocab(completion_ids, valid, vocab_size)
         check_token_stats_finite(logp, entropy, valid)
@@ -254,8 +298,10 @@ def add_finite_check(checks: DeferredChecks, name: str, tensor: Optional[torch.T
         return
 
     def explain():
-        _fail(f"{name} holds NaN or inf values; fix the model's output or parameters (set "
-              f"config.validate_inputs=False to skip this check)")
+        _fail(
+            f"{name} holds NaN or inf values; fix the model's output or parameters (set "
+            f"config.validate_inputs=False to skip this check)"
+        )
 
     checks.add(~torch.isfinite(tensor).all(), explain)
 
@@ -264,9 +310,11 @@ def check_ids_in_vocab(completion_ids: torch.Tensor, valid: torch.Tensor, vocab_
     out_of_range = ids_outside_vocab(completion_ids, valid, vocab_size)
     if bool(out_of_range.any()):
         row, pos = (int(x) for x in out_of_range.nonzero()[0])
-        _fail(f"completion_ids must lie in [0, V={vocab_size}) at unmasked positions, but "
-              f"completion_ids[{row}, {pos}] = {int(completion_ids[row, pos])}; check the tokenizer "
-              f"matches the model's vocabulary and that padding is masked out")
+        _fail(
+            f"completion_ids must lie in [0, V={vocab_size}) at unmasked positions, but "
+            f"completion_ids[{row}, {pos}] = {int(completion_ids[row, pos])}; check the tokenizer "
+            f"matches the model's vocabulary and that padding is masked out"
+        )
 
 
 def check_same_device(**tensors: Optional[torch.Tensor]) -> None:
@@ -283,15 +331,29 @@ def check_initial_entropy(initial_entropy) -> Optional[float]:
         if initial_entropy.numel() != 1:
             _fail(f"initial_entropy must be a number, got a tensor of shape {tuple(initial_entropy.shape)}")
         initial_entropy = float(initial_entropy)
-    if isinstance(initial_entropy, bool) or not isinstance(initial_entropy, (int, float)) \
-            or not math.isfinite(initial_entropy):
-        _fail(f"initial_entropy must be a finite number (the policy's mean token entropy on the first "
-              f"step), got {initial_entropy!r}")
+    if (
+        isinstance(initial_entropy, bool)
+        or not isinstance(initial_entropy, (int, float))
+        or not math.isfinite(initial_entropy)
+    ):
+        _fail(
+            f"initial_entropy must be a finite number (the policy's mean token entropy on the first "
+            f"step), got {initial_entropy!r}"
+        )
     return float(initial_entropy)
 
 
-def check_loss_inputs(logits, completion_ids, completion_mask, advantages, group_size, old_logprobs,
-                      ref_logprobs, initial_entropy, checks: DeferredChecks):
+def check_loss_inputs(
+    logits,
+    completion_ids,
+    completion_mask,
+    advantages,
+    group_size,
+    old_logprobs,
+    ref_logprobs,
+    initial_entropy,
+    checks: DeferredChecks,
+):
     """Checks everything `gtpo_loss` takes except the logits' own shape, given as ``logits=[N, L, *]``,
     the ids' range, and the conflict and count arguments (`add_stats_check`, `check_conflict`,
     `check_count`).
@@ -302,14 +364,22 @@ def check_loss_inputs(logits, completion_ids, completion_mask, advantages, group
     """
     shape = check_ids(completion_ids)
     n_rows = shape[0]
-    check_same_device(logits=logits, completion_ids=completion_ids, completion_mask=completion_mask,
-                      advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs)
+    check_same_device(
+        logits=logits,
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        advantages=advantages,
+        old_logprobs=old_logprobs,
+        ref_logprobs=ref_logprobs,
+    )
     valid = check_mask(completion_mask, shape, checks)
     check_float("advantages", advantages, (n_rows,), "[N]")
 
     def explain_advantages():
-        _fail("advantages must be finite, got NaN or inf; check the rewards (a group with std 0 and "
-              "normalize_std=True needs eps > 0)")
+        _fail(
+            "advantages must be finite, got NaN or inf; check the rewards (a group with std 0 and "
+            "normalize_std=True needs eps > 0)"
+        )
 
     checks.add(~torch.isfinite(advantages).all(), explain_advantages)
     if group_size is not None:
@@ -327,8 +397,10 @@ def check_logits(logits: torch.Tensor) -> None:
     if logits.dtype not in FLOAT_DTYPES:
         _fail(f"logits must be float16, bfloat16, float32 or float64, got {logits.dtype}")
     if logits.dim() != 3:
-        _fail(f"logits must be 3-D [N, L, V] (N completions, L positions, V vocabulary), got shape "
-              f"{tuple(logits.shape)}; reshape [B*G, L, V] and drop the prompt positions")
+        _fail(
+            f"logits must be 3-D [N, L, V] (N completions, L positions, V vocabulary), got shape "
+            f"{tuple(logits.shape)}; reshape [B*G, L, V] and drop the prompt positions"
+        )
     if logits.shape[-1] < 1:
         _fail("logits must have a vocabulary dimension V >= 1")
 
@@ -339,6 +411,8 @@ def check_token_stats_finite(logp: torch.Tensor, entropy: torch.Tensor, valid: t
     bad = valid & ~(torch.isfinite(logp) & torch.isfinite(entropy))
     if bool(bad.any()):
         row, pos = (int(x) for x in bad.nonzero()[0])
-        _fail(f"logits give a non-finite log-prob or entropy at unmasked position [{row}, {pos}]: the "
-              f"logits there contain NaN or +inf, or the target token's logit is -inf. Fix the model "
-              f"output or mask the position (set config.validate_inputs=False to skip this check)")
+        _fail(
+            f"logits give a non-finite log-prob or entropy at unmasked position [{row}, {pos}]: the "
+            f"logits there contain NaN or +inf, or the target token's logit is -inf. Fix the model "
+            f"output or mask the position (set config.validate_inputs=False to skip this check)"
+        )

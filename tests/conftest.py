@@ -12,8 +12,10 @@ if os.environ.get("GTPO_TEST_CUDA", "0") == "0":
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 @pytest.fixture(scope="session")
@@ -27,17 +29,28 @@ def tiny_model_dir(tmp_path_factory):
     vocab = {tok: i for i, tok in enumerate(specials + chars)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<|im_end|>",
-                                                unk_token="<unk>", additional_special_tokens=specials[1:3])
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        eos_token="<|im_end|>",
+        unk_token="<unk>",
+        additional_special_tokens=specials[1:3],
+    )
     fast.chat_template = CHAT_TEMPLATE
-    config = transformers.LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=512, eos_token_id=vocab["<|im_end|>"],
-                                      pad_token_id=vocab["<pad>"])
+    config = transformers.LlamaConfig(
+        vocab_size=len(vocab),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=vocab["<|im_end|>"],
+        pad_token_id=vocab["<pad>"],
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
     path = tmp_path_factory.mktemp("tiny")
     model.save_pretrained(path)
     fast.save_pretrained(path)
     return str(path)
-

@@ -26,9 +26,14 @@ def fixed_batch(vocab: int, groups: int = 4, group_size: int = 3, prompt_len: in
     rewards = torch.tensor([1.0, 0.0, 0.5] * groups)
     advantages = compute_advantages(rewards, group_size)
     completion_mask = torch.arange(length)[None] < lengths[:, None]
-    return {"prompt_ids": torch.randint(4, vocab, (groups, prompt_len), generator=g), "prompt_mask": prompt_mask,
-            "completion_ids": completion_ids, "completion_mask": completion_mask, "advantages": advantages,
-            "conflict": conflict_weights(completion_ids, completion_mask, advantages, group_size)}
+    return {
+        "prompt_ids": torch.randint(4, vocab, (groups, prompt_len), generator=g),
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "advantages": advantages,
+        "conflict": conflict_weights(completion_ids, completion_mask, advantages, group_size),
+    }
 
 
 def share(batch: dict, rank: int, world: int, group_size: int) -> dict:
@@ -45,8 +50,16 @@ def main(model_dir: str, out_file: str, fsdp: bool) -> None:
     dist = Distributed.start("cpu")
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    config = TrainConfig(model=model_dir, group_size=3, prompts_per_step=4, temperature=0.7, num_iterations=2, precision="fp32",
-                         grad_accum_steps=2 // dist.world if dist.world <= 2 else 1, fsdp=fsdp)
+    config = TrainConfig(
+        model=model_dir,
+        group_size=3,
+        prompts_per_step=4,
+        temperature=0.7,
+        num_iterations=2,
+        precision="fp32",
+        grad_accum_steps=2 // dist.world if dist.world <= 2 else 1,
+        fsdp=fsdp,
+    )
     loss_config = config.loss_config()
     batch = share(fixed_batch(model.config.vocab_size), dist.rank, dist.world, config.group_size)
     policy = wrap(PolicyLoss(model), model.get_decoder().layers, dist, fsdp)

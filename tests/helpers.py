@@ -31,6 +31,7 @@ def tiny_chunks(vocab: int, tokens: int = 3) -> int:
     """A ``max_chunk_bytes`` that makes the torch backend work through ``tokens`` tokens at a time."""
     return 4 * vocab * tokens
 
+
 # Relative error bars against the float64 reference (the project's standard: fp32 1e-5, bf16/fp16 inputs 1e-2).
 RTOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
@@ -45,9 +46,15 @@ FP32_ABS_FLOOR = 1e-6
 ENTRY_FLOOR = 1e-2
 
 
-def assert_close_per_entry(actual: torch.Tensor, expected: torch.Tensor, rtol: float, what: str = "",
-                           scale: Optional[torch.Tensor] = None, floor: float = ENTRY_FLOOR,
-                           atol: float = 0.0) -> None:
+def assert_close_per_entry(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    rtol: float,
+    what: str = "",
+    scale: Optional[torch.Tensor] = None,
+    floor: float = ENTRY_FLOOR,
+    atol: float = 0.0,
+) -> None:
     """Every entry: |actual - expected| <= rtol * (|expected| + scale) + atol (float64 comparison).
 
     ``scale``: per entry, the size of the terms the entry is a sum of (`logits_gradient_scale`): an entry
@@ -67,11 +74,13 @@ def assert_close_per_entry(actual: torch.Tensor, expected: torch.Tensor, rtol: f
     assert excess.max() <= 0, (
         f"{what}: entry {tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), expected.shape))} is "
         f"{float(actual.reshape(-1)[worst]):.6e}, expected {float(expected.reshape(-1)[worst]):.6e}, allowed "
-        f"+-{float(bound.reshape(-1)[worst]):.1e} (rtol {rtol:.0e})")
+        f"+-{float(bound.reshape(-1)[worst]):.1e} (rtol {rtol:.0e})"
+    )
 
 
-def token_coefficients(logits: torch.Tensor, completion_ids, completion_mask, advantages, *, config,
-                       temperature: float = 1.0, **kwargs):
+def token_coefficients(
+    logits: torch.Tensor, completion_ids, completion_mask, advantages, *, config, temperature: float = 1.0, **kwargs
+):
     """From the float64 oracle: ``(c, e, log_p)``, the gradient of the loss w.r.t. each token's log-prob and
     entropy ``[N, L]`` and the log-softmax ``[N, L, V]`` of ``logits / T``."""
     valid = completion_mask.bool()
@@ -81,11 +90,16 @@ def token_coefficients(logits: torch.Tensor, completion_ids, completion_mask, ad
     logp = log_p.gather(-1, safe[..., None]).squeeze(-1)
     entropy = -(p * log_p.masked_fill(p == 0, 0.0)).sum(-1)
     lp, h = logp.detach().requires_grad_(), entropy.detach().requires_grad_()
-    loss = reference_loss_from_token_stats(lp, h, completion_ids, valid, advantages.double(), config=config,
-                                           **{k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point()
-                                                  else v) for k, v in kwargs.items()}).loss
-    c, e = (torch.zeros_like(lp) if g is None else g
-            for g in torch.autograd.grad(loss, (lp, h), allow_unused=True))
+    loss = reference_loss_from_token_stats(
+        lp,
+        h,
+        completion_ids,
+        valid,
+        advantages.double(),
+        config=config,
+        **{k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in kwargs.items()},
+    ).loss
+    c, e = (torch.zeros_like(lp) if g is None else g for g in torch.autograd.grad(loss, (lp, h), allow_unused=True))
     return c, e, log_p
 
 
@@ -98,15 +112,17 @@ def loss_scale(logits: torch.Tensor, completion_ids, completion_mask, advantages
     return float((c.abs() + e.abs() * entropy).sum())
 
 
-def logits_gradient_scale(logits: torch.Tensor, completion_ids, completion_mask, advantages, *, config,
-                          temperature: float = 1.0, **kwargs) -> torch.Tensor:
+def logits_gradient_scale(
+    logits: torch.Tensor, completion_ids, completion_mask, advantages, *, config, temperature: float = 1.0, **kwargs
+) -> torch.Tensor:
     """``[N, L, V]``: the size of the terms of each entry of d loss / d logits, from the float64 oracle.
 
     The entry is ``(c (onehot - p) + e dH/du) / T`` with ``c, e`` the gradient of the loss w.r.t. the token's
     log-prob and entropy: off the target the terms are ``p_v |c|`` and ``p_v |e| |log p_v + H|`` (bounded by
     ``p_v |e| (|log p_v| + H)``), at the target ``|c| (1 - p_y)`` and ``p_y |e| |log p_y + H|``."""
-    c, e, log_p = token_coefficients(logits, completion_ids, completion_mask, advantages, config=config,
-                                     temperature=temperature, **kwargs)
+    c, e, log_p = token_coefficients(
+        logits, completion_ids, completion_mask, advantages, config=config, temperature=temperature, **kwargs
+    )
     valid = completion_mask.bool()
     safe = torch.where(valid, completion_ids, 0)
     p = log_p.exp()
@@ -121,8 +137,9 @@ def logits_gradient_scale(logits: torch.Tensor, completion_ids, completion_mask,
     return scale * valid[..., None] / temperature
 
 
-def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, what: str = "",
-                     atol: float = 0.0) -> None:
+def assert_rel_close(
+    actual: torch.Tensor, expected: torch.Tensor, rtol: float, what: str = "", atol: float = 0.0
+) -> None:
     """max |actual - expected| <= rtol * max(|expected|, tiny) + atol; both compared in float64. For
     scalars and vectors of like magnitude; gradients use `assert_close_per_entry`."""
     actual = torch.as_tensor(actual).double()
@@ -131,12 +148,24 @@ def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, 
     assert torch.isfinite(actual).all(), f"{what}: non-finite values {actual}"
     scale = expected.abs().max().clamp(min=1e-12) if expected.numel() else torch.tensor(1.0)
     err = (actual - expected).abs().max() if expected.numel() else torch.tensor(0.0)
-    assert err <= rtol * scale + atol, \
+    assert err <= rtol * scale + atol, (
         f"{what}: max abs error {float(err):.3e} > {rtol:.1e} * {float(scale):.3e} + {atol:.1e}"
+    )
 
 
-def random_batch(n_groups, group_size, length, vocab, *, dtype=torch.float32, seed=0, sharpness=4.0,
-                 min_len=1, tie_groups=False, share_tokens=True):
+def random_batch(
+    n_groups,
+    group_size,
+    length,
+    vocab,
+    *,
+    dtype=torch.float32,
+    seed=0,
+    sharpness=4.0,
+    min_len=1,
+    tie_groups=False,
+    share_tokens=True,
+):
     """A fresh random batch: logits ``[N, L, V]`` with a mix of confident and uncertain rows (so the
     entropy filter keeps some completions and drops others), ids that often repeat across a group (so
     there are conflict tokens), right-padded masks of random lengths and random rewards-based advantages.
@@ -183,8 +212,11 @@ class PeakTensorMemory(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+        inputs = {
+            id(t.untyped_storage())
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor) and t.device.type != "meta"
+        }
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor) or t.device.type == "meta":
                 continue

@@ -51,6 +51,7 @@ def marked(fn, name):
         if result is not None:  # evaluate returns None when a stop cut it short
             print(f"PHASE-END {name}", flush=True)
         return result
+
     return wrapper
 
 

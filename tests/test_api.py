@@ -23,6 +23,7 @@ def call(logits, ids, mask, adv, group_size=3, **kwargs):
 
 # ---- errors that name the argument ------------------------------------------------------------------
 
+
 def test_logits_must_be_3d(batch):
     logits, ids, mask, adv = batch
     with pytest.raises(ValueError, match=r"logits must be 3-D \[N, L, V\]"):
@@ -175,16 +176,17 @@ def test_validation_can_be_switched_off(batch):
 
 # ---- edge cases -----------------------------------------------------------------------------------
 
+
 def test_garbage_at_masked_positions_is_ignored(batch):
     logits, ids, mask, adv = batch
     x = logits.clone().requires_grad_()
     expected = call(x, ids, mask, adv, config=GTPOConfig(entropy_mode="penalty")).loss
-    grad, = torch.autograd.grad(expected, x)
+    (grad,) = torch.autograd.grad(expected, x)
     dirty = logits.clone()
     dirty[~mask] = float("nan")
     y = dirty.requires_grad_()
     out = call(y, ids, mask, adv, config=GTPOConfig(entropy_mode="penalty")).loss
-    grad_dirty, = torch.autograd.grad(out, y)
+    (grad_dirty,) = torch.autograd.grad(out, y)
     assert torch.equal(out, expected)
     assert torch.equal(grad_dirty, grad)
     assert (grad_dirty[~mask] == 0).all()
@@ -214,8 +216,9 @@ def test_chunk_budget_does_not_change_results(batch, monkeypatch):
         budget = None if tokens is None else 4 * 11 * tokens  # float32 bytes of `tokens` tokens at V = 11
         x = logits.clone().requires_grad_()
         blocks.clear()
-        out = call(x, ids, mask, adv, config=GTPOConfig(max_chunk_bytes=budget, entropy_mode="penalty"),
-                   backend="torch")
+        out = call(
+            x, ids, mask, adv, config=GTPOConfig(max_chunk_bytes=budget, entropy_mode="penalty"), backend="torch"
+        )
         out.loss.backward()
         # The torch backend really walked chunks of at most that many tokens.
         assert max(blocks) <= (tokens or 30) and (tokens is None or tokens >= 30 or len(blocks) > 1)
@@ -241,27 +244,50 @@ def test_module_matches_function(batch):
     config = GTPOConfig(preset="official")
     module = GTPOLoss(config)
     assert "official" in repr(module)
-    assert torch.equal(module(logits, ids, mask, adv, group_size=3).loss, call(logits, ids, mask, adv, config=config).loss)
+    assert torch.equal(
+        module(logits, ids, mask, adv, group_size=3).loss, call(logits, ids, mask, adv, config=config).loss
+    )
 
 
 def test_metrics_to_dict(batch):
     logits, ids, mask, adv = batch
     d = call(logits, ids, mask, adv).metrics.to_dict()
-    assert set(d) == {"entropy", "completion_entropy", "filtered_fraction", "signal_fraction", "amplified_fraction",
-                      "skipped_fraction", "ratio_mean", "clip_fraction", "clip_low_fraction", "clip_high_fraction",
-                      "num_tokens", "num_sequences", "num_nonempty"}
+    assert set(d) == {
+        "entropy",
+        "completion_entropy",
+        "filtered_fraction",
+        "signal_fraction",
+        "amplified_fraction",
+        "skipped_fraction",
+        "ratio_mean",
+        "clip_fraction",
+        "clip_low_fraction",
+        "clip_high_fraction",
+        "num_tokens",
+        "num_sequences",
+        "num_nonempty",
+    }
     assert all(isinstance(v, float) for v in d.values())
     assert d["num_tokens"] == float(mask.sum()) and d["num_sequences"] == 6.0
 
 
 def test_public_names():
-    for name in ("gtpo_loss", "GTPOLoss", "GTPOConfig", "compute_advantages", "conflict_weights",
-                 "fused_linear_gtpo_loss", "fused_linear_token_logprobs_and_entropy", "token_logprobs_and_entropy",
-                 "GTPOMetrics"):
+    for name in (
+        "gtpo_loss",
+        "GTPOLoss",
+        "GTPOConfig",
+        "compute_advantages",
+        "conflict_weights",
+        "fused_linear_gtpo_loss",
+        "fused_linear_token_logprobs_and_entropy",
+        "token_logprobs_and_entropy",
+        "GTPOMetrics",
+    ):
         assert hasattr(gtpo_kernels, name) and name in gtpo_kernels.__all__
 
 
 # ---- advantages ------------------------------------------------------------------------------------
+
 
 def test_compute_advantages_errors():
     with pytest.raises(ValueError, match="group_size"):
@@ -296,8 +322,13 @@ def test_every_metric_is_detached(entry, backend):
     dev = device_for(backend)
     g = torch.Generator().manual_seed(9)
     ref = logits.log_softmax(-1).gather(-1, ids[..., None])[..., 0] - 0.1
-    kwargs = dict(group_size=3, config=GTPOConfig(kl_beta=0.1), ref_logprobs=ref.to(dev), old_logprobs=ref.to(dev),
-                  backend=backend)
+    kwargs = dict(
+        group_size=3,
+        config=GTPOConfig(kl_beta=0.1),
+        ref_logprobs=ref.to(dev),
+        old_logprobs=ref.to(dev),
+        backend=backend,
+    )
     if entry == "logits":
         out = gtpo_loss(logits.to(dev).requires_grad_(), ids.to(dev), mask.to(dev), adv.to(dev), **kwargs)
     else:

@@ -10,20 +10,73 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from gtpo_kernels.hf import (causal_lm_hidden_states, check_hidden_states_supported, decoder_of,  # noqa: E402
-                             grouped_completion_hidden_states, head_logit_transform, shared_prefix_issue)
+from gtpo_kernels.hf import (
+    causal_lm_hidden_states,
+    check_hidden_states_supported,
+    decoder_of,  # noqa: E402
+    grouped_completion_hidden_states,
+    head_logit_transform,
+    shared_prefix_issue,
+)
 
-SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             vocab_size=67, max_position_embeddings=64, head_dim=8, n_embd=32, n_layer=2, n_head=4,
-             moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, num_local_experts=4, sliding_window=16,
-             pad_token_id=0, bos_token_id=1, eos_token_id=2)
+SMALL = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=67,
+    max_position_embeddings=64,
+    head_dim=8,
+    n_embd=32,
+    n_layer=2,
+    n_head=4,
+    moe_intermediate_size=16,
+    num_experts=4,
+    num_experts_per_tok=2,
+    num_local_experts=4,
+    sliding_window=16,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 # model_type -> the path it takes (a transform's description, or "fused")
 FAMILIES = {
-    "cohere": "scales its logits", "gemma2": "soft-caps its logits",
-    **{name: "fused" for name in (
-        "ernie4_5", "exaone4", "falcon", "gemma", "gemma3_text", "glm", "glm4", "gpt2", "gpt_neox", "gpt_oss",
-        "granite", "internlm3", "lfm2", "llama", "llama4_text", "mistral", "olmo", "olmo2", "olmoe", "phi", "phi3",
-        "phimoe", "qwen2", "qwen3", "qwen3_moe", "smollm3", "stablelm", "starcoder2")},
+    "cohere": "scales its logits",
+    "gemma2": "soft-caps its logits",
+    **{
+        name: "fused"
+        for name in (
+            "ernie4_5",
+            "exaone4",
+            "falcon",
+            "gemma",
+            "gemma3_text",
+            "glm",
+            "glm4",
+            "gpt2",
+            "gpt_neox",
+            "gpt_oss",
+            "granite",
+            "internlm3",
+            "lfm2",
+            "llama",
+            "llama4_text",
+            "mistral",
+            "olmo",
+            "olmo2",
+            "olmoe",
+            "phi",
+            "phi3",
+            "phimoe",
+            "qwen2",
+            "qwen3",
+            "qwen3_moe",
+            "smollm3",
+            "stablelm",
+            "starcoder2",
+        )
+    },
 }
 
 
@@ -85,13 +138,17 @@ def test_family_shares_prompt_passes_exactly(model_type):
     calls = []
     hook = decoder_of(model).register_forward_pre_hook(lambda *a: calls.append(1))
     with torch.no_grad():
-        hidden, _, _ = grouped_completion_hidden_states(model, prompt_ids, prompt_mask, completion_ids,
-                                                        completion_mask, 2)
+        hidden, _, _ = grouped_completion_hidden_states(
+            model, prompt_ids, prompt_mask, completion_ids, completion_mask, 2
+        )
         hook.remove()
         if shared_prefix_issue(model) is None:
             assert len(calls) == 3  # the prefix, the prompts' own tokens, the completions
         for row in range(4):
             prompt = prompts[row // 2]
-            expected, _, _ = causal_lm_hidden_states(model, torch.cat([prompt, completion_ids[row, :lengths[row]]])[None])
-            torch.testing.assert_close(hidden[row, :lengths[row]], expected[0, len(prompt) - 1:-1], rtol=1e-4,
-                                       atol=1e-4)
+            expected, _, _ = causal_lm_hidden_states(
+                model, torch.cat([prompt, completion_ids[row, : lengths[row]]])[None]
+            )
+            torch.testing.assert_close(
+                hidden[row, : lengths[row]], expected[0, len(prompt) - 1 : -1], rtol=1e-4, atol=1e-4
+            )

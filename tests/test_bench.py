@@ -10,8 +10,9 @@ from bench import common, logits
 
 def test_logits_benchmark_harness(tmp_path, monkeypatch):
     monkeypatch.setattr(common, "RESULTS", tmp_path)
-    rows, bandwidth = logits.run(torch.device("cpu"), [32], [50], [torch.float32], reps=1,
-                                 with_compile=False, only=[], triton_rows=True)
+    rows, bandwidth = logits.run(
+        torch.device("cpu"), [32], [50], [torch.float32], reps=1, with_compile=False, only=[], triton_rows=True
+    )
     names = {r.impl for r in rows}
     assert {"reference-eager", "gtpo-torch", "gtpo-triton", "gtpo-triton-inplace"} <= names
     if importlib.util.find_spec("liger_kernel"):
@@ -29,11 +30,11 @@ def test_fused_linear_benchmark_harness(tmp_path, monkeypatch):
     from bench import fused_linear
 
     monkeypatch.setattr(common, "RESULTS", tmp_path)
-    rows = fused_linear.run(torch.device("cpu"), [32], [40], [8], [torch.float32], reps=1, only=[],
-                            peak_tflops=1.0, gpu_rows=True)
+    rows = fused_linear.run(
+        torch.device("cpu"), [32], [40], [8], [torch.float32], reps=1, only=[], peak_tflops=1.0, gpu_rows=True
+    )
     names = {r.impl for r in rows}
     assert {"materialised-torch", "fused-torch", "materialised-triton", "fused-triton"} <= names
     if importlib.util.find_spec("liger_kernel"):
         assert "liger-fused-grpo" in names
-    assert all(r.error is None and r.total_ms > 0 and r.extra["TFLOP/s"] > 0 for r in rows), \
-        [r.error for r in rows]
+    assert all(r.error is None and r.total_ms > 0 and r.extra["TFLOP/s"] > 0 for r in rows), [r.error for r in rows]

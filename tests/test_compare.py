@@ -10,32 +10,66 @@ from trainer import compare
 from trainer.config import ConfigError, TrainConfig, parse_args
 
 
-def _run(tmp_path, name, *, algo="gtpo", preset="paper", seed=0, config=None, entropy=(1.0, 0.5, 0.4, 0.3, 0.3),
-         reward=(0.3, 0.5, 0.6, 0.7, 0.7), accuracy=(0.4, 0.6, 0.7), format_rate=(0.6, 0.9, 1.0)):
+def _run(
+    tmp_path,
+    name,
+    *,
+    algo="gtpo",
+    preset="paper",
+    seed=0,
+    config=None,
+    entropy=(1.0, 0.5, 0.4, 0.3, 0.3),
+    reward=(0.3, 0.5, 0.6, 0.7, 0.7),
+    accuracy=(0.4, 0.6, 0.7),
+    format_rate=(0.6, 0.9, 1.0),
+):
     d = tmp_path / name
     d.mkdir()
-    rows = [{"kind": "train", "step": i + 1, "entropy": h, "reward": r, "format_reward": r / 2,
-             "filtered_fraction": 0.0, "amplified_fraction": 0.1, "skipped_fraction": 0.05}
-            for i, (h, r) in enumerate(zip(entropy, reward))]
-    evals = [{"kind": "eval", "step": 2 * i, "accuracy": a, "format_rate": f}
-             for i, (a, f) in enumerate(zip(accuracy, format_rate))]
+    rows = [
+        {
+            "kind": "train",
+            "step": i + 1,
+            "entropy": h,
+            "reward": r,
+            "format_reward": r / 2,
+            "filtered_fraction": 0.0,
+            "amplified_fraction": 0.1,
+            "skipped_fraction": 0.05,
+        }
+        for i, (h, r) in enumerate(zip(entropy, reward))
+    ]
+    evals = [
+        {"kind": "eval", "step": 2 * i, "accuracy": a, "format_rate": f}
+        for i, (a, f) in enumerate(zip(accuracy, format_rate))
+    ]
     (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in evals[:1] + rows + evals[1:]) + "\n")
-    summary = {"algo": algo, "preset": preset, "seed": seed,
-               "before": {"accuracy": accuracy[0], "format_rate": format_rate[0]},
-               "after": {"accuracy": accuracy[-1], "format_rate": format_rate[-1]}}
+    summary = {
+        "algo": algo,
+        "preset": preset,
+        "seed": seed,
+        "before": {"accuracy": accuracy[0], "format_rate": format_rate[0]},
+        "after": {"accuracy": accuracy[-1], "format_rate": format_rate[-1]},
+    }
     (d / "summary.json").write_text(json.dumps(summary))
     (d / "config.json").write_text(json.dumps({"algo": algo, "preset": None, **(config or {})}))
     return str(d)
 
 
 def test_variants_name_the_overrides(tmp_path):
-    runs = [_run(tmp_path, "a", algo="grpo", preset="grpo"), _run(tmp_path, "b"),
-            _run(tmp_path, "c", config={"conflict_weights": False}),
-            _run(tmp_path, "d", config={"entropy_filter": False, "entropy_coef": 0.0}),
-            _run(tmp_path, "e", preset="official")]
-    assert sorted(compare.load(runs)) == ["grpo", "gtpo official", "gtpo paper",
-                                          "gtpo paper (no conflict weights)",
-                                          "gtpo paper (no entropy filter, gamma=0)"]
+    runs = [
+        _run(tmp_path, "a", algo="grpo", preset="grpo"),
+        _run(tmp_path, "b"),
+        _run(tmp_path, "c", config={"conflict_weights": False}),
+        _run(tmp_path, "d", config={"entropy_filter": False, "entropy_coef": 0.0}),
+        _run(tmp_path, "e", preset="official"),
+    ]
+    assert sorted(compare.load(runs)) == [
+        "grpo",
+        "gtpo official",
+        "gtpo paper",
+        "gtpo paper (no conflict weights)",
+        "gtpo paper (no entropy filter, gamma=0)",
+    ]
 
 
 def test_collapse_rule_by_hand(tmp_path):
@@ -53,8 +87,9 @@ def test_collapse_rule_by_hand(tmp_path):
     # never below ln 2 is not a rise
     high = compare.load([_run(tmp_path, "high", entropy=(1.0, 0.9, 0.8, 0.9, 1.2))])["gtpo paper"][0]
     assert not compare.collapsed(high)[0]
-    dead = compare.load([_run(tmp_path, "dead", reward=(0.3, 0.2, 0.05, 0.0, 0.0),
-                              format_rate=(0.6, 0.9, 0.6))])["gtpo paper"][0]
+    dead = compare.load([_run(tmp_path, "dead", reward=(0.3, 0.2, 0.05, 0.0, 0.0), format_rate=(0.6, 0.9, 0.6))])[
+        "gtpo paper"
+    ][0]
     assert compare.collapsed(dead) == (True, "format_rate 0.90 -> 0.60; train reward 0.00")
 
 
@@ -65,8 +100,10 @@ def test_tables_and_plot(tmp_path):
     compare.main(runs + ["--out", str(out)])
     text = (out / "comparison.md").read_text()
     assert "| gtpo paper | 0,1,2 | accuracy | 0.400 | 0.600 | +0.200 | +0.100 +0.200 +0.300 | 0.200 | no |" in text
-    assert "| grpo | 0 | 0.40 / 0.80 / 0.50 | 0.60 / 1.00 / 1.00 | 1.00 / 0.30 / 0.30 | yes: accuracy 0.80 -> 0.50 |" \
+    assert (
+        "| grpo | 0 | 0.40 / 0.80 / 0.50 | 0.60 / 1.00 / 1.00 | 1.00 / 0.30 / 0.30 | yes: accuracy 0.80 -> 0.50 |"
         in text
+    )
     assert (out / "comparison.png").stat().st_size > 10_000
     steps, mean, low, high = compare._band(compare.load(runs[:3])["gtpo paper"], "evals", "accuracy")
     assert steps == [0, 2, 4] and low[-1] == pytest.approx(0.5) and high[-1] == pytest.approx(0.7)

@@ -17,22 +17,33 @@ CPU_BACKENDS = ["torch", "cpu"]
 
 # ---- the closed-form per-completion gradient (the fused operator's coefficients) -----------------------
 
-@pytest.mark.parametrize("name, config", [
-    ("paper", GTPOConfig()),
-    ("official", GTPOConfig(preset="official")),
-    ("grpo+kl", GTPOConfig(preset="grpo", kl_beta=0.1, clip_eps_high=0.28)),
-    ("penalty", GTPOConfig(entropy_mode="penalty", loss_reduction="token_mean")),
-    ("dr_grpo", GTPOConfig(preset="grpo", loss_reduction="dr_grpo", max_completion_length=9)),
-    ("cap+weighted_kl", GTPOConfig(preset="grpo", ratio_cap=1.1, kl_beta=0.1, kl_ratio_weighted=True)),  # cap inside the clip
-])
+
+@pytest.mark.parametrize(
+    "name, config",
+    [
+        ("paper", GTPOConfig()),
+        ("official", GTPOConfig(preset="official")),
+        ("grpo+kl", GTPOConfig(preset="grpo", kl_beta=0.1, clip_eps_high=0.28)),
+        ("penalty", GTPOConfig(entropy_mode="penalty", loss_reduction="token_mean")),
+        ("dr_grpo", GTPOConfig(preset="grpo", loss_reduction="dr_grpo", max_completion_length=9)),
+        (
+            "cap+weighted_kl",
+            GTPOConfig(preset="grpo", ratio_cap=1.1, kl_beta=0.1, kl_ratio_weighted=True),
+        ),  # cap inside the clip
+    ],
+)
 def test_loss_gradients_equal_autograd(name, config):
     g = torch.Generator().manual_seed(1)
     logits, ids, mask, adv = random_batch(2, 3, 6, 11, dtype=torch.float64, seed=2)
     logp = torch.randn(6, 6, generator=g, dtype=torch.float64) - 1
     entropy = torch.rand(6, 6, generator=g, dtype=torch.float64)
-    kw = dict(old_logprobs=logp + 0.4 * torch.randn(6, 6, generator=g, dtype=torch.float64),
-              ref_logprobs=logp + 0.3 * torch.randn(6, 6, generator=g, dtype=torch.float64),
-              initial_entropy=0.2, num_sequences=10, num_tokens=40)
+    kw = dict(
+        old_logprobs=logp + 0.4 * torch.randn(6, 6, generator=g, dtype=torch.float64),
+        ref_logprobs=logp + 0.3 * torch.randn(6, 6, generator=g, dtype=torch.float64),
+        initial_entropy=0.2,
+        num_sequences=10,
+        num_tokens=40,
+    )
     lambda_, n_conflict = conflict_weights(ids, mask, adv, 3) if config.use_conflict_weights else (None, None)
     lp, h = logp.clone().requires_grad_(), entropy.clone().requires_grad_()
     loss = loss_from_token_stats(lp, h, mask, adv, lambda_, n_conflict, config, **kw).loss
@@ -45,14 +56,18 @@ def test_loss_gradients_equal_autograd(name, config):
 
 # ---- opcheck: schema, fake tensors, autograd registration --------------------------------------------
 
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS + ["triton"])
 def test_opcheck_token_stats(backend):
     logits, ids, mask, _ = random_batch(2, 2, 4, 13, seed=3)
     torch.library.opcheck(custom_ops.token_stats, (logits.requires_grad_(), ids, mask, 0.7, backend, 0))
     stats = custom_ops.token_stats(logits.detach(), ids, mask, 0.7, backend, 0)
     c, e = torch.randn(4, 4), torch.randn(4, 4)
-    torch.library.opcheck(custom_ops.token_stats_backward, (logits.detach(), ids, mask, *stats, c, e, 0.7, backend, 0),
-                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+    torch.library.opcheck(
+        custom_ops.token_stats_backward,
+        (logits.detach(), ids, mask, *stats, c, e, 0.7, backend, 0),
+        test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"),
+    )
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS + ["triton"])
@@ -73,16 +88,45 @@ def test_opcheck_fused_linear(backend):
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
     lambda_, n_conflict = conflict_weights(ids, mask, adv, 2)
     config = json.dumps(GTPOConfig().to_dict())
-    torch.library.opcheck(custom_ops.fused_linear_gtpo,
-                          (hidden, weight, None, ids, mask, adv, lambda_, n_conflict, None, None, config, None,
-                           backend, torch.float32, 0.7, None, None, None, [True, True, False]))
+    torch.library.opcheck(
+        custom_ops.fused_linear_gtpo,
+        (
+            hidden,
+            weight,
+            None,
+            ids,
+            mask,
+            adv,
+            lambda_,
+            n_conflict,
+            None,
+            None,
+            config,
+            None,
+            backend,
+            torch.float32,
+            0.7,
+            None,
+            None,
+            None,
+            [True, True, False],
+        ),
+    )
 
 
 # ---- a compiled training step ----------------------------------------------------------------------
 
+
 def tiny_llama(vocab=101):
-    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config)
 
@@ -102,13 +146,32 @@ def make_step(model, backend, fused, prompt=4):
     def step(input_ids, mask, adv, conflict):
         ids = input_ids[:, prompt:]
         if fused:
-            hidden = model.model(input_ids=input_ids).last_hidden_state[:, prompt - 1:-1]
-            out = fused_linear_gtpo_loss(hidden, model.lm_head.weight, ids, mask, adv, conflict=conflict,
-                                         config=config, temperature=0.7, backend=backend, initial_entropy=5.0)
+            hidden = model.model(input_ids=input_ids).last_hidden_state[:, prompt - 1 : -1]
+            out = fused_linear_gtpo_loss(
+                hidden,
+                model.lm_head.weight,
+                ids,
+                mask,
+                adv,
+                conflict=conflict,
+                config=config,
+                temperature=0.7,
+                backend=backend,
+                initial_entropy=5.0,
+            )
         else:
-            logits = model(input_ids=input_ids).logits[:, prompt - 1:-1]
-            out = gtpo_loss(logits, ids, mask, adv, conflict=conflict, config=config, temperature=0.7,
-                            backend=backend, initial_entropy=5.0)
+            logits = model(input_ids=input_ids).logits[:, prompt - 1 : -1]
+            out = gtpo_loss(
+                logits,
+                ids,
+                mask,
+                adv,
+                conflict=conflict,
+                config=config,
+                temperature=0.7,
+                backend=backend,
+                initial_entropy=5.0,
+            )
         return out.loss, out.metrics.entropy
 
     return step
@@ -157,6 +220,7 @@ def test_dynamic_shapes_compile_once_more_at_most():
 
 # ---- the config built where a user builds it: inside the compiled function -----------------------------
 
+
 @pytest.mark.parametrize("entry", ["logits", "fused_linear"])
 @pytest.mark.parametrize("how", ["no config", "GTPOConfig(...)", "replace(...)"])
 def test_config_built_inside_the_compiled_function(entry, how):
@@ -175,16 +239,19 @@ def test_config_built_inside_the_compiled_function(entry, how):
 
     def step(x):
         if entry == "logits":
-            return gtpo_loss(x, ids, mask, adv, group_size=2, config=config(), initial_entropy=0.5, backend="torch").loss
-        return fused_linear_gtpo_loss(x, weight, ids, mask, adv, group_size=2, config=config(), initial_entropy=0.5,
-                                      backend="torch").loss
+            return gtpo_loss(
+                x, ids, mask, adv, group_size=2, config=config(), initial_entropy=0.5, backend="torch"
+            ).loss
+        return fused_linear_gtpo_loss(
+            x, weight, ids, mask, adv, group_size=2, config=config(), initial_entropy=0.5, backend="torch"
+        ).loss
 
     x = (logits if entry == "logits" else hidden).clone().requires_grad_()
     compiled = torch.compile(step, fullgraph=True, backend="eager")  # Dynamo's tracing is what failed
     loss_c = compiled(x)
-    grad_c, = torch.autograd.grad(loss_c, x)
+    (grad_c,) = torch.autograd.grad(loss_c, x)
     loss_e = step(x)
-    grad_e, = torch.autograd.grad(loss_e, x)
+    (grad_e,) = torch.autograd.grad(loss_e, x)
     torch.testing.assert_close(loss_c, loss_e)
     torch.testing.assert_close(grad_c, grad_e)
     assert grad_e.abs().max() > 0

@@ -92,18 +92,21 @@ def test_one_chunk_budget_knob():
         GTPOConfig(chunk_size=3)  # replaced by max_chunk_bytes (bytes of float32 logits)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(preset="ppo"), "preset must be one of"),
-    (dict(entropy_threshold=-1.0), "entropy_threshold must be a positive number"),
-    (dict(entropy_coef=-0.1), "entropy_coef must be a finite number >= 0"),
-    (dict(entropy_mode="bonus"), "entropy_mode must be one of"),
-    (dict(conflict_weight=0.0), "conflict_weight must be"),
-    (dict(loss_reduction="mean"), "loss_reduction must be one of"),
-    (dict(kl_beta=-1.0), "kl_beta must be"),
-    (dict(max_chunk_bytes=0), "max_chunk_bytes must be a positive int"),
-    (dict(max_completion_length=2.5), "max_completion_length must be a positive int"),
-    (dict(entropy_gate="yes"), "entropy_gate must be True or False"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(preset="ppo"), "preset must be one of"),
+        (dict(entropy_threshold=-1.0), "entropy_threshold must be a positive number"),
+        (dict(entropy_coef=-0.1), "entropy_coef must be a finite number >= 0"),
+        (dict(entropy_mode="bonus"), "entropy_mode must be one of"),
+        (dict(conflict_weight=0.0), "conflict_weight must be"),
+        (dict(loss_reduction="mean"), "loss_reduction must be one of"),
+        (dict(kl_beta=-1.0), "kl_beta must be"),
+        (dict(max_chunk_bytes=0), "max_chunk_bytes must be a positive int"),
+        (dict(max_completion_length=2.5), "max_completion_length must be a positive int"),
+        (dict(entropy_gate="yes"), "entropy_gate must be True or False"),
+    ],
+)
 def test_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         GTPOConfig(**kwargs)

@@ -14,8 +14,7 @@ def run(rows, advantages, group_size=None, weight=2.0):
     for i, r in enumerate(rows):
         ids[i, : len(r)] = torch.tensor(r)
         mask[i, : len(r)] = True
-    lam, n = conflict_weights(ids, mask, torch.tensor(advantages, dtype=torch.float64),
-                              group_size or len(rows), weight)
+    lam, n = conflict_weights(ids, mask, torch.tensor(advantages, dtype=torch.float64), group_size or len(rows), weight)
     return lam.tolist(), n.tolist()
 
 
@@ -147,6 +146,7 @@ def test_matches_brute_force_definition(seed):
     def raw(i, pos_of):  # pos_of(row, k) -> position index or None
         b = i // group
         rows = range(b * group, (b + 1) * group)
+
         def has(k, sign):
             ti = pos_of(i, k)
             for j in rows:
@@ -154,19 +154,23 @@ def test_matches_brute_force_definition(seed):
                 if tj is not None and (adv[j] > 0 if sign > 0 else adv[j] < 0) and ids[j, tj] == ids[i, ti]:
                     return True
             return False
+
         return lambda k: has(k, +1) and has(k, -1)
 
     for i in range(n_groups * group):
         li = int(lengths[i])
         fwd = lambda r, k: k if k < int(lengths[r]) else None
         rev = lambda r, k: int(lengths[r]) - 1 - k if k < int(lengths[r]) else None
-        cf = set(); cr = set()
+        cf = set()
+        cr = set()
         test_f, test_r = raw(i, fwd), raw(i, rev)
         for k in range(li):
-            if not test_f(k): break
+            if not test_f(k):
+                break
             cf.add(k)
         for k in range(li):
-            if not test_r(k): break
+            if not test_r(k):
+                break
             cr.add(li - 1 - k)
         expected = []
         for t in range(length):

@@ -12,8 +12,7 @@ import warnings
 import pytest
 import torch
 
-from gtpo_kernels import GTPOConfig, gtpo_loss
-from gtpo_kernels import backends
+from gtpo_kernels import GTPOConfig, backends, gtpo_loss
 from gtpo_kernels.backends import cpu_backend, cpu_extension, resolve_backend, torch_backend
 from gtpo_kernels.reference import reference_conflict_weights
 
@@ -118,9 +117,18 @@ def test_cpu_suite_passes_with_a_lower_variant(variant):
     if order.index(variant) < order.index(supported):
         pytest.skip(f"this CPU does not support {variant}")
     env = dict(os.environ, GTPO_CPU_CAPABILITY=variant)
-    tests = ["tests/test_cpu_backend.py", "tests/test_parity.py::test_configs_and_dtypes",
-             "tests/test_parity.py::test_vocab_sizes", "tests/test_accuracy.py"]
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "cpu", *tests],
-                          env=env, capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    tests = [
+        "tests/test_cpu_backend.py",
+        "tests/test_parity.py::test_configs_and_dtypes",
+        "tests/test_parity.py::test_vocab_sizes",
+        "tests/test_accuracy.py",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "cpu", *tests],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=os.path.dirname(os.path.dirname(__file__)),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout

@@ -34,8 +34,12 @@ print(hashlib.sha256(hidden.grad.numpy().tobytes() + weight.grad.numpy().tobytes
 
 
 def test_same_inputs_give_bitwise_equal_gradients_across_calls_and_processes():
-    digests = {subprocess.run([sys.executable, "-c", GRADIENT_DIGEST], capture_output=True, text=True,
-                              check=True).stdout.strip() for _ in range(2)}
+    digests = {
+        subprocess.run(
+            [sys.executable, "-c", GRADIENT_DIGEST], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        for _ in range(2)
+    }
     assert len(digests) == 1
     namespace = {}
     exec(compile(GRADIENT_DIGEST.replace("print(", "digest = ("), "digest", "exec"), namespace)

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def first_readme_example() -> str:
     text = (ROOT / "README.md").read_text()
-    usage = text[text.index("## Usage"):]
+    usage = text[text.index("## Usage") :]
     return re.search(r"```python\n(.*?)```", usage, re.DOTALL).group(1)
 
 
@@ -43,13 +43,26 @@ def test_a_call_without_signal_warns_once_and_says_why(monkeypatch, entry):
     mask = torch.ones(4, 5, dtype=torch.bool)
     if entry == "logits":  # flat random logits: every completion above the threshold, all filtered
         logits = torch.randn(4, 5, 50, generator=g, requires_grad=True)
-        call = lambda config=None: gtpo_loss(logits, ids, mask, torch.tensor([1.0, -1.0, 0.5, -0.5]),  # noqa: E731
-                                             group_size=2, config=config)
+        call = lambda config=None: gtpo_loss(
+            logits,
+            ids,
+            mask,
+            torch.tensor([1.0, -1.0, 0.5, -0.5]),
+            group_size=2,
+            config=config,
+        )
         reason = "entropy filter"
     else:  # every group's rewards equal: no advantage
         hidden, weight = torch.randn(4, 5, 8, generator=g), torch.randn(50, 8, generator=g)
-        call = lambda config=None: fused_linear_gtpo_loss(hidden, weight, ids, mask, torch.zeros(4),  # noqa: E731
-                                                          group_size=2, config=config)
+        call = lambda config=None: fused_linear_gtpo_loss(
+            hidden,
+            weight,
+            ids,
+            mask,
+            torch.zeros(4),
+            group_size=2,
+            config=config,
+        )
         reason = "non-zero advantage"
     with pytest.warns(RuntimeWarning, match=f"no learning signal.*{reason}") as record:
         out = call()
@@ -63,8 +76,13 @@ def test_a_call_without_signal_warns_once_and_says_why(monkeypatch, entry):
 
 
 def test_package_reports_its_backends():
-    proc = subprocess.run([sys.executable, "-m", "gtpo_kernels"], capture_output=True, text=True, cwd=ROOT,
-                          env=dict(os.environ, TRITON_INTERPRET="0"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "gtpo_kernels"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=dict(os.environ, TRITON_INTERPRET="0"),
+    )
     assert proc.returncode == 0, proc.stderr
     for name in ("triton", "cpu", "torch"):
         assert re.search(rf"^  {name} +on cpu: (available.*|unavailable: .+)$", proc.stdout, re.MULTILINE), proc.stdout
@@ -78,8 +96,9 @@ def test_benchmarks_write_beside_the_committed_results():
     assert Path(out.stdout.strip()) == ROOT / "bench" / "results" / "local"
     assert "bench/results/local/" in (ROOT / ".gitignore").read_text().splitlines()
     for module in ("kernels", "accuracy"):
-        help_text = subprocess.run([sys.executable, "-m", "bench", module, "--help"], capture_output=True, text=True,
-                                   cwd=ROOT, env=env).stdout
+        help_text = subprocess.run(
+            [sys.executable, "-m", "bench", module, "--help"], capture_output=True, text=True, cwd=ROOT, env=env
+        ).stdout
         assert "results/local" in help_text, module
     listing = subprocess.run([sys.executable, "-m", "bench", "--help"], capture_output=True, text=True, cwd=ROOT).stdout
     for name in ("logits", "fused_linear", "cpu_kernels", "accuracy", "kernels", "isa"):

@@ -6,15 +6,28 @@ import dataclasses
 import pytest
 import torch
 
-from gtpo_kernels import (FusedLinearGTPOLoss, GTPOConfig, fused_linear_gtpo_loss,
-                          fused_linear_token_logprobs_and_entropy, gtpo_loss, token_logprobs_and_entropy)
+from gtpo_kernels import (
+    FusedLinearGTPOLoss,
+    GTPOConfig,
+    fused_linear_gtpo_loss,
+    fused_linear_token_logprobs_and_entropy,
+    gtpo_loss,
+    token_logprobs_and_entropy,
+)
 from gtpo_kernels.backends import registered
 from gtpo_kernels.fused_chunks import _chunks, chunk_tokens_for
 from gtpo_kernels.reference import reference_gtpo_loss
 from gtpo_kernels.reference import token_logprobs_and_entropy as reference_token_stats
 
-from .helpers import (RTOL, PeakTensorMemory, assert_close_per_entry, assert_rel_close, device_for,
-                      logits_gradient_scale, loss_scale)
+from .helpers import (
+    RTOL,
+    PeakTensorMemory,
+    assert_close_per_entry,
+    assert_rel_close,
+    device_for,
+    logits_gradient_scale,
+    loss_scale,
+)
 
 G = 2
 BACKENDS = list(registered())
@@ -88,8 +101,16 @@ def reference(h, w, b, ids, mask, adv, config, logits_dtype=None, temperature=1.
         logits = logits + (logits_values - logits).detach()
     elif logits_dtype is not None:
         logits = logits + (logits.to(logits_dtype).double() - logits).detach()
-    out = reference_gtpo_loss(logits, ids, mask, adv.double(), group_size=G, config=config, temperature=temperature,
-                              **{k: v.double() for k, v in kw.items()})
+    out = reference_gtpo_loss(
+        logits,
+        ids,
+        mask,
+        adv.double(),
+        group_size=G,
+        config=config,
+        temperature=temperature,
+        **{k: v.double() for k, v in kw.items()},
+    )
     out.loss.backward()
     return out, h64.grad, w64.grad, None if b64 is None else b64.grad
 
@@ -116,17 +137,28 @@ def assert_linear_grads(got, expected, scales, rtol):
             assert_close_per_entry(g.cpu(), e, rtol, what, scale=s)
 
 
-def fused(h, w, b, ids, mask, adv, config, backend, dtype, chunk_tokens=None, freeze_weight=False, temperature=1.0,
-          **kw):
+def fused(
+    h, w, b, ids, mask, adv, config, backend, dtype, chunk_tokens=None, freeze_weight=False, temperature=1.0, **kw
+):
     dev = device_for(backend)
     hx = h.to(dtype).to(dev).requires_grad_()
     wx = w.to(dtype).to(dev).requires_grad_(not freeze_weight)
     bx = None if b is None else b.to(dtype).to(dev).requires_grad_()
     if chunk_tokens is not None:
         config = dataclasses.replace(config, max_chunk_bytes=budget(chunk_tokens, w.shape[0]))
-    out = fused_linear_gtpo_loss(hx, wx, ids.to(dev), mask.to(dev), adv.to(dev), group_size=G, lm_head_bias=bx,
-                                 config=config, backend=backend, temperature=temperature,
-                                 **{k: v.to(dev) for k, v in kw.items()})
+    out = fused_linear_gtpo_loss(
+        hx,
+        wx,
+        ids.to(dev),
+        mask.to(dev),
+        adv.to(dev),
+        group_size=G,
+        lm_head_bias=bx,
+        config=config,
+        backend=backend,
+        temperature=temperature,
+        **{k: v.to(dev) for k, v in kw.items()},
+    )
     out.loss.backward()
     return out, hx.grad, wx.grad, None if bx is None else bx.grad
 
@@ -166,23 +198,36 @@ def test_against_float64_reference(backend, dtype, name, chunk_tokens, monkeypat
     out, dh, dw, db = fused(h, w, b, ids, mask, adv, config, backend, dtype, chunk_tokens, **kw)
     # The inputs are rounded to dtype and the logits are the values the path computed; the reference sees them.
     h, w, b = h.to(dtype), w.to(dtype), b.to(dtype)
-    ref, dh_ref, dw_ref, db_ref = reference(h, w, b, ids, mask, adv, config,
-                                            logits_values=as_computed(seen, h, w, b, dtype), **kw)
+    ref, dh_ref, dw_ref, db_ref = reference(
+        h, w, b, ids, mask, adv, config, logits_values=as_computed(seen, h, w, b, dtype), **kw
+    )
     rtol = RTOL[dtype]
     assert dh.dtype == dw.dtype == db.dtype == dtype
     assert_loss_close(out.loss.detach().cpu(), ref.loss.detach(), h, w, b, ids, mask, adv, config, rtol, **kw)
     # Per entry, relative to the size of the terms each entry sums.
-    assert_linear_grads((dh, dw, db), (dh_ref, dw_ref, db_ref), gradient_scales(h, w, b, ids, mask, adv, config, **kw),
-                        rtol)
+    assert_linear_grads(
+        (dh, dw, db), (dh_ref, dw_ref, db_ref), gradient_scales(h, w, b, ids, mask, adv, config, **kw), rtol
+    )
     for metric in ("entropy", "completion_entropy", "ratio_mean"):
         assert_rel_close(getattr(out.metrics, metric).cpu(), getattr(ref.metrics, metric), rtol, metric)
-    for metric in ("filtered_fraction", "amplified_fraction", "skipped_fraction", "clip_fraction",
-                   "clip_low_fraction", "clip_high_fraction"):
+    for metric in (
+        "filtered_fraction",
+        "amplified_fraction",
+        "skipped_fraction",
+        "clip_fraction",
+        "clip_low_fraction",
+        "clip_high_fraction",
+    ):
         assert float(getattr(out.metrics, metric)) == pytest.approx(float(getattr(ref.metrics, metric)), abs=1e-6)
     if config.clipping and kw.get("old_logprobs") is not None:  # per-row clip fractions (TRL's low_min/high_max)
         for metric in ("completion_clip_low", "completion_clip_high"):
-            torch.testing.assert_close(getattr(out.metrics, metric).cpu().double(),
-                                       getattr(ref.metrics, metric).double(), atol=1e-6, rtol=0, equal_nan=True)
+            torch.testing.assert_close(
+                getattr(out.metrics, metric).cpu().double(),
+                getattr(ref.metrics, metric).double(),
+                atol=1e-6,
+                rtol=0,
+                equal_nan=True,
+            )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -190,10 +235,21 @@ def test_agrees_with_gtpo_loss_on_materialised_logits(backend):
     h, w, b, ids, mask, adv = make(seed=5)
     config = GTPOConfig(preset="official")
     dev = device_for(backend)
-    h, w, b, ids, mask, adv = (t.float().to(dev) if t.is_floating_point() else t.to(dev) for t in (h, w, b, ids, mask, adv))
+    h, w, b, ids, mask, adv = (
+        t.float().to(dev) if t.is_floating_point() else t.to(dev) for t in (h, w, b, ids, mask, adv)
+    )
     hx, wx = h.clone().requires_grad_(), w.clone().requires_grad_()
-    out = fused_linear_gtpo_loss(hx, wx, ids, mask, adv, group_size=G, lm_head_bias=b,
-                                 config=dataclasses.replace(config, max_chunk_bytes=budget(3)), backend=backend)
+    out = fused_linear_gtpo_loss(
+        hx,
+        wx,
+        ids,
+        mask,
+        adv,
+        group_size=G,
+        lm_head_bias=b,
+        config=dataclasses.replace(config, max_chunk_bytes=budget(3)),
+        backend=backend,
+    )
     out.loss.backward()
     hy, wy = h.clone().requires_grad_(), w.clone().requires_grad_()
     plain = gtpo_loss(hy @ wy.T + b, ids, mask, adv, group_size=G, config=config, backend=backend)
@@ -246,8 +302,9 @@ def test_autocast_runs_products_in_bf16():
         out = fused_linear_gtpo_loss(hx, wx, ids, mask, adv, group_size=G, backend="torch")
     out.loss.backward()
     assert hx.grad.dtype == wx.grad.dtype == torch.float32
-    ref, dh_ref, _, _ = reference(h.bfloat16(), w.bfloat16(), None, ids, mask, adv, GTPOConfig(),
-                                  logits_dtype=torch.bfloat16)
+    ref, dh_ref, _, _ = reference(
+        h.bfloat16(), w.bfloat16(), None, ids, mask, adv, GTPOConfig(), logits_dtype=torch.bfloat16
+    )
     assert_rel_close(out.loss.detach(), ref.loss.detach(), RTOL[torch.bfloat16], "loss")
     assert_rel_close(hx.grad, dh_ref, RTOL[torch.bfloat16], "d_hidden")
 
@@ -257,8 +314,9 @@ def test_module_wrapper():
     config = GTPOConfig(preset="official", max_chunk_bytes=budget(4))
     module = FusedLinearGTPOLoss(config, backend="torch")
     a = module(h.float(), w.float(), ids, mask, adv, group_size=G, lm_head_bias=b.float()).loss
-    c = fused_linear_gtpo_loss(h.float(), w.float(), ids, mask, adv, group_size=G, lm_head_bias=b.float(),
-                               config=config, backend="torch").loss
+    c = fused_linear_gtpo_loss(
+        h.float(), w.float(), ids, mask, adv, group_size=G, lm_head_bias=b.float(), config=config, backend="torch"
+    ).loss
     assert torch.equal(a, c)
     assert "official" in repr(module)
 
@@ -317,13 +375,19 @@ def test_non_contiguous_hidden_states():
 def test_temperature(backend):
     h, w, b, ids, mask, adv = make(seed=15)
     config = GTPOConfig(preset="paper", entropy_mode="penalty")
-    ref, dh_ref, dw_ref, db_ref = reference(h.float(), w.float() * 3, b.float(), ids, mask, adv, config,
-                                            logits_dtype=torch.float32, temperature=0.7)
-    out, dh, dw, db = fused(h, w * 3, b, ids, mask, adv, config, backend, torch.float32, chunk_tokens=5,
-                            temperature=0.7)
+    ref, dh_ref, dw_ref, db_ref = reference(
+        h.float(), w.float() * 3, b.float(), ids, mask, adv, config, logits_dtype=torch.float32, temperature=0.7
+    )
+    out, dh, dw, db = fused(
+        h, w * 3, b, ids, mask, adv, config, backend, torch.float32, chunk_tokens=5, temperature=0.7
+    )
     assert_rel_close(out.loss.detach().cpu(), ref.loss.detach(), RTOL[torch.float32], "loss")
-    assert_linear_grads((dh, dw, db), (dh_ref, dw_ref, db_ref),
-                        gradient_scales(h, w * 3, b, ids, mask, adv, config, temperature=0.7), RTOL[torch.float32])
+    assert_linear_grads(
+        (dh, dw, db),
+        (dh_ref, dw_ref, db_ref),
+        gradient_scales(h, w * 3, b, ids, mask, adv, config, temperature=0.7),
+        RTOL[torch.float32],
+    )
 
 
 def test_one_long_completion_through_a_small_budget(monkeypatch):
@@ -338,8 +402,8 @@ def test_one_long_completion_through_a_small_budget(monkeypatch):
     w = torch.randn(vocab, hidden, generator=g, dtype=torch.float64)
     ids = torch.randint(0, vocab, (2, length), generator=g)
     mask = torch.zeros(2, length, dtype=torch.bool)
-    mask[0] = True          # the long one
-    mask[1, :100] = True    # and a short one beside it
+    mask[0] = True  # the long one
+    mask[1, :100] = True  # and a short one beside it
     adv = torch.tensor([0.5, -0.5])
     config = GTPOConfig(preset="official", max_chunk_bytes=4 * 2**20)
     gemms = []
@@ -348,8 +412,9 @@ def test_one_long_completion_through_a_small_budget(monkeypatch):
 
     hx, wx = h.float().requires_grad_(), w.float().requires_grad_()
     with PeakTensorMemory() as memory:
-        out = fused_linear_gtpo_loss(hx, wx, ids, mask, adv, group_size=G, config=config, backend="cpu"
-                                     if "cpu" in BACKENDS else "torch")
+        out = fused_linear_gtpo_loss(
+            hx, wx, ids, mask, adv, group_size=G, config=config, backend="cpu" if "cpu" in BACKENDS else "torch"
+        )
         out.loss.backward()
     budget_bytes = 4 * 2**20
     full_logits = 2 * length * vocab * 4
@@ -361,8 +426,9 @@ def test_one_long_completion_through_a_small_budget(monkeypatch):
 
     ref, dh_ref, dw_ref, _ = reference(h.float(), w.float(), None, ids, mask, adv, config, logits_dtype=torch.float32)
     assert_rel_close(out.loss.detach(), ref.loss.detach(), RTOL[torch.float32], "loss")
-    assert_linear_grads((hx.grad, wx.grad), (dh_ref, dw_ref), gradient_scales(h, w, None, ids, mask, adv, config),
-                        RTOL[torch.float32])
+    assert_linear_grads(
+        (hx.grad, wx.grad), (dh_ref, dw_ref), gradient_scales(h, w, None, ids, mask, adv, config), RTOL[torch.float32]
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -375,10 +441,13 @@ def test_hidden_state_statistics(backend, dtype):
     h, w, b = (t.to(dtype).to(dev) for t in (h, w * 2, b))
     ids, mask = ids.to(dev), mask.to(dev)
     with PeakTensorMemory() as memory:
-        logp, entropy = fused_linear_token_logprobs_and_entropy(h, w, ids, mask, lm_head_bias=b, temperature=0.7,
-                                                                backend=backend, max_chunk_bytes=4 * 300 * 5)
+        logp, entropy = fused_linear_token_logprobs_and_entropy(
+            h, w, ids, mask, lm_head_bias=b, temperature=0.7, backend=backend, max_chunk_bytes=4 * 300 * 5
+        )
     logits = (h.double() @ w.double().T + b.double()).to(dtype)  # the logits a bf16 model would produce
-    expected_logp, expected_entropy = reference_token_stats(logits.double().cpu() / 0.7, torch.where(mask, ids, 0).cpu())
+    expected_logp, expected_entropy = reference_token_stats(
+        logits.double().cpu() / 0.7, torch.where(mask, ids, 0).cpu()
+    )
     assert logp.dtype == torch.float32 and not logp.requires_grad
     valid = mask.cpu()
     # bf16: the GEMM's own rounding differs from the rounded float64 product's: 1e-2.
@@ -392,10 +461,15 @@ def test_hidden_state_statistics(backend, dtype):
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
-@pytest.mark.parametrize("config", [GTPOConfig(preset="grpo", ratio_cap=1.1, kl_beta=0.05),
-                                    GTPOConfig(preset="paper", kl_beta=0.05, kl_ratio_weighted=True),
-                                    GTPOConfig(preset="grpo", ratio_cap=1.1, kl_beta=0.05, kl_ratio_weighted=True)],
-                         ids=["cap", "weighted_kl", "both"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        GTPOConfig(preset="grpo", ratio_cap=1.1, kl_beta=0.05),
+        GTPOConfig(preset="paper", kl_beta=0.05, kl_ratio_weighted=True),
+        GTPOConfig(preset="grpo", ratio_cap=1.1, kl_beta=0.05, kl_ratio_weighted=True),
+    ],
+    ids=["cap", "weighted_kl", "both"],
+)
 def test_ratio_cap_and_weighted_kl_equal_the_logits_loss_in_float64(backend, config):
     """TRL's delta and use_bias_correction_kl (GTPOConfig.ratio_cap, kl_ratio_weighted) through the fused path's
     closed-form coefficients: the same loss and gradients as `gtpo_loss` on the logits, to float64 rounding.

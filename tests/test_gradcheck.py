@@ -30,8 +30,9 @@ def inputs(seed=0, n_groups=2, length=4, vocab=7):
 def check(config, logits, ids, mask, adv, **kwargs):
     def f(z):
         return gtpo_loss(z, ids, mask, adv, group_size=G, config=config, backend="torch", **kwargs).loss
+
     # The check is meaningful only if some completion passes the filter and moves the loss.
-    grad, = torch.autograd.grad(f(logits), logits)
+    (grad,) = torch.autograd.grad(f(logits), logits)
     assert grad.abs().max() > 1e-6, "degenerate case: zero gradient"
     assert torch.autograd.gradcheck(f, (logits,), eps=1e-6, atol=1e-7, rtol=1e-5)
 
@@ -39,7 +40,14 @@ def check(config, logits, ids, mask, adv, **kwargs):
 @pytest.mark.parametrize("preset", ["paper", "official", "grpo"])
 def test_presets(preset):
     logits, ids, mask, adv, logp = inputs()
-    check(GTPOConfig(preset=preset, max_chunk_bytes=4 * 7 * 5, entropy_coef=0.0), logits, ids, mask, adv, old_logprobs=logp)
+    check(
+        GTPOConfig(preset=preset, max_chunk_bytes=4 * 7 * 5, entropy_coef=0.0),
+        logits,
+        ids,
+        mask,
+        adv,
+        old_logprobs=logp,
+    )
 
 
 @pytest.mark.parametrize("preset", ["paper", "official"])
@@ -49,8 +57,8 @@ def test_detached_entropy_shift(preset):
     out = gtpo_loss(logits, ids, mask, adv, group_size=G, config=config, backend="torch")
     expected = reference_gtpo_loss(logits, ids, mask, adv, group_size=G, config=config)
     assert float(out.metrics.filtered_fraction) < 1
-    grad, = torch.autograd.grad(out.loss, logits)
-    grad_ref, = torch.autograd.grad(expected.loss, logits)
+    (grad,) = torch.autograd.grad(out.loss, logits)
+    (grad_ref,) = torch.autograd.grad(expected.loss, logits)
     assert grad.abs().max() > 1e-6
     torch.testing.assert_close(grad, grad_ref, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(out.loss, expected.loss, rtol=1e-12, atol=0)
@@ -62,7 +70,15 @@ def test_with_old_and_reference_logprobs(preset):
     g = torch.Generator().manual_seed(1)
     old = logp + 0.05 * torch.randn(logp.shape, generator=g, dtype=torch.float64)
     ref = logp + 0.3 * torch.randn(logp.shape, generator=g, dtype=torch.float64)
-    check(GTPOConfig(preset=preset, kl_beta=0.05, entropy_coef=0.0), logits, ids, mask, adv, old_logprobs=old, ref_logprobs=ref)
+    check(
+        GTPOConfig(preset=preset, kl_beta=0.05, entropy_coef=0.0),
+        logits,
+        ids,
+        mask,
+        adv,
+        old_logprobs=old,
+        ref_logprobs=ref,
+    )
 
 
 def test_with_clipping_active():
@@ -79,14 +95,27 @@ def test_with_clipping_active():
 @pytest.mark.parametrize("preset", ["paper", "official"])
 def test_entropy_penalty_variant(preset):
     logits, ids, mask, adv, logp = inputs(seed=3)
-    check(GTPOConfig(preset=preset, entropy_mode="penalty", max_chunk_bytes=4 * 7 * 2), logits, ids, mask, adv,
-          old_logprobs=logp)
+    check(
+        GTPOConfig(preset=preset, entropy_mode="penalty", max_chunk_bytes=4 * 7 * 2),
+        logits,
+        ids,
+        mask,
+        adv,
+        old_logprobs=logp,
+    )
 
 
 @pytest.mark.parametrize("reduction", ["token_mean", "dr_grpo"])
 def test_token_reductions(reduction):
     logits, ids, mask, adv, logp = inputs(seed=4)
-    check(GTPOConfig(preset="paper", loss_reduction=reduction, entropy_coef=0.0), logits, ids, mask, adv, old_logprobs=logp)
+    check(
+        GTPOConfig(preset="paper", loss_reduction=reduction, entropy_coef=0.0),
+        logits,
+        ids,
+        mask,
+        adv,
+        old_logprobs=logp,
+    )
 
 
 def test_banned_tokens():
@@ -99,5 +128,5 @@ def test_banned_tokens():
     logp, _ = token_logprobs_and_entropy(logits, torch.where(mask, ids, 0))
     check(GTPOConfig(preset="paper", entropy_mode="penalty"), logits, ids, mask, adv, old_logprobs=logp.detach())
     out = gtpo_loss(logits, ids, mask, adv, group_size=G, config=GTPOConfig(entropy_mode="penalty"))
-    grad, = torch.autograd.grad(out.loss, logits)
+    (grad,) = torch.autograd.grad(out.loss, logits)
     assert torch.isfinite(grad).all() and (grad[banned] == 0).all()

@@ -9,13 +9,25 @@ transformers = pytest.importorskip("transformers")
 
 import gtpo_kernels.hf  # noqa: E402
 from gtpo_kernels import GTPOConfig, fused_linear_gtpo_loss, gtpo_loss  # noqa: E402
-from gtpo_kernels.hf import (cache_kwarg, causal_lm_hidden_states, grouped_completion_hidden_states,  # noqa: E402
-                             prompt_pass, shared_prefix_length)
+from gtpo_kernels.hf import (
+    cache_kwarg,
+    causal_lm_hidden_states,
+    grouped_completion_hidden_states,  # noqa: E402
+    prompt_pass,
+    shared_prefix_length,
+)
 
 
 def tiny_llama():
-    config = transformers.LlamaConfig(vocab_size=67, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = transformers.LlamaConfig(
+        vocab_size=67,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).eval()
 
@@ -41,12 +53,20 @@ def test_fused_loss_on_a_model_matches_the_logits_loss():
     adv = torch.tensor([0.5, -0.5, 1.0, -1.0])
     config = GTPOConfig(preset="official")
     hidden, weight, _ = causal_lm_hidden_states(model, ids)
-    fused = fused_linear_gtpo_loss(hidden[:, prompt - 1:-1], weight, completion_ids, mask, adv, group_size=group,
-                                   config=config.replace(max_chunk_bytes=4 * 67 * 3), backend="torch")
+    fused = fused_linear_gtpo_loss(
+        hidden[:, prompt - 1 : -1],
+        weight,
+        completion_ids,
+        mask,
+        adv,
+        group_size=group,
+        config=config.replace(max_chunk_bytes=4 * 67 * 3),
+        backend="torch",
+    )
     fused.loss.backward()
     fused_grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    logits = model(input_ids=ids).logits[:, prompt - 1:-1]
+    logits = model(input_ids=ids).logits[:, prompt - 1 : -1]
     plain = gtpo_loss(logits, completion_ids, mask, adv, group_size=group, config=config, backend="torch")
     plain.loss.backward()
     torch.testing.assert_close(fused.loss, plain.loss, rtol=1e-5, atol=1e-6)
@@ -62,7 +82,7 @@ def grouped_batch(n_prompts=2, group=3, prompt=5, length=4, shared_prefix=0):
     prompt_mask = torch.ones_like(prompt_ids)
     prompt_mask[0, :2] = 0  # left padding
     if shared_prefix:
-        prompt_ids[1:, :shared_prefix] = prompt_ids[0, 2:2 + shared_prefix]
+        prompt_ids[1:, :shared_prefix] = prompt_ids[0, 2 : 2 + shared_prefix]
         prompt_ids[0, 2 + shared_prefix] = (prompt_ids[1, shared_prefix] + 1) % 67  # the prefix ends there
     completion_ids = torch.randint(0, 67, (n_prompts * group, length))
     completion_mask = torch.ones_like(completion_ids, dtype=torch.bool)
@@ -79,7 +99,8 @@ def test_grouped_hidden_states_equal_the_full_rows_in_value_and_gradient(shared_
     model = tiny_llama().double()
     group = 3
     prompt_ids, prompt_mask, completion_ids, completion_mask = grouped_batch(
-        group=group, prompt=24 if shared_prefix else 5, shared_prefix=shared_prefix)
+        group=group, prompt=24 if shared_prefix else 5, shared_prefix=shared_prefix
+    )
     assert gtpo_kernels.hf.shared_prefix_length(prompt_ids, prompt_mask) == shared_prefix
     prompt = prompt_ids.shape[1]
     gtpo_kernels.hf.check_hidden_states_supported(model)  # its probe runs the model: before counting calls
@@ -88,8 +109,9 @@ def test_grouped_hidden_states_equal_the_full_rows_in_value_and_gradient(shared_
     probe = torch.randn(completion_ids.shape[0], completion_ids.shape[1], 32, dtype=torch.float64)
     probe = probe * completion_mask[..., None]  # positions after a completion's end are not used
 
-    hidden, weight, bias = grouped_completion_hidden_states(model, prompt_ids, prompt_mask, completion_ids,
-                                                            completion_mask, group)
+    hidden, weight, bias = grouped_completion_hidden_states(
+        model, prompt_ids, prompt_mask, completion_ids, completion_mask, group
+    )
     hook.remove()
     assert len(calls) == (3 if shared_prefix else 2)  # [prefix,] prompts, completions
     assert weight is model.lm_head.weight and bias is None
@@ -101,7 +123,7 @@ def test_grouped_hidden_states_equal_the_full_rows_in_value_and_gradient(shared_
     ids = torch.cat([prompt_ids.repeat_interleave(group, 0), completion_ids], 1)
     attn = torch.cat([prompt_mask.repeat_interleave(group, 0), completion_mask.long()], 1)
     full, _, _ = causal_lm_hidden_states(model, ids, attn, position_ids=(attn.cumsum(1) - 1).clamp(min=0))
-    full = full[:, prompt - 1:-1]
+    full = full[:, prompt - 1 : -1]
     (full * probe).sum().backward()
     mask = completion_mask
     torch.testing.assert_close(hidden[mask], full[mask], rtol=1e-12, atol=1e-12)
@@ -114,13 +136,16 @@ def test_grouped_hidden_states_equal_the_full_rows_in_value_and_gradient(shared_
     assert any(g.abs().sum() > 0 for g in grouped_grads)
 
 
-@pytest.mark.parametrize("rows,expected", [
-    # left-padded rows (0 = padding): the prefix is counted from each row's first token
-    ([[0, 0, 5, 6, 7, 8], [5, 6, 7, 9, 9, 9], [0, 5, 6, 7, 1, 2]], 3),
-    ([[5, 6, 7], [5, 6, 7]], 2),  # identical prompts keep one token each of their own
-    ([[0, 5, 6], [4, 5, 6]], 0),
-    ([[5, 6, 7, 8]], 0),  # one prompt: nothing to share
-])
+@pytest.mark.parametrize(
+    "rows,expected",
+    [
+        # left-padded rows (0 = padding): the prefix is counted from each row's first token
+        ([[0, 0, 5, 6, 7, 8], [5, 6, 7, 9, 9, 9], [0, 5, 6, 7, 1, 2]], 3),
+        ([[5, 6, 7], [5, 6, 7]], 2),  # identical prompts keep one token each of their own
+        ([[0, 5, 6], [4, 5, 6]], 0),
+        ([[5, 6, 7, 8]], 0),  # one prompt: nothing to share
+    ],
+)
 def test_shared_prefix_length(rows, expected):
     ids = torch.tensor(rows)
     mask = (ids != 0).long()
@@ -147,10 +172,15 @@ def test_shared_prefix_pass_gives_each_prompts_own_logits():
         logits = out.logits[:, -1]
         assert attention.shape[1] == 20 + 5  # the prefix once, then the longest prompt's own tokens
         attention = torch.cat([attention, torch.ones_like(attention[:, :1])], 1)
-        step = tiny_model(input_ids=next_tokens[:, None], attention_mask=attention, position_ids=positions,
-                          use_cache=True, **{cache_kwarg(tiny_model): cache}).logits[:, -1]
+        step = tiny_model(
+            input_ids=next_tokens[:, None],
+            attention_mask=attention,
+            position_ids=positions,
+            use_cache=True,
+            **{cache_kwarg(tiny_model): cache},
+        ).logits[:, -1]
         for b, p in enumerate(prompts):
-            alone = tiny_model(input_ids=torch.cat([p, next_tokens[b:b + 1]])[None]).logits[0]
+            alone = tiny_model(input_ids=torch.cat([p, next_tokens[b : b + 1]])[None]).logits[0]
             torch.testing.assert_close(logits[b], alone[-2], rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(step[b], alone[-1], rtol=1e-5, atol=1e-5)
 
@@ -173,8 +203,9 @@ def test_prompt_pass_runs_prompts_whole_where_a_prefix_cannot_be_shared(setting)
     calls = []
     hook = model.register_forward_pre_hook(lambda *a: calls.append(1))
     with torch.no_grad():
-        _, _, attention, _ = prompt_pass(model, ids, mask, logits_to_keep=1,
-                                         share_prefix=setting != "share_prefix=False")
+        _, _, attention, _ = prompt_pass(
+            model, ids, mask, logits_to_keep=1, share_prefix=setting != "share_prefix=False"
+        )
     hook.remove()
     assert len(calls) == 1 and torch.equal(attention, mask)
 
@@ -192,8 +223,14 @@ def test_grouped_hidden_states_check_their_inputs():
 
 
 def test_models_that_transform_logits_are_refused():
-    config = transformers.LlamaConfig(vocab_size=67, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=4, num_key_value_heads=2)
+    config = transformers.LlamaConfig(
+        vocab_size=67,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     config.final_logit_softcapping = 30.0
     model = transformers.LlamaForCausalLM(config)
     with pytest.raises(ValueError, match="soft-caps its logits .config.final_logit_softcapping = 30.0. after lm_head"):
@@ -205,14 +242,22 @@ def test_any_architecture_whose_logits_are_its_head_is_accepted():
     BERT-style head that transforms the hidden states before its linear layer is refused by the probe, even
     though its output embedding is a plain Linear."""
     torch.manual_seed(0)
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=67, n_embd=32, n_layer=1, n_head=4,
-                                                                 n_positions=16)).eval()
+    gpt2 = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=67, n_embd=32, n_layer=1, n_head=4, n_positions=16)
+    ).eval()
     ids = torch.randint(0, 67, (2, 5))
     hidden, weight, bias = causal_lm_hidden_states(gpt2, ids)
     torch.testing.assert_close(hidden @ weight.T, gpt2(ids).logits, rtol=1e-5, atol=1e-5)
-    bert = transformers.BertLMHeadModel(transformers.BertConfig(vocab_size=67, hidden_size=32, num_hidden_layers=1,
-                                                                num_attention_heads=4, intermediate_size=64,
-                                                                is_decoder=True))
+    bert = transformers.BertLMHeadModel(
+        transformers.BertConfig(
+            vocab_size=67,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            intermediate_size=64,
+            is_decoder=True,
+        )
+    )
     with pytest.raises(ValueError, match="BertLMHeadModel's logits are not final_hidden @ lm_head.weight.T"):
         causal_lm_hidden_states(bert, ids)
     causal_lm_hidden_states(bert, ids, allow_unknown=True)  # the probe skipped on request
@@ -220,12 +265,13 @@ def test_any_architecture_whose_logits_are_its_head_is_accepted():
 
 def _grouped_against_whole_rows(model, group=3, prompt=5, length=4):
     prompt_ids, prompt_mask, completion_ids, completion_mask = grouped_batch(group=group, prompt=prompt, length=length)
-    hidden, _, _ = grouped_completion_hidden_states(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                                    group)
+    hidden, _, _ = grouped_completion_hidden_states(
+        model, prompt_ids, prompt_mask, completion_ids, completion_mask, group
+    )
     ids = torch.cat([prompt_ids.repeat_interleave(group, 0), completion_ids], 1)
     attn = torch.cat([prompt_mask.repeat_interleave(group, 0), completion_mask.long()], 1)
     full, _, _ = causal_lm_hidden_states(model, ids, attn, position_ids=(attn.cumsum(1) - 1).clamp(min=0))
-    full = full[:, prompt - 1:-1]
+    full = full[:, prompt - 1 : -1]
     return hidden[completion_mask], full[completion_mask]
 
 
@@ -236,16 +282,30 @@ def test_length_dependent_rope_is_exact(family):
     gave hidden states off by 1e-4..1e-3 (silently); the rows are now run whole, as the model runs them."""
     torch.manual_seed(0)
     if family == "llama-dynamic":
-        config = transformers.LlamaConfig(vocab_size=67, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=6,
-                                          rope_scaling={"rope_type": "dynamic", "factor": 4.0})
+        config = transformers.LlamaConfig(
+            vocab_size=67,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=6,
+            rope_scaling={"rope_type": "dynamic", "factor": 4.0},
+        )
         model = transformers.LlamaForCausalLM(config)
     else:
-        config = transformers.Phi3Config(vocab_size=67, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=24,
-                                         original_max_position_embeddings=6, pad_token_id=0,
-                                         rope_scaling={"type": "longrope", "short_factor": [1.0] * 4,
-                                                       "long_factor": [4.0] * 4})
+        config = transformers.Phi3Config(
+            vocab_size=67,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=24,
+            original_max_position_embeddings=6,
+            pad_token_id=0,
+            rope_scaling={"type": "longrope", "short_factor": [1.0] * 4, "long_factor": [4.0] * 4},
+        )
         model = transformers.Phi3ForCausalLM(config)
     model = model.double()
     assert "RoPE" in gtpo_kernels.hf.shared_prompt_pass_issue(model)
@@ -258,8 +318,9 @@ def test_recurrent_state_layers_take_the_row_path():
     config.layer_types = ["full_attention", "linear_attention"]
     assert "linear_attention" in gtpo_kernels.hf.shared_prompt_pass_issue(transformers.LlamaForCausalLM(config))
     assert gtpo_kernels.hf.shared_prompt_pass_issue(tiny_llama()) is None
-    jamba = transformers.JambaConfig(vocab_size=67, hidden_size=32, num_hidden_layers=2, attn_layer_period=2,
-                                     attn_layer_offset=1)
+    jamba = transformers.JambaConfig(
+        vocab_size=67, hidden_size=32, num_hidden_layers=2, attn_layer_period=2, attn_layer_offset=1
+    )
     assert "mamba" in gtpo_kernels.hf.shared_prompt_pass_issue(types.SimpleNamespace(config=jamba))
 
 

@@ -11,8 +11,13 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gtpo_kernels import (GTPOConfig, fused_linear_gtpo_loss, fused_linear_token_logprobs_and_entropy, gtpo_loss,
-                          token_logprobs_and_entropy)
+from gtpo_kernels import (
+    GTPOConfig,
+    fused_linear_gtpo_loss,
+    fused_linear_token_logprobs_and_entropy,
+    gtpo_loss,
+    token_logprobs_and_entropy,
+)
 from gtpo_kernels.backends import registered
 
 from .helpers import device_for, random_batch
@@ -37,6 +42,7 @@ class HostReads(TorchDispatchMode):
                 return original(tensor, *args, **kwargs)
             finally:
                 self._inside_list = False
+
         return wrapper
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -47,8 +53,12 @@ class HostReads(TorchDispatchMode):
             elif func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
                 source = args[1] if func is torch.ops.aten.copy_.default else args[0]
                 target = args[0].device if func is torch.ops.aten.copy_.default else kwargs.get("device")
-                if isinstance(source, torch.Tensor) and source.device.type != "cpu" and \
-                        target is not None and torch.device(target).type == "cpu":
+                if (
+                    isinstance(source, torch.Tensor)
+                    and source.device.type != "cpu"
+                    and target is not None
+                    and torch.device(target).type == "cpu"
+                ):
                     self.count += 1
         return func(*args, **kwargs)
 
@@ -82,9 +92,17 @@ def test_logits_loss_makes_one_host_sync(backend, preset, monkeypatch):
     logits, ids, mask, adv = batch(backend)
     logits.requires_grad_()
     with HostReads(monkeypatch) as reads:
-        out = gtpo_loss(logits, ids, mask.long(), adv, group_size=4, config=GTPOConfig(preset=preset),
-                        num_sequences=torch.tensor(8, device=logits.device),
-                        num_tokens=mask.sum(), backend=backend)
+        out = gtpo_loss(
+            logits,
+            ids,
+            mask.long(),
+            adv,
+            group_size=4,
+            config=GTPOConfig(preset=preset),
+            num_sequences=torch.tensor(8, device=logits.device),
+            num_tokens=mask.sum(),
+            backend=backend,
+        )
         out.loss.backward()
     assert reads.count <= 1
 

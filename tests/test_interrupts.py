@@ -20,12 +20,36 @@ STOP_WITHIN_S = 10.0  # a slowed layer takes 0.1 s; the last completed step's ch
 
 
 def start(tiny_model_dir, out, slow_phase, *extra):
-    flags = ["--model", tiny_model_dir, "--output-dir", str(out), "--steps", "3", "--prompts-per-step", "2",
-             "--group-size", "3", "--max-new-tokens", "24", "--eval-size", "4", "--eval-k", "2", "--save-every", "0",
-             *extra]
+    flags = [
+        "--model",
+        tiny_model_dir,
+        "--output-dir",
+        str(out),
+        "--steps",
+        "3",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "3",
+        "--max-new-tokens",
+        "24",
+        "--eval-size",
+        "4",
+        "--eval-k",
+        "2",
+        "--save-every",
+        "0",
+        *extra,
+    ]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", SLOW_PHASE=slow_phase)
-    return subprocess.Popen([sys.executable, "tests/interrupt_run.py", *flags], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "tests/interrupt_run.py", *flags],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def wait_for_phase(proc, phase: str, occurrence: int = 1) -> None:
@@ -42,11 +66,14 @@ def phase_finished(stdout: str, phase: str) -> bool:
     return f"PHASE-END {phase}" in stdout.splitlines()
 
 
-@pytest.mark.parametrize("phase, occurrence, sig, status", [
-    ("sampling", 2, signal.SIGINT, 130),   # the second step's rollout
-    ("update", 1, signal.SIGINT, 130),
-    ("evaluation", 2, signal.SIGTERM, 143),  # the final evaluation
-])
+@pytest.mark.parametrize(
+    "phase, occurrence, sig, status",
+    [
+        ("sampling", 2, signal.SIGINT, 130),  # the second step's rollout
+        ("update", 1, signal.SIGINT, 130),
+        ("evaluation", 2, signal.SIGTERM, 143),  # the final evaluation
+    ],
+)
 def test_a_signal_stops_the_run_within_seconds(tiny_model_dir, tmp_path, phase, occurrence, sig, status):
     out = tmp_path / "run"
     proc = start(tiny_model_dir, out, phase)
@@ -65,8 +92,14 @@ def test_a_signal_stops_the_run_within_seconds(tiny_model_dir, tmp_path, phase, 
     assert (out / "checkpoint.pt").exists()
     if phase == "update":  # the printed command finishes the run
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-        done = subprocess.run([sys.executable, "-m", "trainer", "--config", str(out / "config.json"), "--resume"],
-                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [sys.executable, "-m", "trainer", "--config", str(out / "config.json"), "--resume"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert done.returncode == 0, done.stderr[-2000:]
         assert (out / "summary.json").exists()
 

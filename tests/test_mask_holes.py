@@ -43,9 +43,11 @@ def test_conflict_runs_are_those_of_the_completion_as_generated():
 
 @pytest.mark.parametrize("entry", ["logits", "fused_linear"])
 @pytest.mark.parametrize("backend", registered())
-@pytest.mark.parametrize("config", [GTPOConfig(), GTPOConfig(preset="official"),
-                                    GTPOConfig(preset="grpo", loss_reduction="token_mean")],
-                         ids=["paper", "official", "grpo-token_mean"])
+@pytest.mark.parametrize(
+    "config",
+    [GTPOConfig(), GTPOConfig(preset="official"), GTPOConfig(preset="grpo", loss_reduction="token_mean")],
+    ids=["paper", "official", "grpo-token_mean"],
+)
 def test_holes_against_the_float64_reference(entry, backend, config):
     _, ids, mask, adv = random_batch(2, G, 7, 29, seed=5, min_len=3, sharpness=8.0)
     holes = with_holes(mask, seed=5)
@@ -53,18 +55,36 @@ def test_holes_against_the_float64_reference(entry, backend, config):
     hidden = torch.randn(*ids.shape, 8, generator=g, dtype=torch.float64)
     weight = 2 * torch.randn(29, 8, generator=g, dtype=torch.float64)
     h64 = hidden.clone().requires_grad_()
-    ref = reference_gtpo_loss(h64 @ weight.T, ids, holes, adv.double(), group_size=G, config=config,
-                              initial_entropy=0.1)
+    ref = reference_gtpo_loss(
+        h64 @ weight.T, ids, holes, adv.double(), group_size=G, config=config, initial_entropy=0.1
+    )
     ref.loss.backward()
     dev = device_for(backend)
     h = hidden.float().to(dev).requires_grad_()
     w = weight.float().to(dev)
     if entry == "logits":
-        out = gtpo_loss(h @ w.T, ids.to(dev), holes.to(dev), adv.to(dev), group_size=G, config=config,
-                        initial_entropy=0.1, backend=backend)
+        out = gtpo_loss(
+            h @ w.T,
+            ids.to(dev),
+            holes.to(dev),
+            adv.to(dev),
+            group_size=G,
+            config=config,
+            initial_entropy=0.1,
+            backend=backend,
+        )
     else:
-        out = fused_linear_gtpo_loss(h, w, ids.to(dev), holes.to(dev), adv.to(dev), group_size=G, config=config,
-                                     initial_entropy=0.1, backend=backend)
+        out = fused_linear_gtpo_loss(
+            h,
+            w,
+            ids.to(dev),
+            holes.to(dev),
+            adv.to(dev),
+            group_size=G,
+            config=config,
+            initial_entropy=0.1,
+            backend=backend,
+        )
     out.loss.backward()
     assert h64.grad.abs().max() > 0
     rtol = 10 * RTOL[torch.float32]  # the float32 GEMM's rounding of the logits, against float64's
@@ -73,6 +93,7 @@ def test_holes_against_the_float64_reference(entry, backend, config):
     assert_rel_close(out.metrics.completion_entropy.cpu(), ref.metrics.completion_entropy, rtol, "Hbar")
     assert float(out.metrics.num_tokens) == float(holes.sum())
     # The holes changed the loss: they are not read as part of the completions.
-    full = reference_gtpo_loss(hidden @ weight.T, ids, mask, adv.double(), group_size=G, config=config,
-                               initial_entropy=0.1)
+    full = reference_gtpo_loss(
+        hidden @ weight.T, ids, mask, adv.double(), group_size=G, config=config, initial_entropy=0.1
+    )
     assert abs(float(full.loss) - float(ref.loss.detach())) > 1e-6

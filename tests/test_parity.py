@@ -16,8 +16,16 @@ from gtpo_kernels import GTPOConfig, gtpo_loss
 from gtpo_kernels.backends import registered
 from gtpo_kernels.reference import reference_gtpo_loss, token_logprobs_and_entropy
 
-from .helpers import (RTOL, assert_close_per_entry, assert_rel_close, device_for, logits_gradient_scale, random_batch,
-                      tiny_chunks, to_cpu)
+from .helpers import (
+    RTOL,
+    assert_close_per_entry,
+    assert_rel_close,
+    device_for,
+    logits_gradient_scale,
+    random_batch,
+    tiny_chunks,
+    to_cpu,
+)
 
 BACKENDS = list(registered())
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -27,17 +35,31 @@ CONFIGS = {
     "official": GTPOConfig(preset="official"),
     "grpo": GTPOConfig(preset="grpo"),
     "penalty": GTPOConfig(preset="paper", entropy_mode="penalty"),
-    "clip+kl": GTPOConfig(preset="paper", clip_eps_low=0.2, clip_eps_high=0.28, kl_beta=0.04,
-                          loss_reduction="token_mean"),
+    "clip+kl": GTPOConfig(
+        preset="paper", clip_eps_low=0.2, clip_eps_high=0.28, kl_beta=0.04, loss_reduction="token_mean"
+    ),
     "dr_grpo": GTPOConfig(preset="grpo", loss_reduction="dr_grpo", kl_beta=0.1),
     # TRL's delta (two-sided clipping) and use_bias_correction_kl, on a GTPO preset
-    "cap+weighted_kl": GTPOConfig(preset="paper", clip_eps_low=0.2, clip_eps_high=0.28, ratio_cap=1.25,
-                                  kl_beta=0.05, kl_ratio_weighted=True),
+    "cap+weighted_kl": GTPOConfig(
+        preset="paper", clip_eps_low=0.2, clip_eps_high=0.28, ratio_cap=1.25, kl_beta=0.05, kl_ratio_weighted=True
+    ),
 }
 
 
-def compare(backend, dtype, config, logits, ids, mask, adv, group_size, *, off_policy=False,
-            initial_entropy=None, temperature=1.0):
+def compare(
+    backend,
+    dtype,
+    config,
+    logits,
+    ids,
+    mask,
+    adv,
+    group_size,
+    *,
+    off_policy=False,
+    initial_entropy=None,
+    temperature=1.0,
+):
     valid = mask.bool()
     # Chunks of 3 tokens: the torch backend walks several chunks that cut through rows (others ignore it).
     config = dataclasses.replace(config, max_chunk_bytes=tiny_chunks(logits.shape[-1]))
@@ -52,17 +74,34 @@ def compare(backend, dtype, config, logits, ids, mask, adv, group_size, *, off_p
 
     dev = device_for(backend)
     x = logits.detach().clone().to(dev).requires_grad_()
-    out = gtpo_loss(x, ids.to(dev), mask.to(dev), adv.to(dev), group_size=group_size, config=config,
-                    backend=backend, initial_entropy=initial_entropy, temperature=temperature,
-                    **{k: v.to(dev) for k, v in kwargs.items()})
+    out = gtpo_loss(
+        x,
+        ids.to(dev),
+        mask.to(dev),
+        adv.to(dev),
+        group_size=group_size,
+        config=config,
+        backend=backend,
+        initial_entropy=initial_entropy,
+        temperature=temperature,
+        **{k: v.to(dev) for k, v in kwargs.items()},
+    )
     out.loss.backward()
     out = to_cpu(out)
     grad = x.grad.cpu()
 
     x64 = logits.detach().double().requires_grad_()
-    ref = reference_gtpo_loss(x64, ids, mask, adv.double(), group_size=group_size, config=config,
-                              initial_entropy=initial_entropy, temperature=temperature,
-                              **{k: v.double() for k, v in kwargs.items()})
+    ref = reference_gtpo_loss(
+        x64,
+        ids,
+        mask,
+        adv.double(),
+        group_size=group_size,
+        config=config,
+        initial_entropy=initial_entropy,
+        temperature=temperature,
+        **{k: v.double() for k, v in kwargs.items()},
+    )
     ref.loss.backward()
 
     rtol = RTOL[dtype]
@@ -70,19 +109,41 @@ def compare(backend, dtype, config, logits, ids, mask, adv, group_size, *, off_p
     assert_rel_close(out.loss.detach(), ref.loss.detach(), rtol, "loss")
     # Per entry, relative to the terms it is made of; float16 gradients below 6e-5 are subnormal, spaced
     # 2^-24 apart: that spacing is their resolution.
-    scale = logits_gradient_scale(logits, ids, mask, adv, config=config, temperature=temperature,
-                                  group_size=group_size, initial_entropy=initial_entropy, **kwargs)
+    scale = logits_gradient_scale(
+        logits,
+        ids,
+        mask,
+        adv,
+        config=config,
+        temperature=temperature,
+        group_size=group_size,
+        initial_entropy=initial_entropy,
+        **kwargs,
+    )
     assert_close_per_entry(grad, x64.grad, rtol, "grad", scale=scale, atol=2.0**-24 if dtype == torch.float16 else 0.0)
     m, r = out.metrics, ref.metrics
     for name in ("entropy", "completion_entropy", "ratio_mean"):
         assert_rel_close(getattr(m, name), getattr(r, name), rtol, name)
     # Discrete metrics agree exactly unless an entropy sits on the threshold (not in these draws).
-    for name in ("filtered_fraction", "signal_fraction", "amplified_fraction", "skipped_fraction", "clip_fraction",
-                 "clip_low_fraction", "clip_high_fraction"):
+    for name in (
+        "filtered_fraction",
+        "signal_fraction",
+        "amplified_fraction",
+        "skipped_fraction",
+        "clip_fraction",
+        "clip_low_fraction",
+        "clip_high_fraction",
+    ):
         assert float(getattr(m, name)) == pytest.approx(float(getattr(r, name)), abs=1e-6), name
     for name in ("completion_clip_low", "completion_clip_high"):  # per completion; NaN for an empty one
-        torch.testing.assert_close(getattr(m, name).double().cpu(), getattr(r, name).double().cpu(), atol=1e-6,
-                                   rtol=0, equal_nan=True, msg=name)
+        torch.testing.assert_close(
+            getattr(m, name).double().cpu(),
+            getattr(r, name).double().cpu(),
+            atol=1e-6,
+            rtol=0,
+            equal_nan=True,
+            msg=name,
+        )
     if r.kl is not None:
         assert_rel_close(m.kl, r.kl, rtol, "kl")
     return out
@@ -152,10 +213,17 @@ def test_initial_entropy_gate(backend):
 def test_temperature(backend, temperature, dtype):
     # The statistics are those of softmax(logits / T), inside the kernels; the gradient is w.r.t. logits.
     logits, ids, mask, adv = random_batch(2, 4, 6, 37, dtype=dtype, seed=11)
-    out = compare(backend, dtype, CONFIGS["clip+kl"], logits, ids, mask, adv, 4, off_policy=True,
-                  temperature=temperature)
-    at_one = gtpo_loss(logits.to(device_for(backend)), ids.to(device_for(backend)), mask.to(device_for(backend)),
-                       adv.to(device_for(backend)), group_size=4, backend=backend)
+    out = compare(
+        backend, dtype, CONFIGS["clip+kl"], logits, ids, mask, adv, 4, off_policy=True, temperature=temperature
+    )
+    at_one = gtpo_loss(
+        logits.to(device_for(backend)),
+        ids.to(device_for(backend)),
+        mask.to(device_for(backend)),
+        adv.to(device_for(backend)),
+        group_size=4,
+        backend=backend,
+    )
     assert not torch.allclose(out.metrics.entropy, at_one.metrics.entropy.cpu())  # T really changed something
 
 

@@ -28,8 +28,20 @@ def test_in_place_cache_gives_the_same_tokens(tiny_model, greedy):
     runs = []
     for in_place in (False, True):
         torch.manual_seed(0)
-        runs.append(sample(tiny_model, prompt_ids, prompt_mask, 4, 12, temperature=1.3, greedy=greedy,
-                           eos_token_id=tiny_model.config.eos_token_id, pad_token_id=0, in_place_cache=in_place))
+        runs.append(
+            sample(
+                tiny_model,
+                prompt_ids,
+                prompt_mask,
+                4,
+                12,
+                temperature=1.3,
+                greedy=greedy,
+                eos_token_id=tiny_model.config.eos_token_id,
+                pad_token_id=0,
+                in_place_cache=in_place,
+            )
+        )
     assert runs[0].shape[0] == 12 and runs[0].shape[1] >= 2
     assert torch.equal(runs[0], runs[1])
 
@@ -76,12 +88,28 @@ def test_draw_tokens_never_passes_the_last_possible_token(monkeypatch):
 def test_shared_prefix_gives_the_same_tokens(tiny_model, greedy):
     g = torch.Generator().manual_seed(4)
     prefix = torch.randint(4, tiny_model.config.vocab_size, (24,), generator=g)
-    ids = torch.stack([torch.cat([torch.zeros(2, dtype=torch.long), prefix, torch.tensor([7, 8])]),
-                       torch.cat([prefix, torch.tensor([9, 10, 11, 12])])])
+    ids = torch.stack(
+        [
+            torch.cat([torch.zeros(2, dtype=torch.long), prefix, torch.tensor([7, 8])]),
+            torch.cat([prefix, torch.tensor([9, 10, 11, 12])]),
+        ]
+    )
     mask = (torch.arange(ids.shape[1]) >= torch.tensor([[2], [0]])).long()
     runs = []
     for share_prefix in (False, True):
         torch.manual_seed(0)
-        runs.append(sample(tiny_model, ids, mask, 3, 10, temperature=1.1, greedy=greedy, share_prefix=share_prefix,
-                           eos_token_id=tiny_model.config.eos_token_id, pad_token_id=0))
+        runs.append(
+            sample(
+                tiny_model,
+                ids,
+                mask,
+                3,
+                10,
+                temperature=1.1,
+                greedy=greedy,
+                share_prefix=share_prefix,
+                eos_token_id=tiny_model.config.eos_token_id,
+                pad_token_id=0,
+            )
+        )
     assert torch.equal(runs[0], runs[1])

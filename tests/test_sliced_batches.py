@@ -34,7 +34,7 @@ def batch(seed=0):
 def partition(n, parts, seed):
     """A shuffled partition of the rows into ``parts`` calls of different sizes (cutting through groups)."""
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
-    cuts = sorted(torch.randperm(n - 1, generator=torch.Generator().manual_seed(seed + 1))[:parts - 1].add(1).tolist())
+    cuts = sorted(torch.randperm(n - 1, generator=torch.Generator().manual_seed(seed + 1))[: parts - 1].add(1).tolist())
     return [order[a:b] for a, b in zip([0, *cuts], [*cuts, n])]
 
 
@@ -53,8 +53,14 @@ def run(entry, leaves, ids, mask, adv, old, ref, config, rows=None, **kwargs):
 @pytest.mark.parametrize("preset, reduction", list(itertools.product(PRESETS, REDUCTIONS)))
 def test_any_partition_adds_up_to_the_whole_batch(entry, preset, reduction):
     hidden, weight, ids, mask, adv, old, ref = batch(seed=PRESETS.index(preset))
-    config = GTPOConfig(preset=preset, loss_reduction=reduction, kl_beta=0.05, clip_eps_low=0.2, clip_eps_high=0.28,
-                        max_completion_length=8 if reduction == "dr_grpo" else None)
+    config = GTPOConfig(
+        preset=preset,
+        loss_reduction=reduction,
+        kl_beta=0.05,
+        clip_eps_low=0.2,
+        clip_eps_high=0.28,
+        max_completion_length=8 if reduction == "dr_grpo" else None,
+    )
     leaves = [hidden.clone().requires_grad_(), weight.clone().requires_grad_()]
     whole = run(entry, leaves, ids, mask, adv, old, ref, config, group_size=G)
     whole.loss.backward()
@@ -68,9 +74,20 @@ def test_any_partition_adds_up_to_the_whole_batch(entry, preset, reduction):
         leaves = [hidden.clone().requires_grad_(), weight.clone().requires_grad_()]
         total, metrics = 0.0, []
         for rows in parts:
-            out = run(entry, leaves, ids, mask, adv, old, ref, config, rows=rows,
-                      conflict=(lambda_[rows], n_conflict[rows]), num_sequences=ids.shape[0],
-                      num_tokens=int(mask.sum()))
+            out = run(
+                entry,
+                leaves,
+                ids,
+                mask,
+                adv,
+                old,
+                ref,
+                config,
+                rows=rows,
+                conflict=(lambda_[rows], n_conflict[rows]),
+                num_sequences=ids.shape[0],
+                num_tokens=int(mask.sum()),
+            )
             out.loss.backward()
             total = total + out.loss.detach()
             metrics.append(out.metrics)
@@ -92,9 +109,12 @@ def test_metrics_merge_across_processes_through_sums():
     leaves = [hidden, weight]
     whole = run("logits", leaves, ids, mask, adv, old, ref, config, group_size=G)
     lambda_, n_conflict = conflict_weights(ids, mask, adv, G)
-    sums = sum(run("logits", leaves, ids, mask, adv, old, ref, config, rows=rows,
-                   conflict=(lambda_[rows], n_conflict[rows])).metrics.to_sums()
-               for rows in partition(12, 4, seed=5))
+    sums = sum(
+        run(
+            "logits", leaves, ids, mask, adv, old, ref, config, rows=rows, conflict=(lambda_[rows], n_conflict[rows])
+        ).metrics.to_sums()
+        for rows in partition(12, 4, seed=5)
+    )
     reduced = GTPOMetrics.from_sums(sums, parts=4)
     assert reduced.completion_entropy is None
     for name, value in whole.metrics.to_dict().items():
@@ -122,12 +142,15 @@ def test_conflict_weights_instead_of_group_size():
     assert torch.equal(c, d)
 
 
-@pytest.mark.parametrize("bad, match", [
-    ((torch.ones(12, 6),), "conflict must be the pair"),
-    ((torch.ones(12, 5), torch.zeros(12, dtype=torch.long)), r"conflict\[0\] \(lambda_\) must have shape"),
-    ((torch.ones(12, 6), torch.zeros(12)), r"conflict\[1\] \(n_conflict\) must be an integer tensor"),
-    ((torch.full((12, 6), float("nan")), torch.zeros(12, dtype=torch.long)), "must be finite and >= 0"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ((torch.ones(12, 6),), "conflict must be the pair"),
+        ((torch.ones(12, 5), torch.zeros(12, dtype=torch.long)), r"conflict\[0\] \(lambda_\) must have shape"),
+        ((torch.ones(12, 6), torch.zeros(12)), r"conflict\[1\] \(n_conflict\) must be an integer tensor"),
+        ((torch.full((12, 6), float("nan")), torch.zeros(12, dtype=torch.long)), "must be finite and >= 0"),
+    ],
+)
 def test_bad_conflict_argument(bad, match):
     hidden, weight, ids, mask, adv, _, _ = batch()
     with pytest.raises(ValueError, match=match):

@@ -40,8 +40,9 @@ def import_graph():
                     base = base.rpartition(".")[0]
                 stem = node.module if node.level == 0 else ".".join(x for x in (base, node.module) if x)
                 # `from pkg import mod` imports the module; `from pkg import name` imports pkg itself.
-                targets = [f"{stem}.{alias.name}" if f"{stem}.{alias.name}" in modules else stem
-                           for alias in node.names]
+                targets = [
+                    f"{stem}.{alias.name}" if f"{stem}.{alias.name}" in modules else stem for alias in node.names
+                ]
             edges |= {t for t in targets if t in modules and t != name}
         graph[name] = edges
     return graph
@@ -74,10 +75,12 @@ def test_backends_never_import_upward():
 def test_the_oracle_is_off_the_hot_path():
     importers = [name for name, edges in import_graph().items() if "gtpo_kernels.reference" in edges]
     assert importers == [], importers
-    code = ("import sys, torch, gtpo_kernels as g; "
-            "x = torch.randn(2, 3, 5, requires_grad=True); ids = torch.zeros(2, 3, dtype=torch.long); "
-            "g.gtpo_loss(x, ids, torch.ones(2, 3), torch.tensor([1., -1.]), group_size=2).loss.backward(); "
-            "assert 'gtpo_kernels.reference' not in sys.modules")
+    code = (
+        "import sys, torch, gtpo_kernels as g; "
+        "x = torch.randn(2, 3, 5, requires_grad=True); ids = torch.zeros(2, 3, dtype=torch.long); "
+        "g.gtpo_loss(x, ids, torch.ones(2, 3), torch.tensor([1., -1.]), group_size=2).loss.backward(); "
+        "assert 'gtpo_kernels.reference' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -92,9 +95,16 @@ def test_a_new_backend_is_one_module_and_one_registry_line():
 def test_double_backward_is_refused(backend):
     logits, ids, mask, adv = random_batch(2, 2, 4, 9, seed=1)
     x = logits.to(device_for(backend)).requires_grad_()
-    loss = gtpo_loss(x * 1, ids.to(x.device), mask.to(x.device), adv.to(x.device), group_size=2,
-                     config=GTPOConfig(entropy_mode="penalty"), backend=backend).loss
-    grad, = torch.autograd.grad(loss, x, create_graph=True)
+    loss = gtpo_loss(
+        x * 1,
+        ids.to(x.device),
+        mask.to(x.device),
+        adv.to(x.device),
+        group_size=2,
+        config=GTPOConfig(entropy_mode="penalty"),
+        backend=backend,
+    ).loss
+    (grad,) = torch.autograd.grad(loss, x, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable"):
         grad.pow(2).sum().backward()
 
@@ -104,9 +114,10 @@ def test_double_backward_is_refused_by_the_fused_loss():
     hidden = torch.randn(4, 3, 5, generator=g, requires_grad=True)
     weight = torch.randn(11, 5, generator=g, requires_grad=True)
     ids = torch.randint(0, 11, (4, 3), generator=g)
-    loss = fused_linear_gtpo_loss(hidden, weight, ids, torch.ones(4, 3), torch.tensor([1.0, -1.0, 0.5, -0.5]),
-                                  group_size=2, backend="torch").loss
-    grad, = torch.autograd.grad(loss, hidden, create_graph=True)
+    loss = fused_linear_gtpo_loss(
+        hidden, weight, ids, torch.ones(4, 3), torch.tensor([1.0, -1.0, 0.5, -0.5]), group_size=2, backend="torch"
+    ).loss
+    (grad,) = torch.autograd.grad(loss, hidden, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable"):
         grad.pow(2).sum().backward()
 
@@ -125,8 +136,9 @@ def test_statistics_do_not_depend_on_the_batch(backend, dtype):
     _, _, logp_one, entropy_one = kernels.forward(logits[4:5], ids[4:5], everything[4:5], 0.7, None)
     assert torch.equal(logp_one[0], logp[4]) and torch.equal(entropy_one[0], entropy[4])
     shuffled = logits[[4, 0, 2]][:, [3, 1]]
-    _, _, logp_s, entropy_s = kernels.forward(shuffled.contiguous(), ids[[4, 0, 2]][:, [3, 1]],
-                                              everything[:3, :2], 0.7, None)
+    _, _, logp_s, entropy_s = kernels.forward(
+        shuffled.contiguous(), ids[[4, 0, 2]][:, [3, 1]], everything[:3, :2], 0.7, None
+    )
     assert torch.equal(logp_s[0], logp[4, [3, 1]]) and torch.equal(entropy_s[0], entropy[4, [3, 1]])
     # Neighbours masked or not: the same.
     _, _, logp_m, _ = kernels.forward(logits, ids, mask, 0.7, None)

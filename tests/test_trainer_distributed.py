@@ -34,8 +34,16 @@ def free_port() -> int:
 
 def torchrun(*args, processes=2, timeout=240):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port",
-           str(free_port()), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(processes),
+        "--master_port",
+        str(free_port()),
+        *args,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc
@@ -47,16 +55,23 @@ def test_two_processes_update_as_one(tiny_model_dir, tmp_path, fsdp):
     one, two = tmp_path / "one.pt", tmp_path / "two.pt"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     # The one-process baseline: the plain model (FSDP and DDP only exist across processes).
-    subprocess.run([sys.executable, "tests/distributed_update.py", tiny_model_dir, str(one)], check=True,
-                   cwd=ROOT, env=env, capture_output=True)
+    subprocess.run(
+        [sys.executable, "tests/distributed_update.py", tiny_model_dir, str(one)],
+        check=True,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+    )
     torchrun("tests/distributed_update.py", tiny_model_dir, str(two), *flags)
     a, b = torch.load(one), torch.load(two)
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
     assert a["metrics"] == pytest.approx(b["metrics"], rel=1e-6)
     assert a["params"].keys() == b["params"].keys()
     initial = __import__("transformers").AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
-    updates = {name: (a["params"][name] - initial[name[len("model."):]], b["params"][name] - initial[name[len("model."):]])
-               for name in a["params"]}
+    updates = {
+        name: (a["params"][name] - initial[name[len("model.") :]], b["params"][name] - initial[name[len("model.") :]])
+        for name in a["params"]
+    }
     step = max(float(one.abs().max()) for one, _ in updates.values())
     assert step > 0  # it did update
     # The two updates agree to 1 % of the largest step (Adam turns the rounding of gradient entries near 0
@@ -68,9 +83,28 @@ def test_two_processes_update_as_one(tiny_model_dir, tmp_path, fsdp):
 
 def test_torchrun_training_run_writes_one_log(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
-    torchrun("-m", "trainer", "--model", tiny_model_dir, "--output-dir", str(out), "--steps", "2",
-             "--prompts-per-step", "2", "--group-size", "3", "--max-new-tokens", "6", "--eval-size", "4",
-             "--eval-k", "2", "--save-every", "1")
+    torchrun(
+        "-m",
+        "trainer",
+        "--model",
+        tiny_model_dir,
+        "--output-dir",
+        str(out),
+        "--steps",
+        "2",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "3",
+        "--max-new-tokens",
+        "6",
+        "--eval-size",
+        "4",
+        "--eval-k",
+        "2",
+        "--save-every",
+        "1",
+    )
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [(r["kind"], r["step"]) for r in rows] == [("eval", 0), ("train", 1), ("train", 2), ("eval", 2)]
     summary = json.loads((out / "summary.json").read_text())
@@ -82,8 +116,9 @@ def test_a_step_without_signal_leaves_weights_and_optimiser_alone(tiny_model_dir
     """The official preset's filter with a tiny threshold drops every completion: the loss has no gradient,
     and Adam's momentum must not move the weights either."""
     model = __import__("transformers").AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    config = TrainConfig(model=tiny_model_dir, group_size=3, prompts_per_step=4, preset="official",
-                         entropy_threshold=1e-6)
+    config = TrainConfig(
+        model=tiny_model_dir, group_size=3, prompts_per_step=4, preset="official", entropy_threshold=1e-6
+    )
     policy = train_module.PolicyLoss(model)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
     dist = Distributed()
@@ -106,8 +141,15 @@ def test_a_training_step_builds_no_vocabulary_sized_logits(tmp_path):
     """A tiny model with V = 128000: the old log-probs and the update never hold [N, L, V] float32 logits."""
     transformers = pytest.importorskip("transformers")
     vocab = 128_000
-    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
     train_config = TrainConfig(group_size=3, prompts_per_step=4, num_iterations=2, loss_chunk_mib=4)
@@ -118,10 +160,13 @@ def test_a_training_step_builds_no_vocabulary_sized_logits(tmp_path):
     full_logits = n * length * vocab * 4
     with PeakTensorMemory() as memory:
         old_logprobs, _ = train_module.token_stats(model, batch, train_config)
-        train_module.update(policy, optimizer, batch, train_config.loss_config(), train_config, Distributed(),
-                            old_logprobs, 5.0)
-    print(f"V = {vocab}: full float32 logits {full_logits / 2**20:.1f} MiB; largest tensor of the step "
-          f"{memory.largest / 2**20:.1f} MiB, peak of tensors alive {memory.peak / 2**20:.1f} MiB")
+        train_module.update(
+            policy, optimizer, batch, train_config.loss_config(), train_config, Distributed(), old_logprobs, 5.0
+        )
+    print(
+        f"V = {vocab}: full float32 logits {full_logits / 2**20:.1f} MiB; largest tensor of the step "
+        f"{memory.largest / 2**20:.1f} MiB, peak of tensors alive {memory.peak / 2**20:.1f} MiB"
+    )
     # The weight and its gradients (V x H) are the largest tensors; the logits come in 4 MiB chunks.
     assert memory.largest <= max(vocab * 16 * 4, 4 * 2**20) < full_logits / 4
 
@@ -139,7 +184,9 @@ def test_gradient_checkpointing_with_shared_prompts(tiny_model_dir):
         model.train()
         hidden, weight, _ = train_module.completion_hidden_states(model, batch, slice(0, 4), 3)
         (hidden.square() * batch["completion_mask"][..., None]).sum().backward()
-        results.append((hidden.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}))
+        results.append(
+            (hidden.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
+        )
     valid = batch["completion_mask"]  # after a completion's end the two paths' positions differ (both unused)
     torch.testing.assert_close(results[1][0][valid], results[0][0][valid], rtol=1e-5, atol=1e-5)
     assert results[1][1].keys() == results[0][1].keys() and len(results[0][1]) > 10
@@ -148,9 +195,19 @@ def test_gradient_checkpointing_with_shared_prompts(tiny_model_dir):
 
 
 def test_trainer_runs_with_gradient_checkpointing(tiny_model_dir, tmp_path):
-    summary = train_module.run(TrainConfig(model=tiny_model_dir, output_dir=str(tmp_path), steps=2, prompts_per_step=2,
-                                           group_size=3, max_new_tokens=6, eval_size=2, eval_k=0,
-                                           gradient_checkpointing=True))
+    summary = train_module.run(
+        TrainConfig(
+            model=tiny_model_dir,
+            output_dir=str(tmp_path),
+            steps=2,
+            prompts_per_step=2,
+            group_size=3,
+            max_new_tokens=6,
+            eval_size=2,
+            eval_k=0,
+            gradient_checkpointing=True,
+        )
+    )
     assert summary["steps"] == 2
 
 

@@ -16,8 +16,15 @@ from gtpo_kernels.backends.triton_interpreter import triton_interpreted
 from gtpo_kernels.reference import reference_conflict_weights, reference_gtpo_loss
 from gtpo_kernels.reference import token_logprobs_and_entropy as reference_token_stats
 
-from .helpers import (RTOL, assert_close_per_entry, assert_rel_close, device_for,
-                      logits_gradient_scale, loss_scale, random_batch)
+from .helpers import (
+    RTOL,
+    assert_close_per_entry,
+    assert_rel_close,
+    device_for,
+    logits_gradient_scale,
+    loss_scale,
+    random_batch,
+)
 
 DEV = device_for("triton")
 
@@ -61,14 +68,20 @@ def make(dtype=torch.float32, seed=0, backend="triton"):
 def test_inplace_backward_gives_the_same_gradient(dtype, backend):
     logits, ids, mask, adv = make(dtype, backend=backend)
     base = logits.clone().requires_grad_()
-    out = gtpo_loss(base * 1, ids, mask, adv, group_size=3, backend=backend,
-                    config=GTPOConfig(entropy_mode="penalty"))
+    out = gtpo_loss(base * 1, ids, mask, adv, group_size=3, backend=backend, config=GTPOConfig(entropy_mode="penalty"))
     out.loss.backward()
 
     base_inplace = logits.clone().requires_grad_()
     model_output = base_inplace * 1  # stands for the model's logits: a non-leaf tensor
-    out_inplace = gtpo_loss(model_output, ids, mask, adv, group_size=3, backend=backend,
-                            config=GTPOConfig(entropy_mode="penalty", inplace_backward=True))
+    out_inplace = gtpo_loss(
+        model_output,
+        ids,
+        mask,
+        adv,
+        group_size=3,
+        backend=backend,
+        config=GTPOConfig(entropy_mode="penalty", inplace_backward=True),
+    )
     storage = model_output.data_ptr()
     out_inplace.loss.backward()
     assert torch.equal(out.loss, out_inplace.loss)
@@ -85,9 +98,10 @@ def test_inplace_backward_refuses_to_corrupt_saved_logits(backend):
     model_output = base * 1
     # A node created *before* the loss that saved the logits runs its backward *after* the loss's:
     # it would read gradients as logits. Autograd must refuse.
-    other_use = (model_output ** 2).sum()
-    out = gtpo_loss(model_output, ids, mask, adv, group_size=3, backend=backend,
-                    config=GTPOConfig(inplace_backward=True))
+    other_use = (model_output**2).sum()
+    out = gtpo_loss(
+        model_output, ids, mask, adv, group_size=3, backend=backend, config=GTPOConfig(inplace_backward=True)
+    )
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         (out.loss + 0 * other_use).backward()
 
@@ -160,24 +174,27 @@ _PROPERTY_DRAWS = {"total": 0, "with_gradient": 0}
 
 @settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    n_groups=st.integers(1, 3), group_size=st.integers(2, 4), length=st.integers(1, 6),
-    vocab=st.integers(2, 70), seed=st.integers(0, 10_000),
+    n_groups=st.integers(1, 3),
+    group_size=st.integers(2, 4),
+    length=st.integers(1, 6),
+    vocab=st.integers(2, 70),
+    seed=st.integers(0, 10_000),
     preset=st.sampled_from(["paper", "official", "grpo"]),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
 )
 def test_property_random_shapes_and_masks(n_groups, group_size, length, vocab, seed, preset, dtype):
     # min_len=0 gives empty rows; a target boost around 3 + ln V keeps about half the completions under
     # the entropy threshold (flat logits would have the filter drop every row: the case would say nothing).
-    logits, ids, mask, adv = random_batch(n_groups, group_size, length, vocab, dtype=dtype, seed=seed, min_len=0,
-                                          sharpness=3.0 + math.log(vocab))
+    logits, ids, mask, adv = random_batch(
+        n_groups, group_size, length, vocab, dtype=dtype, seed=seed, min_len=0, sharpness=3.0 + math.log(vocab)
+    )
     # Groups whose rewards all tie have no policy gradient under grpo; give each such group one winner
     # (ties have their own tests in test_parity.py).
     tied = (adv.view(-1, group_size) == 0).all(dim=1)
     adv.view(-1, group_size)[tied] = torch.tensor([1.0] + [-1.0 / (group_size - 1)] * (group_size - 1))
     config = GTPOConfig(preset=preset)
     x = logits.clone().to(DEV).requires_grad_()
-    out = gtpo_loss(x, ids.to(DEV), mask.to(DEV), adv.to(DEV), group_size=group_size, config=config,
-                    backend="triton")
+    out = gtpo_loss(x, ids.to(DEV), mask.to(DEV), adv.to(DEV), group_size=group_size, config=config, backend="triton")
     out.loss.backward()
     x64 = logits.double().requires_grad_()
     ref = reference_gtpo_loss(x64, ids, mask, adv.double(), group_size=group_size, config=config)

@@ -20,16 +20,32 @@ def reward_length(completions, **kwargs):
 
 
 def make_trainer(model_dir, tmp_path, cls=GTPOTrainer, steps_per_generation=1, accumulation=1, **kwargs):
-    settings = dict(per_device_train_batch_size=4 * G // steps_per_generation, max_completion_length=6, max_steps=1,
-                    bf16=False)
+    settings = dict(
+        per_device_train_batch_size=4 * G // steps_per_generation, max_completion_length=6, max_steps=1, bf16=False
+    )
     settings.update(kwargs.pop("trl_args", {}))
-    args = trl.GRPOConfig(output_dir=str(tmp_path), steps_per_generation=steps_per_generation,
-                          gradient_accumulation_steps=accumulation, num_generations=G, temperature=0.7,
-                          report_to="none", use_cpu=True, logging_steps=1, save_strategy="no", **settings)
+    args = trl.GRPOConfig(
+        output_dir=str(tmp_path),
+        steps_per_generation=steps_per_generation,
+        gradient_accumulation_steps=accumulation,
+        num_generations=G,
+        temperature=0.7,
+        report_to="none",
+        use_cpu=True,
+        logging_steps=1,
+        save_strategy="no",
+        **settings,
+    )
     data = Dataset.from_dict({"prompt": ["1+2?", "3+4?", "5+6?", "7+8?", "2+2?", "9+1?"]})
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
-    trainer = cls(model=model, reward_funcs=[reward_length], args=args, train_dataset=data,
-                  processing_class=transformers.AutoTokenizer.from_pretrained(model_dir), **kwargs)
+    trainer = cls(
+        model=model,
+        reward_funcs=[reward_length],
+        args=args,
+        train_dataset=data,
+        processing_class=transformers.AutoTokenizer.from_pretrained(model_dir),
+        **kwargs,
+    )
     trainer.current_gradient_accumulation_steps = accumulation
     return trainer
 
@@ -45,11 +61,18 @@ def fixed_inputs(vocab, n=4 * G, prompt=4, length=6, seed=0, with_conflict=True)
     prompt_mask = torch.ones_like(prompt_ids)
     prompt_mask[:G, :1] = 0
     advantages = torch.tensor([1.0, -0.5, -0.5] * (n // G)) * torch.rand(n, generator=g)
-    inputs = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
-              "completion_mask": completion_mask, "advantages": advantages,
-              "num_items_in_batch": completion_mask.sum().float()}
+    inputs = {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "advantages": advantages,
+        "num_items_in_batch": completion_mask.sum().float(),
+    }
     if with_conflict:
-        inputs["gtpo_lambda"], inputs["gtpo_n_conflict"] = conflict_weights(completion_ids, completion_mask, advantages, G)
+        inputs["gtpo_lambda"], inputs["gtpo_n_conflict"] = conflict_weights(
+            completion_ids, completion_mask, advantages, G
+        )
     return inputs
 
 
@@ -58,7 +81,7 @@ def completion_logits(model, inputs):
     ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
     attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
     length = inputs["completion_ids"].shape[1]
-    return model(input_ids=ids, attention_mask=attention).logits[:, -length - 1:-1]
+    return model(input_ids=ids, attention_mask=attention).logits[:, -length - 1 : -1]
 
 
 def loss_and_grads(trainer, inputs):
@@ -82,8 +105,16 @@ def assert_equals_loss_on_the_logits(trainer, config):
     loss, grads = loss_and_grads(trainer, inputs)
     model = trainer.model
     model.zero_grad()
-    expected = gtpo_loss(completion_logits(model, inputs), inputs["completion_ids"], inputs["completion_mask"],
-                         inputs["advantages"], group_size=G, config=config, temperature=0.7, initial_entropy=5.0)
+    expected = gtpo_loss(
+        completion_logits(model, inputs),
+        inputs["completion_ids"],
+        inputs["completion_mask"],
+        inputs["advantages"],
+        group_size=G,
+        config=config,
+        temperature=0.7,
+        initial_entropy=5.0,
+    )
     # a sum over completions is over every process's (one here)
     (expected.loss * (trainer.accelerator.num_processes if config.loss_reduction == "sum" else 1)).backward()
     torch.testing.assert_close(loss, expected.loss.detach(), rtol=1e-5, atol=1e-7)
@@ -134,8 +165,9 @@ def test_slices_through_groups_accumulate_to_the_whole_batch(tiny_model_dir, tmp
     whole._gtpo_initial_entropy = 5.0
     loss_whole, grads_whole = loss_and_grads(whole, inputs)
 
-    sliced = make_trainer(tiny_model_dir, tmp_path / "sliced", steps_per_generation=3, accumulation=3,
-                          gtpo_config=config)
+    sliced = make_trainer(
+        tiny_model_dir, tmp_path / "sliced", steps_per_generation=3, accumulation=3, gtpo_config=config
+    )
     sliced._gtpo_initial_entropy = 5.0
     sliced.model.train()
     order = torch.randperm(12, generator=torch.Generator().manual_seed(0))
@@ -169,12 +201,15 @@ def test_two_training_steps_log_gtpo_metrics(tiny_model_dir, tmp_path):
 
 # ---- exact optimiser-step counts, tool masks, metrics without per-call syncs --------------------------------
 
+
 def window_slices(trainer, inputs, steps_per_generation, seed=0):
     """TRL's split of a generation batch: shuffled rows, ``steps_per_generation`` slices, then the window counts."""
     n = inputs["completion_ids"].shape[0]
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
-    slices = [{k: (v if k == "num_items_in_batch" else v[rows]) for k, v in inputs.items()}
-              for rows in order.chunk(steps_per_generation)]
+    slices = [
+        {k: (v if k == "num_items_in_batch" else v[rows]) for k, v in inputs.items()}
+        for rows in order.chunk(steps_per_generation)
+    ]
     trainer.attach_window_counts(slices)
     return slices
 
@@ -188,17 +223,24 @@ def test_slices_of_one_optimiser_step_add_up_to_its_loss(tiny_model_dir, tmp_pat
     config = GTPOConfig(loss_reduction=reduction)
     inputs = fixed_inputs(100, n=4 * G, seed=4)
     inputs["completion_mask"][:, 1:] *= (torch.arange(4 * G) % 4 != 0).long()[:, None]  # some one-token rows
-    trainer = make_trainer(tiny_model_dir, tmp_path, steps_per_generation=spg, accumulation=accumulation,
-                           gtpo_config=config, trl_args={"per_device_train_batch_size": 4 * G // spg})
+    trainer = make_trainer(
+        tiny_model_dir,
+        tmp_path,
+        steps_per_generation=spg,
+        accumulation=accumulation,
+        gtpo_config=config,
+        trl_args={"per_device_train_batch_size": 4 * G // spg},
+    )
     trainer._gtpo_initial_entropy = 5.0
     trainer.model.train()
     slices = window_slices(trainer, inputs, spg)
     for window in range(spg // accumulation):
-        parts = slices[window * accumulation:(window + 1) * accumulation]
+        parts = slices[window * accumulation : (window + 1) * accumulation]
         trainer.model.zero_grad()
         total = sum(trainer.compute_loss(trainer.model, part) for part in parts)  # no error: counts are exact
-        whole_rows = {k: (torch.cat([p[k] for p in parts]) if k != "num_items_in_batch" else v)
-                      for k, v in parts[0].items()}
+        whole_rows = {
+            k: (torch.cat([p[k] for p in parts]) if k != "num_items_in_batch" else v) for k, v in parts[0].items()
+        }
         whole = make_trainer(tiny_model_dir, tmp_path / f"whole{window}", gtpo_config=config)
         whole._gtpo_initial_entropy = 5.0
         whole.model.train()
@@ -218,8 +260,17 @@ def test_two_processes_windows_are_exact(tiny_model_dir, tmp_path, monkeypatch):
     config = GTPOConfig(loss_reduction="token_mean")
     batches = [fixed_inputs(100, n=4 * G, seed=s) for s in (5, 6)]
     batches[1]["completion_mask"][:, 2:] = 0  # process 1's completions are much shorter
-    trainers = [make_trainer(tiny_model_dir, tmp_path / f"p{p}", steps_per_generation=2, accumulation=1,
-                             gtpo_config=config, trl_args={"per_device_train_batch_size": 2 * G}) for p in (0, 1)]
+    trainers = [
+        make_trainer(
+            tiny_model_dir,
+            tmp_path / f"p{p}",
+            steps_per_generation=2,
+            accumulation=1,
+            gtpo_config=config,
+            trl_args={"per_device_train_batch_size": 2 * G},
+        )
+        for p in (0, 1)
+    ]
     # Per-window tokens of each process, in the order TRL feeds them: what the all-reduce adds up.
     local = []
     for trainer, inputs in zip(trainers, batches):
@@ -236,10 +287,17 @@ def test_two_processes_windows_are_exact(tiny_model_dir, tmp_path, monkeypatch):
         ddp = sum(t.compute_loss(t.model, s[window]).detach() for t, s in zip(trainers, slices)) / 2
         rows = [s[window] for s in slices]
         logits_of = [completion_logits(trainer.model, part) for trainer, part in zip(trainers, rows)]
-        cat = lambda key: torch.cat([p[key] for p in rows])  # noqa: E731
-        expected = gtpo_loss(torch.cat(logits_of), cat("completion_ids"), cat("completion_mask"), cat("advantages"),
-                             config=config, conflict=(cat("gtpo_lambda"), cat("gtpo_n_conflict")), temperature=0.7,
-                             initial_entropy=5.0)
+        cat = lambda key, rows=rows: torch.cat([p[key] for p in rows])
+        expected = gtpo_loss(
+            torch.cat(logits_of),
+            cat("completion_ids"),
+            cat("completion_mask"),
+            cat("advantages"),
+            config=config,
+            conflict=(cat("gtpo_lambda"), cat("gtpo_n_conflict")),
+            temperature=0.7,
+            initial_entropy=5.0,
+        )
         torch.testing.assert_close(ddp, expected.loss.detach(), rtol=1e-5, atol=1e-7)
 
 
@@ -255,10 +313,15 @@ def test_tool_mask_takes_tool_outputs_out_of_the_loss(tiny_model_dir, tmp_path):
     loss, grads = loss_and_grads(trainer, inputs)
     model = trainer.model
     model.zero_grad()
-    expected = gtpo_loss(completion_logits(model, inputs), inputs["completion_ids"], inputs["completion_mask"] * tool_mask,
-                         inputs["advantages"], config=config, temperature=0.7,
-                         conflict=conflict_weights(inputs["completion_ids"], inputs["completion_mask"],
-                                                   inputs["advantages"], G))
+    expected = gtpo_loss(
+        completion_logits(model, inputs),
+        inputs["completion_ids"],
+        inputs["completion_mask"] * tool_mask,
+        inputs["advantages"],
+        config=config,
+        temperature=0.7,
+        conflict=conflict_weights(inputs["completion_ids"], inputs["completion_mask"], inputs["advantages"], G),
+    )
     expected.loss.backward()
     torch.testing.assert_close(loss, expected.loss.detach(), rtol=1e-5, atol=1e-7)
     assert_same_grads(grads, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
@@ -293,18 +356,27 @@ def test_metrics_are_read_once_per_log(tiny_model_dir, tmp_path, monkeypatch):
 
 def test_more_generation_steps_than_accumulation_steps_train(tiny_model_dir, tmp_path):
     """The setting that stopped at the first step: one generation batch, two optimiser steps."""
-    trainer = make_trainer(tiny_model_dir, tmp_path, steps_per_generation=2, accumulation=1,
-                           gtpo_config=GTPOConfig(loss_reduction="token_mean"),
-                           trl_args={"max_steps": 2, "per_device_train_batch_size": 2 * G,
-                                     "max_completion_length": 8})
+    trainer = make_trainer(
+        tiny_model_dir,
+        tmp_path,
+        steps_per_generation=2,
+        accumulation=1,
+        gtpo_config=GTPOConfig(loss_reduction="token_mean"),
+        trl_args={"max_steps": 2, "per_device_train_batch_size": 2 * G, "max_completion_length": 8},
+    )
     trainer.train()
     assert len([row for row in trainer.state.log_history if "gtpo/entropy" in row]) == 2
 
 
 def test_token_mean_windows_across_generation_batches_are_refused(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="steps_per_generation=1.*gradient_accumulation_steps=2"):
-        make_trainer(tiny_model_dir, tmp_path, steps_per_generation=1, accumulation=2,
-                     gtpo_config=GTPOConfig(loss_reduction="token_mean"))
+        make_trainer(
+            tiny_model_dir,
+            tmp_path,
+            steps_per_generation=1,
+            accumulation=2,
+            gtpo_config=GTPOConfig(loss_reduction="token_mean"),
+        )
 
 
 def test_moe_router_loss_is_refused_not_dropped(tiny_model_dir, tmp_path):
@@ -312,16 +384,29 @@ def test_moe_router_loss_is_refused_not_dropped(tiny_model_dir, tmp_path):
     with a non-zero coefficient is refused at construction (it was trained without it, silently), and
     router_aux_loss_coef=0.0 is the documented way to train it anyway."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
-    config = transformers.Qwen3MoeConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                                         moe_intermediate_size=16, num_hidden_layers=1, num_attention_heads=4,
-                                         num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
-                                         max_position_embeddings=512, pad_token_id=tokenizer.pad_token_id,
-                                         eos_token_id=tokenizer.eos_token_id, router_aux_loss_coef=0.01)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        router_aux_loss_coef=0.01,
+    )
     moe_dir = tmp_path / "moe"
     transformers.Qwen3MoeForCausalLM(config).save_pretrained(moe_dir)
     tokenizer.save_pretrained(moe_dir)
-    with pytest.raises(ValueError, match=r"router load-balancing loss \(router_aux_loss_coef=0.01\).*"
-                                         r"router_aux_loss_coef=0.0"):
+    with pytest.raises(
+        ValueError,
+        match=r"router load-balancing loss \(router_aux_loss_coef=0.01\).*"
+        r"router_aux_loss_coef=0.0",
+    ):
         make_trainer(str(moe_dir), tmp_path)
     trainer = make_trainer(str(moe_dir), tmp_path, trl_args={"router_aux_loss_coef": 0.0})
     assert not trainer.aux_loss_enabled
@@ -335,40 +420,69 @@ def test_every_grpo_config_field_is_classified():
     from gtpo_kernels.integrations import trl_settings
 
     assert trl_settings.unclassified() == []
-    assert {s.status for s in trl_settings.SETTINGS.values()} == {trl_settings.HONOURED, trl_settings.IRRELEVANT,
-                                                                   trl_settings.REFUSED}
+    assert {s.status for s in trl_settings.SETTINGS.values()} == {
+        trl_settings.HONOURED,
+        trl_settings.IRRELEVANT,
+        trl_settings.REFUSED,
+    }
     model_checked = {"router_aux_loss_coef"}  # refused by GTPOTrainer from the model (MoE with a router loss)
-    assert all(s.refuse is not None or name in model_checked for name, s in trl_settings.SETTINGS.items()
-               if s.status == trl_settings.REFUSED)
+    assert all(
+        s.refuse is not None or name in model_checked
+        for name, s in trl_settings.SETTINGS.items()
+        if s.status == trl_settings.REFUSED
+    )
     docs = pathlib.Path(__file__).resolve().parents[1] / "docs" / "trl-settings.md"
     assert docs.read_text() == trl_settings.markdown(), "regenerate: python -m gtpo_kernels.integrations.trl_settings"
 
 
-@pytest.mark.parametrize("trl_args,gtpo,match", [
-    ({"beta": 0.1}, {"kl_beta": 0.1}, r"use_bias_correction_kl=True\): contradicts "
-                                      r"GTPOConfig\(kl_ratio_weighted=False\)"),
-    ({"beta": 0.1}, {"kl_beta": 0.1, "kl_ratio_weighted": True}, None),
-    ({"entropy_coef": 0.1}, {}, r"entropy_coef=0.1\): TRL's entropy bonus"),
-    ({"use_adaptive_entropy": True}, {}, r"use_adaptive_entropy=True\)"),
-    ({"delta": 1.5}, {}, r"delta=1.5\): contradicts GTPOConfig\(ratio_cap=None\)"),
-    ({"delta": 1.5}, {"ratio_cap": 1.5}, None),
-    ({"loss_type": "dr_grpo"}, {}, r"loss_type='dr_grpo'\): contradicts "
-                                   r"GTPOConfig\(loss_reduction='sequence_mean'\) \(preset 'paper'\)"),
-    ({"loss_type": "grpo"}, {}, None),  # TRL's 'grpo' normalisation is the paper preset's sequence_mean
-    ({"loss_type": "bnpo"}, {"preset": "grpo"}, r"loss_type='bnpo'\): 'bnpo' is not a GTPO reduction"),
-    ({"loss_type": "grpo"}, {"preset": "official"}, r"loss_type='grpo'\): contradicts "
-                                                    r"GTPOConfig\(loss_reduction='sum'\) \(preset 'official'\)"),
-    ({"epsilon": 0.3}, {}, r"epsilon=0.3\): contradicts GTPOConfig\(clip_eps_low=None\) \(preset 'paper'\)"),
-    ({"epsilon_high": 0.28}, {"preset": "grpo"}, r"epsilon_high=0.28\): contradicts GTPOConfig\(clip_eps_high=0.2\)"),
-    ({"scale_rewards": "batch"}, {"preset": "grpo"}, r"scale_rewards='batch'\)"),
-    ({"scale_rewards": "group"}, {}, None),  # TRL's default: set from the preset, not a user's choice
-    ({"scale_rewards": "none"}, {"preset": "grpo"}, r"scale_rewards='none'\): contradicts "
-                                                    r"GTPOConfig\(normalize_advantages_by_std=True\)"),
-    ({"cast_lm_head_to_fp32": True}, {}, r"cast_lm_head_to_fp32=True\)"),
-    ({"beta": 0.1, "use_bias_correction_kl": False}, {"kl_beta": 0.1}, None),
-    ({"loss_type": "grpo", "epsilon": 0.2}, {"preset": "grpo"}, None),
-    ({"epsilon": 0.3, "epsilon_high": 0.3}, {"clip_eps_low": 0.3, "clip_eps_high": 0.3}, None),
-])
+@pytest.mark.parametrize(
+    "trl_args,gtpo,match",
+    [
+        (
+            {"beta": 0.1},
+            {"kl_beta": 0.1},
+            r"use_bias_correction_kl=True\): contradicts "
+            r"GTPOConfig\(kl_ratio_weighted=False\)",
+        ),
+        ({"beta": 0.1}, {"kl_beta": 0.1, "kl_ratio_weighted": True}, None),
+        ({"entropy_coef": 0.1}, {}, r"entropy_coef=0.1\): TRL's entropy bonus"),
+        ({"use_adaptive_entropy": True}, {}, r"use_adaptive_entropy=True\)"),
+        ({"delta": 1.5}, {}, r"delta=1.5\): contradicts GTPOConfig\(ratio_cap=None\)"),
+        ({"delta": 1.5}, {"ratio_cap": 1.5}, None),
+        (
+            {"loss_type": "dr_grpo"},
+            {},
+            r"loss_type='dr_grpo'\): contradicts "
+            r"GTPOConfig\(loss_reduction='sequence_mean'\) \(preset 'paper'\)",
+        ),
+        ({"loss_type": "grpo"}, {}, None),  # TRL's 'grpo' normalisation is the paper preset's sequence_mean
+        ({"loss_type": "bnpo"}, {"preset": "grpo"}, r"loss_type='bnpo'\): 'bnpo' is not a GTPO reduction"),
+        (
+            {"loss_type": "grpo"},
+            {"preset": "official"},
+            r"loss_type='grpo'\): contradicts "
+            r"GTPOConfig\(loss_reduction='sum'\) \(preset 'official'\)",
+        ),
+        ({"epsilon": 0.3}, {}, r"epsilon=0.3\): contradicts GTPOConfig\(clip_eps_low=None\) \(preset 'paper'\)"),
+        (
+            {"epsilon_high": 0.28},
+            {"preset": "grpo"},
+            r"epsilon_high=0.28\): contradicts GTPOConfig\(clip_eps_high=0.2\)",
+        ),
+        ({"scale_rewards": "batch"}, {"preset": "grpo"}, r"scale_rewards='batch'\)"),
+        ({"scale_rewards": "group"}, {}, None),  # TRL's default: set from the preset, not a user's choice
+        (
+            {"scale_rewards": "none"},
+            {"preset": "grpo"},
+            r"scale_rewards='none'\): contradicts "
+            r"GTPOConfig\(normalize_advantages_by_std=True\)",
+        ),
+        ({"cast_lm_head_to_fp32": True}, {}, r"cast_lm_head_to_fp32=True\)"),
+        ({"beta": 0.1, "use_bias_correction_kl": False}, {"kl_beta": 0.1}, None),
+        ({"loss_type": "grpo", "epsilon": 0.2}, {"preset": "grpo"}, None),
+        ({"epsilon": 0.3, "epsilon_high": 0.3}, {"clip_eps_low": 0.3, "clip_eps_high": 0.3}, None),
+    ],
+)
 def test_settings_the_loss_would_ignore_are_refused(tiny_model_dir, tmp_path, trl_args, gtpo, match):
     """Each of these values was ignored silently before (TRL's GRPOTrainer would have used it); now refused in
     one line naming the field, or accepted when it agrees with the GTPO config."""
@@ -400,16 +514,31 @@ def test_trl_metrics_kept_and_equal_to_grpo_trainers(tiny_model_dir, tmp_path, a
     inputs = {k: v for k, v in fixed_inputs(100).items() if not k.startswith("gtpo_")}
     if all_negative:
         inputs["advantages"] = -inputs["advantages"].abs() - 0.1
-    ours = make_trainer(tiny_model_dir, tmp_path / "gtpo", gtpo_config=GTPOConfig(preset="grpo", kl_beta=0.05),
-                        trl_args={"beta": 0.05, "use_bias_correction_kl": False, "loss_type": "grpo"})
-    theirs = make_trainer(tiny_model_dir, tmp_path / "grpo", cls=trl.GRPOTrainer,
-                          trl_args={"beta": 0.05, "use_bias_correction_kl": False, "loss_type": "grpo"})
+    ours = make_trainer(
+        tiny_model_dir,
+        tmp_path / "gtpo",
+        gtpo_config=GTPOConfig(preset="grpo", kl_beta=0.05),
+        trl_args={"beta": 0.05, "use_bias_correction_kl": False, "loss_type": "grpo"},
+    )
+    theirs = make_trainer(
+        tiny_model_dir,
+        tmp_path / "grpo",
+        cls=trl.GRPOTrainer,
+        trl_args={"beta": 0.05, "use_bias_correction_kl": False, "loss_type": "grpo"},
+    )
     inputs = with_old_and_ref_logprobs(theirs, inputs, seed=3, spread=0.4, old_above=all_negative)
     for trainer in (ours, theirs):
         loss_and_grads(trainer, dict(inputs))
     ours._flush_gtpo_metrics("train")
-    for name in ("entropy", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-                 "clip_ratio/low_min", "clip_ratio/high_max"):
+    for name in (
+        "entropy",
+        "kl",
+        "clip_ratio/low_mean",
+        "clip_ratio/high_mean",
+        "clip_ratio/region_mean",
+        "clip_ratio/low_min",
+        "clip_ratio/high_max",
+    ):
         mine, trls = ours._metrics["train"][name], theirs._metrics["train"][name]
         assert len(mine) == 1 and len(trls) == 1, name
         assert mine[0] == pytest.approx(trls[0], rel=1e-5, abs=1e-7), name
@@ -417,19 +546,24 @@ def test_trl_metrics_kept_and_equal_to_grpo_trainers(tiny_model_dir, tmp_path, a
     assert theirs._metrics["train"]["clip_ratio/low_mean"][0] > 0 and theirs._metrics["train"][side][0] > 0
 
 
-@pytest.mark.parametrize("trl_args,gtpo", [
-    ({"delta": 1.1}, {"ratio_cap": 1.1}),
-    ({"beta": 0.05, "use_bias_correction_kl": True}, {"kl_beta": 0.05, "kl_ratio_weighted": True}),
-    ({"beta": 0.05, "use_bias_correction_kl": False, "delta": 1.15}, {"kl_beta": 0.05, "ratio_cap": 1.15}),
-], ids=["delta", "bias_corrected_kl", "both"])
+@pytest.mark.parametrize(
+    "trl_args,gtpo",
+    [
+        ({"delta": 1.1}, {"ratio_cap": 1.1}),
+        ({"beta": 0.05, "use_bias_correction_kl": True}, {"kl_beta": 0.05, "kl_ratio_weighted": True}),
+        ({"beta": 0.05, "use_bias_correction_kl": False, "delta": 1.15}, {"kl_beta": 0.05, "ratio_cap": 1.15}),
+    ],
+    ids=["delta", "bias_corrected_kl", "both"],
+)
 def test_delta_and_bias_corrected_kl_equal_grpo_trainer(tiny_model_dir, tmp_path, trl_args, gtpo):
     """TRL's two-sided clipping (delta) and ratio-weighted KL (use_bias_correction_kl), as GTPOConfig's ratio_cap
     and kl_ratio_weighted: the same loss and gradient as GRPOTrainer on one off-policy batch (loss_type='grpo',
     whose normalisation is the grpo preset's)."""
     inputs = {k: v for k, v in fixed_inputs(100).items() if not k.startswith("gtpo_")}
     settings = {"loss_type": "grpo", **trl_args}
-    ours = make_trainer(tiny_model_dir, tmp_path / "gtpo", gtpo_config=GTPOConfig(preset="grpo", **gtpo),
-                        trl_args=settings)
+    ours = make_trainer(
+        tiny_model_dir, tmp_path / "gtpo", gtpo_config=GTPOConfig(preset="grpo", **gtpo), trl_args=settings
+    )
     theirs = make_trainer(tiny_model_dir, tmp_path / "grpo", cls=trl.GRPOTrainer, trl_args=settings)
     inputs = with_old_and_ref_logprobs(theirs, inputs, seed=5, ref="beta" in trl_args)  # some ratios above delta
     loss_a, grads_a = loss_and_grads(ours, dict(inputs))
@@ -438,12 +572,16 @@ def test_delta_and_bias_corrected_kl_equal_grpo_trainer(tiny_model_dir, tmp_path
     assert_same_grads(grads_a, grads_b, rtol=1e-4)
 
 
-@pytest.mark.parametrize("trl_args", [
-    {},  # TRL's defaults: loss_type='dapo', epsilon 0.2, scale_rewards='group', beta 0
-    {"loss_type": "grpo", "epsilon": 0.1, "epsilon_high": 0.3},
-    {"loss_type": "dr_grpo", "beta": 0.04, "use_bias_correction_kl": True},
-    {"loss_type": "dapo", "delta": 1.25, "beta": 0.04, "use_bias_correction_kl": False, "scale_rewards": "none"},
-], ids=["defaults", "grpo-asymmetric-clip", "dr_grpo-bias-corrected-kl", "dapo-delta-kl-unscaled"])
+@pytest.mark.parametrize(
+    "trl_args",
+    [
+        {},  # TRL's defaults: loss_type='dapo', epsilon 0.2, scale_rewards='group', beta 0
+        {"loss_type": "grpo", "epsilon": 0.1, "epsilon_high": 0.3},
+        {"loss_type": "dr_grpo", "beta": 0.04, "use_bias_correction_kl": True},
+        {"loss_type": "dapo", "delta": 1.25, "beta": 0.04, "use_bias_correction_kl": False, "scale_rewards": "none"},
+    ],
+    ids=["defaults", "grpo-asymmetric-clip", "dr_grpo-bias-corrected-kl", "dapo-delta-kl-unscaled"],
+)
 def test_from_grpo_config_trains_as_grpo_trainer(tiny_model_dir, tmp_path, trl_args):
     """`from_grpo_config(args)`: GTPOTrainer with the GTPOConfig derived from TRL's settings equals GRPOTrainer
     (loss and gradient, one off-policy batch with reference log-probs), whatever TRL's loss settings say."""
@@ -451,8 +589,7 @@ def test_from_grpo_config_trains_as_grpo_trainer(tiny_model_dir, tmp_path, trl_a
 
     inputs = {k: v for k, v in fixed_inputs(100).items() if not k.startswith("gtpo_")}
     theirs = make_trainer(tiny_model_dir, tmp_path / "grpo", cls=trl.GRPOTrainer, trl_args=trl_args)
-    ours = make_trainer(tiny_model_dir, tmp_path / "gtpo", gtpo_config=from_grpo_config(theirs.args),
-                        trl_args=trl_args)
+    ours = make_trainer(tiny_model_dir, tmp_path / "gtpo", gtpo_config=from_grpo_config(theirs.args), trl_args=trl_args)
     assert ours.scale_rewards == theirs.scale_rewards
     inputs = with_old_and_ref_logprobs(theirs, inputs, seed=6, ref=bool(trl_args.get("beta")))
     loss_a, grads_a = loss_and_grads(ours, dict(inputs))
@@ -464,8 +601,11 @@ def test_from_grpo_config_trains_as_grpo_trainer(tiny_model_dir, tmp_path, trl_a
 def test_from_grpo_config_refuses_what_it_cannot_express():
     from gtpo_kernels.integrations.trl_settings import from_grpo_config
 
-    for settings, match in (({"loss_type": "bnpo"}, "loss_type='bnpo'"), ({"loss_type": "cispo"}, "loss_type='cispo'"),
-                            ({"scale_rewards": "batch"}, "scale_rewards='batch'")):
+    for settings, match in (
+        ({"loss_type": "bnpo"}, "loss_type='bnpo'"),
+        ({"loss_type": "cispo"}, "loss_type='cispo'"),
+        ({"scale_rewards": "batch"}, "scale_rewards='batch'"),
+    ):
         args = trl.GRPOConfig(output_dir="unused", report_to="none", use_cpu=True, **settings)
         with pytest.raises(ValueError, match=match):
             from_grpo_config(args)
@@ -480,9 +620,17 @@ def test_transformed_logits_take_the_chunked_logits_path(tiny_model_dir, tmp_pat
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
     torch.manual_seed(0)
-    common = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     if family == "gemma2-softcap":
         config = transformers.Gemma2Config(head_dim=8, final_logit_softcapping=3.0, **common)
         model = transformers.Gemma2ForCausalLM(config)
@@ -503,8 +651,12 @@ def test_a_reference_model_under_trls_default_bf16_is_accepted(tiny_model_dir, t
     """With beta > 0 TRL prepares the reference model at construction, and under its default bf16 accelerate runs
     that model's forward in autocast. The head check compared that bf16 forward with its own float32 one and
     refused every model (found by trying beta > 0 with TRL's defaults); one training step now runs."""
-    trainer = make_trainer(tiny_model_dir, tmp_path, gtpo_config=GTPOConfig(kl_beta=0.04, kl_ratio_weighted=True),
-                           trl_args={"beta": 0.04, "bf16": True})
+    trainer = make_trainer(
+        tiny_model_dir,
+        tmp_path,
+        gtpo_config=GTPOConfig(kl_beta=0.04, kl_ratio_weighted=True),
+        trl_args={"beta": 0.04, "bf16": True},
+    )
     assert trainer.ref_model is not None
     trainer.train()
     assert trainer.state.global_step == 1 and "clip_ratio/high_max" in trainer.state.log_history[0]

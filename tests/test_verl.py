@@ -26,7 +26,7 @@ from verl.workers.config import ActorConfig, PolicyLossConfig  # noqa: E402
 from verl.workers.engine.utils import prepare_micro_batches  # noqa: E402
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
 
-from gtpo_kernels import GTPOConfig, compute_advantages, conflict_weights, gtpo_loss  # noqa: E402
+from gtpo_kernels import compute_advantages, conflict_weights, gtpo_loss  # noqa: E402
 from gtpo_kernels.integrations import verl as gv  # noqa: E402
 
 DT = torch.float64
@@ -55,7 +55,7 @@ def _batch(seed, groups=3, group_size=4, length=7, vocab=11):
     logits = torch.randn(n, length, vocab, generator=g, dtype=DT) * scale[:, None, None]
     logits[torch.arange(n)[:, None], torch.arange(length)[None], ids] += 2.0 * scale[:, None]
     rewards = torch.randint(0, 2, (n,), generator=g).to(DT)
-    rewards[group_size:2 * group_size] = 1.0  # equal rewards
+    rewards[group_size : 2 * group_size] = 1.0  # equal rewards
     old = torch.randn(n, length, generator=g, dtype=DT) * 0.15  # added to logp: ratios off 1, some clipped
     return ids, mask, logits, rewards, old
 
@@ -68,13 +68,22 @@ def _stats(logits, ids):
 
 
 def _actor(loss_mode, loss_agg_mode, scale=None):
-    return ActorConfig(strategy="fsdp", rollout_n=4, ppo_micro_batch_size_per_gpu=2, loss_agg_mode=loss_agg_mode,
-                       loss_scale_factor=scale, policy_loss=PolicyLossConfig(loss_mode=loss_mode), clip_ratio=0.2,
-                       clip_ratio_low=CLIP_LOW, clip_ratio_high=CLIP_HIGH)
+    return ActorConfig(
+        strategy="fsdp",
+        rollout_n=4,
+        ppo_micro_batch_size_per_gpu=2,
+        loss_agg_mode=loss_agg_mode,
+        loss_scale_factor=scale,
+        policy_loss=PolicyLossConfig(loss_mode=loss_mode),
+        clip_ratio=0.2,
+        clip_ratio_low=CLIP_LOW,
+        clip_ratio_high=CLIP_HIGH,
+    )
 
 
-def _verl_step_losses(logits, ids, mask, rewards, old_shift, algorithm, actor, perm, mini_batch, micro_batch,
-                      dp_size=1):
+def _verl_step_losses(
+    logits, ids, mask, rewards, old_shift, algorithm, actor, perm, mini_batch, micro_batch, dp_size=1
+):
     """verl's path: advantages from the registered estimator (rows in the order ``perm``, groups by uid), then
     per mini-batch (verl's shuffling iterator) the sum of ``ppo_loss`` over verl's micro-batches.
     Returns ``[(rows of the mini-batch, its loss)]``, differentiable w.r.t. ``logits``."""
@@ -86,18 +95,39 @@ def _verl_step_losses(logits, ids, mask, rewards, old_shift, algorithm, actor, p
     last = mask.sum(1).long() - 1
     token_rewards[torch.arange(n), last] = rewards
     estimator = core_algos.get_adv_estimator_fn(gv.ESTIMATOR)
-    advantages, _ = estimator(token_level_rewards=token_rewards[perm], response_mask=mask[perm], index=uid[perm],
-                              config=algorithm, responses=ids[perm], entropy=entropy.detach()[perm])
+    advantages, _ = estimator(
+        token_level_rewards=token_rewards[perm],
+        response_mask=mask[perm],
+        index=uid[perm],
+        config=algorithm,
+        responses=ids[perm],
+        entropy=entropy.detach()[perm],
+    )
     attention = torch.cat([torch.ones(n, PROMPT, dtype=torch.long), mask[perm].long()], dim=1)
-    batch = TensorDict({"prompts": torch.ones(n, PROMPT, dtype=torch.long), "responses": ids[perm],
-                        "attention_mask": attention, "response_mask": mask[perm], "old_log_probs": old[perm],
-                        "advantages": advantages, "row": perm.clone()}, batch_size=n)
+    batch = TensorDict(
+        {
+            "prompts": torch.ones(n, PROMPT, dtype=torch.long),
+            "responses": ids[perm],
+            "attention_mask": attention,
+            "response_mask": mask[perm],
+            "old_log_probs": old[perm],
+            "advantages": advantages,
+            "row": perm.clone(),
+        },
+        batch_size=n,
+    )
     steps = []
-    for mini in tu.make_iterator(batch, mini_batch_size=mini_batch, epochs=1, seed=7,
-                                 dataloader_kwargs={"shuffle": True}):
-        tu.assign_non_tensor(mini, dp_size=dp_size, batch_num_tokens=int(mini["response_mask"].sum()) * dp_size,
-                             global_batch_size=len(mini) * dp_size, micro_batch_size_per_gpu=micro_batch,
-                             use_dynamic_bsz=False)
+    for mini in tu.make_iterator(
+        batch, mini_batch_size=mini_batch, epochs=1, seed=7, dataloader_kwargs={"shuffle": True}
+    ):
+        tu.assign_non_tensor(
+            mini,
+            dp_size=dp_size,
+            batch_num_tokens=int(mini["response_mask"].sum()) * dp_size,
+            global_batch_size=len(mini) * dp_size,
+            micro_batch_size_per_gpu=micro_batch,
+            use_dynamic_bsz=False,
+        )
         micro_batches, _ = prepare_micro_batches(mini)
         total = 0.0
         for micro in micro_batches:
@@ -118,9 +148,17 @@ def _reference(logits, ids, mask, rewards, old_shift, config, rows, initial_entr
     old = (logp.detach() + old_shift) * mask
     advantages = compute_advantages(rewards, 4, normalize_std=config.normalize_advantages_by_std)
     lam, n_conflict = conflict_weights(ids, mask, advantages, 4, config.conflict_weight)
-    return gtpo_loss(logits[rows], ids[rows], mask[rows], advantages[rows], config=config, old_logprobs=old[rows],
-                     conflict=(lam[rows], n_conflict[rows]), initial_entropy=initial_entropy,
-                     backend="torch").loss
+    return gtpo_loss(
+        logits[rows],
+        ids[rows],
+        mask[rows],
+        advantages[rows],
+        config=config,
+        old_logprobs=old[rows],
+        conflict=(lam[rows], n_conflict[rows]),
+        initial_entropy=initial_entropy,
+        backend="torch",
+    ).loss
 
 
 CASES = [  # (preset, loss_mode, loss_agg_mode, extra algorithm.gtpo knobs)
@@ -142,8 +180,7 @@ def test_verl_steps_equal_gtpo_loss(preset, loss_mode, agg, knobs, mini_batch):
     algorithm = OmegaConf.create({"adv_estimator": "gtpo", "gtpo": {"preset": preset, **knobs}})
     actor = _actor(loss_mode, agg, scale=length + 2 if agg == "seq-mean-token-sum-norm" else None)
     perm = torch.randperm(ids.shape[0], generator=torch.Generator().manual_seed(1))  # rows in any order
-    steps = _verl_step_losses(logits, ids, mask, rewards, old_shift, algorithm, actor, perm, mini_batch,
-                              micro_batch=2)
+    steps = _verl_step_losses(logits, ids, mask, rewards, old_shift, algorithm, actor, perm, mini_batch, micro_batch=2)
     config, initial = gv.gtpo_settings(algorithm)
     config = config.replace(clip_eps_low=CLIP_LOW, clip_eps_high=CLIP_HIGH, max_completion_length=length + 2)
     if initial is None and config.entropy_gate:
@@ -153,8 +190,8 @@ def test_verl_steps_equal_gtpo_loss(preset, loss_mode, agg, knobs, mini_batch):
     largest = 0.0
     for rows, verl_loss in steps:
         ours = _reference(logits, ids, mask, rewards, old_shift, config, rows, initial)
-        g_verl, = torch.autograd.grad(verl_loss, logits, retain_graph=True)
-        g_ours, = torch.autograd.grad(ours, logits, retain_graph=True)
+        (g_verl,) = torch.autograd.grad(verl_loss, logits, retain_graph=True)
+        (g_ours,) = torch.autograd.grad(ours, logits, retain_graph=True)
         verl_value, our_value = float(verl_loss.detach()), float(ours.detach())
         assert abs(verl_value - our_value) <= 1e-10 * max(1.0, abs(our_value)), (verl_value, our_value)
         assert torch.allclose(g_verl, g_ours, rtol=1e-10, atol=1e-12)
@@ -181,8 +218,9 @@ def test_data_parallel_ranks_add_up():
     adv, _ = gv.compute_gtpo_advantage(token_rewards, mask, uid, algorithm, responses=ids, entropy=entropy.detach())
     actor.global_batch_info.update(dp_size=2, global_batch_size=12, batch_num_tokens=int(mask.sum()))
     for rank_rows in (perm[:6], perm[6:]):
-        loss, _ = gv.compute_policy_loss_gtpo(old[rank_rows], logp[rank_rows], adv[rank_rows], mask[rank_rows],
-                                              "seq-mean-token-mean", actor)
+        loss, _ = gv.compute_policy_loss_gtpo(
+            old[rank_rows], logp[rank_rows], adv[rank_rows], mask[rank_rows], "seq-mean-token-mean", actor
+        )
         total = total + loss / 2  # DDP's average over the two ranks
     ours = _reference(logits, ids, mask, rewards, old_shift, config, torch.arange(12), initial)
     assert abs(float(total.detach() - ours.detach())) <= 1e-10 * max(1.0, abs(float(ours.detach())))
@@ -199,16 +237,19 @@ def test_advantages_by_hand():
     uid = np.array(["a", "b", "a", "b", "b"], dtype=object)
     entropy = torch.full((5, 3), 0.3, dtype=DT)
     off = {"entropy_threshold": None, "entropy_coef": 0.0}
-    adv, returns = gv.compute_gtpo_advantage(token_rewards, mask, uid, {"gtpo": {"preset": "paper", **off}},
-                                             responses=ids, entropy=entropy)
+    adv, returns = gv.compute_gtpo_advantage(
+        token_rewards, mask, uid, {"gtpo": {"preset": "paper", **off}}, responses=ids, entropy=entropy
+    )
     expected = torch.tensor([[1.0, 1.0, 0.5], [0, 0, 0], [0, 0, -0.5], [0, 0, 0], [0, 0, 0]], dtype=DT)
     assert torch.equal(adv, expected) and torch.equal(returns, expected)
     # official: divide by the conflict count n = 2 (rows of group a); the shift -gamma * Hbar = -0.03 applies to
     # every row (equal-reward rows too), weighted by lambda.
-    adv, _ = gv.compute_gtpo_advantage(token_rewards, mask, uid, {"gtpo": {"preset": "official"}},
-                                       responses=ids, entropy=entropy)
-    expected = torch.tensor([[2 * 0.47 / 2, 2 * 0.47 / 2, 0.47 / 2], [-0.03] * 3, [0, 0, -0.53 / 2], [-0.03] * 3,
-                             [-0.03] * 3], dtype=DT)
+    adv, _ = gv.compute_gtpo_advantage(
+        token_rewards, mask, uid, {"gtpo": {"preset": "official"}}, responses=ids, entropy=entropy
+    )
+    expected = torch.tensor(
+        [[2 * 0.47 / 2, 2 * 0.47 / 2, 0.47 / 2], [-0.03] * 3, [0, 0, -0.53 / 2], [-0.03] * 3, [-0.03] * 3], dtype=DT
+    )
     assert torch.allclose(adv, expected, rtol=0, atol=1e-15)
 
 
@@ -218,9 +259,14 @@ def test_masked_positions_and_holes():
     mask = torch.tensor([[1, 0, 1, 0], [1, 0, 1, 1]], dtype=DT)
     token_rewards = torch.zeros(2, 4, dtype=DT)
     token_rewards[:, -1] = torch.tensor([1.0, 0.0], dtype=DT)
-    adv, _ = gv.compute_gtpo_advantage(token_rewards, mask, np.array(["a", "a"], dtype=object),
-                                       {"gtpo": {"preset": "paper", "entropy_threshold": None, "entropy_coef": 0}},
-                                       responses=ids, entropy=torch.zeros(2, 4, dtype=DT))
+    adv, _ = gv.compute_gtpo_advantage(
+        token_rewards,
+        mask,
+        np.array(["a", "a"], dtype=object),
+        {"gtpo": {"preset": "paper", "entropy_threshold": None, "entropy_coef": 0}},
+        responses=ids,
+        entropy=torch.zeros(2, 4, dtype=DT),
+    )
     # positions 0 and 1 (the hole included) are a conflict run; position 1 is masked, so only position 0 shows it
     assert torch.equal(adv, torch.tensor([[1.0, 0, 0.5, 0], [0, 0, -0.5, -0.5]], dtype=DT))
 
@@ -232,8 +278,9 @@ def test_missing_fields_and_bad_settings_are_named():
     with pytest.raises(ValueError, match="completion ids"):
         gv.compute_gtpo_advantage(token_rewards, mask, uid, {"gtpo": {"preset": "paper"}})
     with pytest.raises(ValueError, match="entropies"):
-        gv.compute_gtpo_advantage(token_rewards, mask, uid, {"gtpo": {"preset": "paper"}},
-                                  responses=torch.zeros(2, 3, dtype=torch.long))
+        gv.compute_gtpo_advantage(
+            token_rewards, mask, uid, {"gtpo": {"preset": "paper"}}, responses=torch.zeros(2, 3, dtype=torch.long)
+        )
     with pytest.raises(ValueError, match="actor_rollout_ref.actor.clip_ratio_low"):
         gv.gtpo_settings({"gtpo": {"clip_eps_low": 0.1}})
     with pytest.raises(ValueError, match="algorithm.gtpo.entropy_treshold is not a GTPO setting"):
@@ -245,8 +292,9 @@ def test_missing_fields_and_bad_settings_are_named():
     with pytest.raises(ValueError, match="loss_agg_mode='token-sum'"):
         gv.compute_policy_loss_gtpo(mask, mask, mask, mask, "token-sum", _actor("gtpo", "token-sum"))
     with pytest.raises(ValueError, match="loss_scale_factor"):
-        gv.compute_policy_loss_gtpo(mask, mask, mask, mask, "seq-mean-token-sum-norm",
-                                    _actor("gtpo", "seq-mean-token-sum-norm"))
+        gv.compute_policy_loss_gtpo(
+            mask, mask, mask, mask, "seq-mean-token-sum-norm", _actor("gtpo", "seq-mean-token-sum-norm")
+        )
     with pytest.raises(ValueError, match="one uid per row"):
         gv.compute_gtpo_advantage(token_rewards, mask, uid[:1], {"gtpo": {"preset": "grpo"}})
 
@@ -254,6 +302,7 @@ def test_missing_fields_and_bad_settings_are_named():
 def _verl_default_config(**overrides):
     """verl's own default PPO config (shipped with verl), with Hydra-style dotted overrides."""
     import importlib.resources
+
     path = importlib.resources.files("verl.trainer.config") / "_generated_ppo_trainer.yaml"
     config = OmegaConf.load(str(path))
     OmegaConf.set_struct(config, False)
@@ -268,7 +317,9 @@ EXISTING_KEYS = []  # the example's overrides without "+": Hydra refuses them un
 def _example_overrides():
     """The Hydra overrides of examples/verl_gtpo.sh (``key=value`` lines; ``+key`` adds a key)."""
     import pathlib
+
     import yaml
+
     script = pathlib.Path(__file__).resolve().parents[1] / "examples" / "verl_gtpo.sh"
     overrides = {}
     for line in script.read_text().splitlines():
@@ -289,6 +340,7 @@ def test_example_settings_pass_the_check_and_contradictions_are_refused():
     gv.check_verl_config(_verl_default_config(**EXAMPLE_OVERRIDES))
     assert EXAMPLE_OVERRIDES["algorithm.adv_estimator"] == "gtpo" and len(EXAMPLE_OVERRIDES) > 20
     default = _verl_default_config()
+
     def has(key):  # the key exists (a mandatory "???" value included)
         parent, _, leaf = key.rpartition(".")
         node = OmegaConf.select(default, parent, default=None) if parent else default
@@ -296,20 +348,27 @@ def test_example_settings_pass_the_check_and_contradictions_are_refused():
 
     missing = [key for key in EXISTING_KEYS if not has(key)]
     assert not missing, f"examples/verl_gtpo.sh sets keys verl's config does not have: {missing}"
-    official = dict(EXAMPLE_OVERRIDES, **{"algorithm.gtpo.preset": "official",
-                                          "actor_rollout_ref.actor.policy_loss.loss_mode": "gtpo_sum"})
+    official = dict(
+        EXAMPLE_OVERRIDES,
+        **{"algorithm.gtpo.preset": "official", "actor_rollout_ref.actor.policy_loss.loss_mode": "gtpo_sum"},
+    )
     gv.check_verl_config(_verl_default_config(**official))
     with pytest.raises(ValueError, match="reduces by sequence_mean, but actor.loss_agg_mode='token-mean'"):
-        gv.check_verl_config(_verl_default_config(**dict(EXAMPLE_OVERRIDES, **{
-            "actor_rollout_ref.actor.loss_agg_mode": "token-mean"})))
+        gv.check_verl_config(
+            _verl_default_config(**dict(EXAMPLE_OVERRIDES, **{"actor_rollout_ref.actor.loss_agg_mode": "token-mean"}))
+        )
     with pytest.raises(ValueError, match="loss_mode=gtpo"):
-        gv.check_verl_config(_verl_default_config(**dict(EXAMPLE_OVERRIDES, **{
-            "actor_rollout_ref.actor.policy_loss.loss_mode": "vanilla"})))
+        gv.check_verl_config(
+            _verl_default_config(
+                **dict(EXAMPLE_OVERRIDES, **{"actor_rollout_ref.actor.policy_loss.loss_mode": "vanilla"})
+            )
+        )
     with pytest.raises(ValueError, match="use_kl_in_reward"):
         gv.check_verl_config(_verl_default_config(**dict(EXAMPLE_OVERRIDES, **{"algorithm.use_kl_in_reward": True})))
     with pytest.raises(ValueError, match="bypass_mode"):
-        gv.check_verl_config(_verl_default_config(**dict(EXAMPLE_OVERRIDES, **{
-            "algorithm.rollout_correction.bypass_mode": True})))
+        gv.check_verl_config(
+            _verl_default_config(**dict(EXAMPLE_OVERRIDES, **{"algorithm.rollout_correction.bypass_mode": True}))
+        )
 
 
 def test_registered_in_verl():
@@ -320,6 +379,7 @@ def test_registered_in_verl():
 
 def test_entry_point_declared():
     from importlib.metadata import entry_points
+
     names = {ep.name: ep.value for ep in entry_points(group="verl.plugins")}
     assert names.get("gtpo_kernels") == "gtpo_kernels.integrations.verl"
 
@@ -336,17 +396,24 @@ def test_trainer_wrapper_supplies_ids_and_entropy():
         def _compute_advantage(self, batch, metrics):  # verl's calls the estimator without ids/entropy
             token_rewards = torch.tensor([[0.0, 1.0], [0.0, 0.0]], dtype=DT)
             seen["adv"], _ = core_algos.get_adv_estimator_fn(self.config.algorithm.adv_estimator)(
-                token_level_rewards=token_rewards, response_mask=torch.ones(2, 2, dtype=DT),
-                index=np.array(["u", "u"], dtype=object), config=self.config.algorithm)
+                token_level_rewards=token_rewards,
+                response_mask=torch.ones(2, 2, dtype=DT),
+                index=np.array(["u", "u"], dtype=object),
+                config=self.config.algorithm,
+            )
             return batch
 
     class Fields(dict):
         def to_padded_tensor(self):
             return self
 
-    tq = types.SimpleNamespace(kv_batch_get=lambda keys, partition_id, select_fields: Fields(
-        responses=torch.tensor([[3, 4], [3, 5]]), response_mask=torch.ones(2, 2), entropy=torch.full((2, 2), 0.1,
-                                                                                                     dtype=DT)))
+    tq = types.SimpleNamespace(
+        kv_batch_get=lambda keys, partition_id, select_fields: Fields(
+            responses=torch.tensor([[3, 4], [3, 5]]),
+            response_mask=torch.ones(2, 2),
+            entropy=torch.full((2, 2), 0.1, dtype=DT),
+        )
+    )
     module = types.SimpleNamespace(PPOTrainer=PPOTrainer, tq=tq)
     gv.patch_v1_trainer(module)
     gv.patch_v1_trainer(module)  # idempotent
@@ -363,14 +430,17 @@ def test_trainer_wrapper_supplies_ids_and_entropy():
 
 def test_hook_runs_after_first_import(tmp_path, monkeypatch):
     """`run_after_import`: the hook runs once, right after the module is first imported, and sees it whole."""
-    (tmp_path / "gtpo_probe_mod.py").write_text(textwrap.dedent("""
+    (tmp_path / "gtpo_probe_mod.py").write_text(
+        textwrap.dedent("""
         VALUE = 41
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     calls = []
     gv.run_after_import("gtpo_probe_mod", lambda module: calls.append(module.VALUE))
     assert calls == []
     import gtpo_probe_mod  # noqa: F401
+
     assert calls == [41]
     gv.run_after_import("gtpo_probe_mod", lambda module: calls.append(module.VALUE + 1))  # already imported
     assert calls == [41, 42]
@@ -390,15 +460,25 @@ def test_rollout_importance_weights_scale_each_token():
     token_rewards = torch.zeros(ids.shape, dtype=DT)
     token_rewards[torch.arange(12), mask.sum(1).long() - 1] = rewards
     adv, _ = gv.compute_gtpo_advantage(token_rewards, mask, uid, algorithm, responses=ids, entropy=entropy.detach())
-    loss, _ = gv.compute_policy_loss_gtpo(old, logp, adv, mask, "seq-mean-token-mean",
-                                          _actor("gtpo", "seq-mean-token-mean"), rollout_is_weights=weights)
+    loss, _ = gv.compute_policy_loss_gtpo(
+        old, logp, adv, mask, "seq-mean-token-mean", _actor("gtpo", "seq-mean-token-mean"), rollout_is_weights=weights
+    )
     config, initial = gv.gtpo_settings(algorithm)
     config = config.replace(clip_eps_low=CLIP_LOW, clip_eps_high=CLIP_HIGH)
     advantages = compute_advantages(rewards, 4)
     lam, n_conflict = conflict_weights(ids, mask, advantages, 4)
-    ours = gtpo_loss(logits, ids, mask, advantages, config=config, old_logprobs=old, initial_entropy=initial,
-                     conflict=(lam * weights, n_conflict), backend="torch").loss
-    g_verl, = torch.autograd.grad(loss, logits, retain_graph=True)
-    g_ours, = torch.autograd.grad(ours, logits)
+    ours = gtpo_loss(
+        logits,
+        ids,
+        mask,
+        advantages,
+        config=config,
+        old_logprobs=old,
+        initial_entropy=initial,
+        conflict=(lam * weights, n_conflict),
+        backend="torch",
+    ).loss
+    (g_verl,) = torch.autograd.grad(loss, logits, retain_graph=True)
+    (g_ours,) = torch.autograd.grad(ours, logits)
     assert abs(float(loss.detach() - ours.detach())) <= 1e-10 * max(1.0, abs(float(ours.detach())))
     assert torch.allclose(g_verl, g_ours, rtol=1e-10, atol=1e-12)

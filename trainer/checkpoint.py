@@ -29,11 +29,17 @@ def step_seed(seed: int, purpose: str, step: int, rank: int = 0) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-def save_checkpoint(path: Path, model_state: dict, optimizer_state: dict, scheduler_state: dict, state: dict,
-                    config: dict) -> None:
+def save_checkpoint(
+    path: Path, model_state: dict, optimizer_state: dict, scheduler_state: dict, state: dict, config: dict
+) -> None:
     """Written to a temporary file, then renamed: a crash never leaves a half-written checkpoint."""
-    payload = {"model": model_state, "optimizer": optimizer_state, "scheduler": scheduler_state, "state": state,
-               "config": config}
+    payload = {
+        "model": model_state,
+        "optimizer": optimizer_state,
+        "scheduler": scheduler_state,
+        "state": state,
+        "config": config,
+    }
     tmp = path.with_name(path.name + ".tmp")
     torch.save(payload, tmp)
     os.replace(tmp, path)
@@ -42,8 +48,10 @@ def save_checkpoint(path: Path, model_state: dict, optimizer_state: dict, schedu
 def require_checkpoint(path: Path) -> None:
     """``--resume`` needs ``path``: checked before anything is loaded, and again when it is read."""
     if not path.exists():
-        raise ConfigError(f"--resume: no checkpoint at {path}; start without --resume, or pass the --output-dir of "
-                          f"the run to continue")
+        raise ConfigError(
+            f"--resume: no checkpoint at {path}; start without --resume, or pass the --output-dir of "
+            f"the run to continue"
+        )
 
 
 def load_checkpoint(path: Path) -> dict:
@@ -121,8 +129,11 @@ class StopRequests:
         if self.requested is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.requested = signal.Signals(signum).name
-        print(f"\n{self.requested} received: saving the last completed step and stopping (Ctrl-C again to stop "
-              f"at once)", file=sys.stderr, flush=True)
+        print(
+            f"\n{self.requested} received: saving the last completed step and stopping (Ctrl-C again to stop at once)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def check(self) -> None:
         """Raises `Interrupted` if a stop was requested (and the current phase may be abandoned)."""
@@ -132,6 +143,7 @@ class StopRequests:
     def interrupt_layers(self, layers) -> None:
         """Hooks on ``layers`` (the decoder's blocks) that call `check` before each one's forward, and before its
         backward (a hook on its output: lighter than a module backward hook, which rewraps inputs and outputs)."""
+
         def before_backward(grad):
             self.check()
 
@@ -144,7 +156,7 @@ class StopRequests:
             self._hooks.append(layer.register_forward_pre_hook(lambda module, args: self.check()))
             self._hooks.append(layer.register_forward_hook(after_forward))
 
-    def __enter__(self) -> "StopRequests":
+    def __enter__(self) -> StopRequests:
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
                 self._previous[sig] = signal.signal(sig, self._handle)

@@ -27,9 +27,11 @@ LN2 = math.log(2.0)
 ACCURACY_DROP = 0.15  # final held-out greedy accuracy at least this far below the run's peak
 FORMAT_DROP = 0.25  # final held-out format rate at least this far below the run's peak
 LOW_ENTROPY = 0.02  # ... or train entropy below this (nats) with train reward below 0.1 on the last 3 steps
-COLLAPSE_RULE = (f"collapsed: final held-out accuracy >= {ACCURACY_DROP} below its peak, or final held-out format "
-                 f"rate >= {FORMAT_DROP} below its peak, or train entropy above ln 2 on each of the last 3 steps "
-                 f"after being below it, or train reward < 0.1 on each of the last 3 steps")
+COLLAPSE_RULE = (
+    f"collapsed: final held-out accuracy >= {ACCURACY_DROP} below its peak, or final held-out format "
+    f"rate >= {FORMAT_DROP} below its peak, or train entropy above ln 2 on each of the last 3 steps "
+    f"after being below it, or train reward < 0.1 on each of the last 3 steps"
+)
 
 
 def variant(summary: dict, config: Optional[dict]) -> str:
@@ -61,10 +63,12 @@ def load(run_dirs: List[str]) -> Dict[str, List[dict]]:
         config_path = Path(d) / "config.json"
         config = json.loads(config_path.read_text()) if config_path.exists() else None
         metrics_path = Path(d) / "metrics.jsonl"
-        rows = [json.loads(x) for x in metrics_path.read_text().splitlines() if x.strip()] \
-            if metrics_path.exists() else []
-        summary.update(dir=d, train=[r for r in rows if r["kind"] == "train"],
-                       evals=[r for r in rows if r["kind"] == "eval"])
+        rows = (
+            [json.loads(x) for x in metrics_path.read_text().splitlines() if x.strip()] if metrics_path.exists() else []
+        )
+        summary.update(
+            dir=d, train=[r for r in rows if r["kind"] == "train"], evals=[r for r in rows if r["kind"] == "eval"]
+        )
         by_variant[variant(summary, config)].append(summary)
     return by_variant
 
@@ -92,24 +96,33 @@ def collapsed(run: dict) -> Tuple[bool, str]:
 
 
 def gain_table(by_variant: Dict[str, List[dict]]) -> str:
-    lines = ["| variant | seeds | metric | before (mean) | after (mean) | gain (mean) | gain per seed | "
-             "spread of after across seeds | gain > spread |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| variant | seeds | metric | before (mean) | after (mean) | gain (mean) | gain per seed | "
+        "spread of after across seeds | gain > spread |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, runs in sorted(by_variant.items()):
         for metric in runs[0]["after"]:
             before = [r["before"][metric] for r in runs]
             after = [r["after"][metric] for r in runs]
             gains = [a - b for a, b in zip(after, before)]
             spread = max(after) - min(after)
-            lines.append(f"| {name} | {','.join(str(r['seed']) for r in runs)} | {metric} | {_mean(before):.3f} | "
-                         f"{_mean(after):.3f} | {_mean(gains):+.3f} | {' '.join(f'{g:+.3f}' for g in gains)} | "
-                         f"{spread:.3f} | {'yes' if _mean(gains) > spread else 'no'} |")
+            lines.append(
+                f"| {name} | {','.join(str(r['seed']) for r in runs)} | {metric} | {_mean(before):.3f} | "
+                f"{_mean(after):.3f} | {_mean(gains):+.3f} | {' '.join(f'{g:+.3f}' for g in gains)} | "
+                f"{spread:.3f} | {'yes' if _mean(gains) > spread else 'no'} |"
+            )
     return "\n".join(lines)
 
 
 def run_table(by_variant: Dict[str, List[dict]]) -> str:
-    lines = [f"Rule: {COLLAPSE_RULE}.", "",
-             "| variant | seed | accuracy before / peak / final | format before / peak / final | "
-             "entropy first / min / last | collapsed |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"Rule: {COLLAPSE_RULE}.",
+        "",
+        "| variant | seed | accuracy before / peak / final | format before / peak / final | "
+        "entropy first / min / last | collapsed |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, runs in sorted(by_variant.items()):
         for r in sorted(runs, key=lambda r: r["seed"]):
             cells = []
@@ -163,8 +176,14 @@ def plot(by_variant: Dict[str, List[dict]], path: Path) -> None:
                 if not steps:
                     continue
                 marker = "o" if rows == "evals" else None
-                ax.plot(steps, mean, style, marker=marker, color=colors[name],
-                        label=f"{name} (n={len(runs)})" if style == "-" else None)
+                ax.plot(
+                    steps,
+                    mean,
+                    style,
+                    marker=marker,
+                    color=colors[name],
+                    label=f"{name} (n={len(runs)})" if style == "-" else None,
+                )
                 ax.fill_between(steps, low, high, color=colors[name], alpha=0.15)
         if key == "entropy":
             ax.axhline(LN2, color="red", linestyle=":", label="ln 2")
@@ -181,8 +200,9 @@ def plot(by_variant: Dict[str, List[dict]], path: Path) -> None:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m trainer.compare", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m trainer.compare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("runs", nargs="+", help="run folders (each with summary.json, metrics.jsonl, config.json)")
     p.add_argument("--out", default="results", help="where comparison.md and comparison.png go")
     args = p.parse_args(argv)

@@ -28,8 +28,10 @@ class TrainConfig:
     entropy_filter: Optional[bool] = None  # override the preset: --no-entropy-filter switches the filter off
     conflict_weights: Optional[bool] = None  # override the preset: --no-conflict-weights sets every lambda to 1
     dataset: str = "arithmetic"  # "arithmetic" (built-in generator), "gsm8k" (needs network), or a .jsonl/.parquet path
-    worked_examples: int = 2  # worked examples before each question, in the reward's layout: 2 (one adding, one subtracting), 1 (adding only: the default before 2026-12-01), 0
-    answer_in_block: bool = True  # correctness (reward and held-out metrics) reads only the <answer> block; --no-answer-in-block: the last number anywhere (the rule before 2026-12-01)
+    worked_examples: int = 2  # worked examples before each question: 2 (one adding, one subtracting), 1 (adding), 0
+    answer_in_block: bool = (
+        True  # correctness reads only the <answer> block (--no-answer-in-block: the last number anywhere)
+    )
     difficulty: int = 1  # arithmetic generator: 1 (one operation) to 4 (three operations, larger numbers)
     seed: int = 0  # seeds the training problems' order and every sampling draw (held-out problems stay fixed)
     output_dir: str = "runs/default"  # where metrics.jsonl, checkpoint.pt, final/ and the plot go
@@ -48,7 +50,9 @@ class TrainConfig:
     grad_accum_steps: int = 1  # micro-batches per update (per process), each of whole prompt groups
     fused_linear: bool = True  # loss on final hidden states (no full logits); False: loss on model logits
     gradient_checkpointing: bool = False  # recompute activations in backward (less memory, more compute)
-    loss_chunk_mib: Optional[int] = None  # MiB of float32 logits per chunk of the loss (unset: 256 on a CPU, 2048 on a GPU)
+    loss_chunk_mib: Optional[int] = (
+        None  # MiB of float32 logits per chunk of the loss (unset: 256 on a CPU, 2048 on a GPU)
+    )
     fsdp: bool = False  # under torchrun: shard parameters with FSDP2 instead of replicating them (DDP)
     # Evaluation
     eval_size: int = 32  # held-out problems (the same for every seed)
@@ -70,8 +74,16 @@ class TrainConfig:
             raise bad("algo", "must be 'gtpo' or 'grpo'")
         if self.preset is not None and self.preset not in ("paper", "official", "grpo"):
             raise bad("preset", "must be 'paper', 'official' or 'grpo'")
-        for name in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "num_iterations",
-                     "grad_accum_steps", "eval_size", "eval_batch_size"):
+        for name in (
+            "steps",
+            "prompts_per_step",
+            "group_size",
+            "max_new_tokens",
+            "num_iterations",
+            "grad_accum_steps",
+            "eval_size",
+            "eval_batch_size",
+        ):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise bad(name, "must be a positive integer")
         if self.worked_examples not in (0, 1, 2):
@@ -82,8 +94,11 @@ class TrainConfig:
         if self.group_size < 2:
             raise bad("group_size", "must be at least 2 (advantages are relative to the group)")
         if self.prompts_per_step % self.grad_accum_steps:
-            raise bad("grad_accum_steps", f"must divide prompts_per_step ({self.prompts_per_step}) so that "
-                      f"micro-batches hold whole prompt groups")
+            raise bad(
+                "grad_accum_steps",
+                f"must divide prompts_per_step ({self.prompts_per_step}) so that "
+                f"micro-batches hold whole prompt groups",
+            )
         if not 1 <= self.difficulty <= 4:
             raise bad("difficulty", "must be between 1 and 4")
         for name in ("learning_rate", "temperature", "max_grad_norm"):
@@ -98,8 +113,9 @@ class TrainConfig:
             raise bad("entropy_threshold", "must be positive (nats)")
         if self.entropy_threshold is not None and self.entropy_filter is False:
             raise bad("entropy_threshold", "sets the filter that --no-entropy-filter switches off: give one of them")
-        if self.entropy_coef is not None and not (isinstance(self.entropy_coef, (int, float))
-                                                  and math.isfinite(self.entropy_coef) and self.entropy_coef >= 0):
+        if self.entropy_coef is not None and not (
+            isinstance(self.entropy_coef, (int, float)) and math.isfinite(self.entropy_coef) and self.entropy_coef >= 0
+        ):
             raise bad("entropy_coef", "must be a number >= 0")
         if self.device not in ("auto", "cpu", "cuda"):
             raise bad("device", "must be 'auto', 'cpu' or 'cuda'")
@@ -126,15 +142,19 @@ class TrainConfig:
             if not self.conflict_weights:
                 overrides["divide_by_conflict_count"] = False  # no conflicts counted without the weights
         # warn_no_signal off: the trainer skips a step without signal itself, and says so after a few in a row.
-        return GTPOConfig(preset=self.loss_preset, max_completion_length=max_completion_length, warn_no_signal=False,
-                          max_chunk_bytes=None if self.loss_chunk_mib is None else self.loss_chunk_mib * 2**20,
-                          **overrides)
+        return GTPOConfig(
+            preset=self.loss_preset,
+            max_completion_length=max_completion_length,
+            warn_no_signal=False,
+            max_chunk_bytes=None if self.loss_chunk_mib is None else self.loss_chunk_mib * 2**20,
+            **overrides,
+        )
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_file(cls, path: str, **overrides) -> "TrainConfig":
+    def from_file(cls, path: str, **overrides) -> TrainConfig:
         text = Path(path).read_text()
         if path.endswith((".yaml", ".yml")):
             import yaml
@@ -170,8 +190,11 @@ class _OneLineParser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _OneLineParser(prog="gtpo-train", description="Train a language model with GTPO (or GRPO). "
-                            "Under torchrun, several processes share each step (see README).")
+    parser = _OneLineParser(
+        prog="gtpo-train",
+        description="Train a language model with GTPO (or GRPO). "
+        "Under torchrun, several processes share each step (see README).",
+    )
     parser.add_argument("--config", help="YAML or JSON file of settings (command-line flags override it)")
     helps = _field_help()
     for f in fields(TrainConfig):

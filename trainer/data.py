@@ -36,8 +36,10 @@ def _problem(rng: random.Random, difficulty: int) -> Tuple[str, int]:
         a, b = rng.randint(2, min(hi, 12)), rng.randint(2, min(hi, 12))
         return f"{name} buys {a} boxes with {b} {item} in each box. How many {item} does {name} buy?", a * b
     total = a + b
-    return (f"{name} has {a} {item}, finds {b} more, then loses {min(c, total)}. How many {item} does {name} "
-            f"have now?", total - min(c, total))
+    return (
+        f"{name} has {a} {item}, finds {b} more, then loses {min(c, total)}. How many {item} does {name} have now?",
+        total - min(c, total),
+    )
 
 
 def arithmetic_problems(n: int, seed: int, difficulty: int = 1) -> Dataset:
@@ -61,8 +63,9 @@ def gsm8k_final_answer(answer: str) -> str:
 def _normalise(ds: Dataset, source: str) -> Dataset:
     missing = {"question", "answer"} - set(ds.column_names)
     if missing:
-        raise ConfigError(f"{source}: needs 'question' and 'answer' columns, missing {sorted(missing)} "
-                          f"(has {ds.column_names})")
+        raise ConfigError(
+            f"{source}: needs 'question' and 'answer' columns, missing {sorted(missing)} (has {ds.column_names})"
+        )
     return ds.map(lambda row: {"answer": gsm8k_final_answer(str(row["answer"]))})
 
 
@@ -80,8 +83,10 @@ def read_jsonl(path: Path) -> list:
             except json.JSONDecodeError as exc:
                 raise ConfigError(f"{path}:{number}: not valid JSON ({exc.msg} at column {exc.colno})") from None
             if not isinstance(row, dict) or "question" not in row or "answer" not in row:
-                raise ConfigError(f"{path}:{number}: each line must be an object with 'question' and 'answer', "
-                                  f"got {line.strip()[:80]!r}")
+                raise ConfigError(
+                    f"{path}:{number}: each line must be an object with 'question' and 'answer', "
+                    f"got {line.strip()[:80]!r}"
+                )
             rows.append({"question": str(row["question"]), "answer": str(row["answer"])})
     if not rows:
         raise ConfigError(f"{path}: no rows")
@@ -91,8 +96,9 @@ def read_jsonl(path: Path) -> list:
 HELD_OUT_SEED = 10_000
 
 
-def load_problems(dataset: str, seed: int, eval_size: int, difficulty: int = 1,
-                  train_size: int = 100_000) -> Tuple[Dataset, Dataset]:
+def load_problems(
+    dataset: str, seed: int, eval_size: int, difficulty: int = 1, train_size: int = 100_000
+) -> Tuple[Dataset, Dataset]:
     """``(train, held_out)`` for a dataset name or a local file; no question appears in both.
 
     ``seed`` picks the training problems only: the held-out problems are the same for every seed, so
@@ -107,9 +113,13 @@ def load_problems(dataset: str, seed: int, eval_size: int, difficulty: int = 1,
         try:
             ds = load_dataset("openai/gsm8k", "main")
         except Exception as exc:  # noqa: BLE001 (offline: a long chain of connection errors; one line instead)
-            raise ConfigError(f"dataset 'gsm8k' could not be loaded from the hub ({type(exc).__name__}); it needs a "
-                              f"network, or pass a local .jsonl/.parquet file with --dataset") from None
-        return _normalise(ds["train"], "gsm8k").shuffle(seed=seed), _normalise(ds["test"], "gsm8k").select(range(eval_size))
+            raise ConfigError(
+                f"dataset 'gsm8k' could not be loaded from the hub ({type(exc).__name__}); it needs a "
+                f"network, or pass a local .jsonl/.parquet file with --dataset"
+            ) from None
+        return _normalise(ds["train"], "gsm8k").shuffle(seed=seed), _normalise(ds["test"], "gsm8k").select(
+            range(eval_size)
+        )
     path = Path(dataset)
     if not path.exists():
         raise ConfigError(f"dataset {dataset!r} is neither 'arithmetic', 'gsm8k' nor an existing .jsonl/.parquet file")

@@ -28,7 +28,7 @@ class Distributed:
         return self.rank == 0
 
     @classmethod
-    def start(cls, device_setting: str) -> "Distributed":
+    def start(cls, device_setting: str) -> Distributed:
         """From torchrun's environment (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``), or one process."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
         cuda = device_setting == "cuda" or (device_setting == "auto" and torch.cuda.is_available())
@@ -39,8 +39,9 @@ class Distributed:
             torch.cuda.set_device(local_rank)
         if not dist.is_initialized():
             dist.init_process_group("nccl" if cuda else "gloo")
-        return cls(dist.get_rank(), dist.get_world_size(), torch.device("cuda", local_rank) if cuda else
-                   torch.device("cpu"))
+        return cls(
+            dist.get_rank(), dist.get_world_size(), torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+        )
 
     def close(self) -> None:
         if self.world > 1 and dist.is_initialized():
@@ -125,13 +126,19 @@ def full_state(wrapped: torch.nn.Module, optimizer: Optional[torch.optim.Optimiz
     return get_state_dict(wrapped, optimizer if optimizer is not None else [], options=options)
 
 
-def load_full_state(wrapped: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,
-                    optimizer_state: dict) -> None:
+def load_full_state(
+    wrapped: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optimizer_state: dict
+) -> None:
     if not dist.is_initialized():
         wrapped.load_state_dict(model_state)
         optimizer.load_state_dict(optimizer_state)
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    set_state_dict(wrapped, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
-                   options=StateDictOptions(full_state_dict=True))
+    set_state_dict(
+        wrapped,
+        optimizer,
+        model_state_dict=model_state,
+        optim_state_dict=optimizer_state,
+        options=StateDictOptions(full_state_dict=True),
+    )

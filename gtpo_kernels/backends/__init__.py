@@ -20,8 +20,8 @@ from .base import Backend
 
 _MODULES: Dict[str, str] = {
     "triton": "triton_backend",  # fused Triton kernels (CUDA; CPU tensors under TRITON_INTERPRET=1)
-    "cpu": "cpu_backend",        # C++ kernels in csrc/
-    "torch": "torch_backend",    # plain PyTorch in chunks; the fallback everywhere
+    "cpu": "cpu_backend",  # C++ kernels in csrc/
+    "torch": "torch_backend",  # plain PyTorch in chunks; the fallback everywhere
 }
 NAMES: Tuple[str, ...] = ("auto", *_MODULES)
 
@@ -31,7 +31,7 @@ def registered() -> Tuple[str, ...]:
     return tuple(_MODULES)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def get_backend(name: str) -> Backend:
     """The registered backend called ``name`` (importing its module on first use)."""
     if name not in _MODULES:
@@ -47,10 +47,14 @@ def _importable(name: str) -> bool:
         return False
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _warn_fallback(device_type: str, preferred: str, why: str) -> None:
-    warnings.warn(f"gtpo_kernels: backend='auto' uses the slower 'torch' backend for {device_type} tensors because "
-                  f"'{preferred}' is unavailable: {why}", RuntimeWarning, stacklevel=4)
+    warnings.warn(
+        f"gtpo_kernels: backend='auto' uses the slower 'torch' backend for {device_type} tensors because "
+        f"'{preferred}' is unavailable: {why}",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
 def resolve_backend(name: str, device: torch.device) -> Backend:
@@ -79,7 +83,9 @@ def resolve_backend(name: str, device: torch.device) -> Backend:
     try:
         backend = get_backend(name)
     except ImportError as exc:
-        raise ValueError(f"backend={name!r} cannot be imported ({exc}); install what it needs or use backend='torch'") from exc
+        raise ValueError(
+            f"backend={name!r} cannot be imported ({exc}); install what it needs or use backend='torch'"
+        ) from exc
     why = backend.unavailable(device)
     if why is not None:
         raise ValueError(why)

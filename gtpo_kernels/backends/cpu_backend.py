@@ -21,20 +21,38 @@ def _ops():
     return torch.ops.gtpo_cpu
 
 
-def forward(logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, temperature: float = 1.0,
-            max_chunk_bytes: Optional[int] = None):
+def forward(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    valid: torch.Tensor,
+    temperature: float = 1.0,
+    max_chunk_bytes: Optional[int] = None,
+):
     """``logits [N, L, V]`` -> ``(row_max, log_s, logp, H)`` float32 ``[N, L]`` of softmax(logits / T), zeros where
     masked."""
     return tuple(_ops().token_stats_forward(logits, ids, valid, 1.0 / temperature))
 
 
-def backward(logits, ids, valid, row_max, log_s, logp, entropy, grad_logp, grad_entropy, out, temperature: float = 1.0,
-             max_chunk_bytes: Optional[int] = None):
+def backward(
+    logits,
+    ids,
+    valid,
+    row_max,
+    log_s,
+    logp,
+    entropy,
+    grad_logp,
+    grad_entropy,
+    out,
+    temperature: float = 1.0,
+    max_chunk_bytes: Optional[int] = None,
+):
     """Writes the gradient of the logits into ``out`` (may be ``logits`` itself); ``grad_entropy`` None is zero."""
     if grad_entropy is None:
         grad_entropy = torch.zeros_like(grad_logp)
-    _ops().token_stats_backward(logits, ids, valid, row_max, log_s, logp, entropy, grad_logp, grad_entropy,
-                                1.0 / temperature, out)
+    _ops().token_stats_backward(
+        logits, ids, valid, row_max, log_s, logp, entropy, grad_logp, grad_entropy, 1.0 / temperature, out
+    )
     return out
 
 

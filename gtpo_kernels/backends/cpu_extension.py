@@ -41,8 +41,10 @@ def wanted_variant() -> str:
         raise ValueError(f"GTPO_CPU_CAPABILITY must be one of {cpu_build.VARIANTS}, got {forced!r}")
     order = cpu_build.VARIANTS
     if order.index(forced) < order.index(supported):
-        raise ValueError(f"GTPO_CPU_CAPABILITY={forced} asks for instructions this CPU lacks (it supports up to "
-                         f"{supported}); unset it or choose a lower one")
+        raise ValueError(
+            f"GTPO_CPU_CAPABILITY={forced} asks for instructions this CPU lacks (it supports up to "
+            f"{supported}); unset it or choose a lower one"
+        )
     return forced
 
 
@@ -56,13 +58,23 @@ def _jit_build(variant: str, why: str) -> None:
     cache = Path(os.environ.get("GTPO_KERNELS_CACHE", Path.home() / ".cache" / "gtpo_kernels"))
     build_dir = cache / f"torch-{torch.__version__}" / variant
     build_dir.mkdir(parents=True, exist_ok=True)
-    print(f"gtpo_kernels: compiling the C++ CPU kernels ({variant}) into {build_dir}, once (about a minute), "
-          f"because {why}", file=sys.stderr, flush=True)
-    load(name=f"gtpo_cpu_{variant}", sources=[str(_SOURCE)], extra_cflags=cpu_build.compile_args(variant),
-         build_directory=str(build_dir), is_python_module=False, verbose=False)
+    print(
+        f"gtpo_kernels: compiling the C++ CPU kernels ({variant}) into {build_dir}, once (about a minute), "
+        f"because {why}",
+        file=sys.stderr,
+        flush=True,
+    )
+    load(
+        name=f"gtpo_cpu_{variant}",
+        sources=[str(_SOURCE)],
+        extra_cflags=cpu_build.compile_args(variant),
+        build_directory=str(build_dir),
+        is_python_module=False,
+        verbose=False,
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _load() -> Tuple[Optional[str], Optional[str]]:
     """``(variant loaded, None)`` or ``(None, why not)``."""
     variant = wanted_variant()
@@ -86,8 +98,10 @@ def load_cpu_extension() -> str:
     """Loads the kernels (``torch.ops.gtpo_cpu``) and returns the variant, or raises with the reason."""
     variant, why = _load()
     if variant is None:
-        raise RuntimeError(f"backend='cpu' is unavailable: {why}. Reinstall with "
-                           f"`pip install --no-build-isolation -e .` (needs a C++ compiler), or use backend='torch'")
+        raise RuntimeError(
+            f"backend='cpu' is unavailable: {why}. Reinstall with "
+            f"`pip install --no-build-isolation -e .` (needs a C++ compiler), or use backend='torch'"
+        )
     return variant
 
 

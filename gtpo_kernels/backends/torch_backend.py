@@ -74,8 +74,13 @@ def _scaled(z: torch.Tensor, temperature: float) -> torch.Tensor:
     return z if temperature == 1.0 else z / temperature
 
 
-def forward(logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, temperature: float = 1.0,
-            max_chunk_bytes: Optional[int] = None):
+def forward(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    valid: torch.Tensor,
+    temperature: float = 1.0,
+    max_chunk_bytes: Optional[int] = None,
+):
     """``logits [N, L, V]``, ``ids, valid [N, L]`` -> ``(row_max, log_s, logp, H)`` ``[N, L]`` of
     softmax(logits / T), zeros where masked."""
     n_rows, length, vocab = logits.shape
@@ -92,9 +97,20 @@ def forward(logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, temper
     return tuple(torch.where(valid, out, zero) for out in outputs)
 
 
-def backward(logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, row_max: torch.Tensor, log_s: torch.Tensor,
-             logp: torch.Tensor, entropy: torch.Tensor, grad_logp: torch.Tensor, grad_entropy: torch.Tensor,
-             out: torch.Tensor, temperature: float = 1.0, max_chunk_bytes: Optional[int] = None) -> torch.Tensor:
+def backward(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    valid: torch.Tensor,
+    row_max: torch.Tensor,
+    log_s: torch.Tensor,
+    logp: torch.Tensor,
+    entropy: torch.Tensor,
+    grad_logp: torch.Tensor,
+    grad_entropy: torch.Tensor,
+    out: torch.Tensor,
+    temperature: float = 1.0,
+    max_chunk_bytes: Optional[int] = None,
+) -> torch.Tensor:
     """Writes the gradient of the logits into ``out`` (which may be ``logits`` itself: each block is
     read before it is overwritten); exact zeros at masked tokens."""
     acc = log_s.dtype
@@ -118,15 +134,19 @@ def backward(logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, row_m
         # The target's entry g_logp (1 - p_y) - g_H p_y (log p_y + H), with 1 - p_y = -expm1(log p_y): the
         # difference cancels catastrophically for a confident sampled token.
         log_p_target = logp[rows, pos, None].to(acc)
-        grad.scatter_(-1, ids[rows, pos, None],
-                      -g_logp * torch.expm1(log_p_target) - g_entropy * log_p_target.exp() * (log_p_target + h))
+        grad.scatter_(
+            -1,
+            ids[rows, pos, None],
+            -g_logp * torch.expm1(log_p_target) - g_entropy * log_p_target.exp() * (log_p_target + h),
+        )
         # Masked tokens may hold NaN logits: write exact zeros, not 0 * NaN.
         out[rows, pos] = torch.where(valid[rows, pos, None], grad, zero).to(out.dtype)
     return out
 
 
-def _leading_conflict_run(ids: torch.Tensor, valid: torch.Tensor, positive: torch.Tensor, negative: torch.Tensor,
-                          group_size: int) -> torch.Tensor:
+def _leading_conflict_run(
+    ids: torch.Tensor, valid: torch.Tensor, positive: torch.Tensor, negative: torch.Tensor, group_size: int
+) -> torch.Tensor:
     """``cf[i, t]``: positions ``0..t`` of row ``i`` all hold a token that, at the same position, also
     appears in a positive and in a negative completion of the group (the row itself counts).
 
@@ -143,8 +163,9 @@ def _leading_conflict_run(ids: torch.Tensor, valid: torch.Tensor, positive: torc
     return torch.cumprod(raw.to(torch.int32), dim=1).bool()  # leading run of True
 
 
-def conflict_weights(completion_ids: torch.Tensor, valid: torch.Tensor, advantages: torch.Tensor, group_size: int,
-                     weight: float = 2.0):
+def conflict_weights(
+    completion_ids: torch.Tensor, valid: torch.Tensor, advantages: torch.Tensor, group_size: int, weight: float = 2.0
+):
     """``(lambda [N, L], n_conflict [N] int64)``, vectorised; ``lambda`` in float64 for float64 advantages,
     else float32 (see `gtpo_kernels.conflict_weights`)."""
     positive = advantages > 0

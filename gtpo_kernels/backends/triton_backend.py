@@ -15,8 +15,10 @@ from .triton_interpreter import triton_interpreted
 def _unavailable(device: torch.device) -> Optional[str]:
     if device.type == "cuda" or triton_interpreted():
         return None
-    return (f"backend='triton' needs CUDA tensors, got tensors on {device}; use backend='auto' or 'torch' (or set "
-            f"TRITON_INTERPRET=1 before importing triton to run the kernels on the CPU, slowly, for testing)")
+    return (
+        f"backend='triton' needs CUDA tensors, got tensors on {device}; use backend='auto' or 'torch' (or set "
+        f"TRITON_INTERPRET=1 before importing triton to run the kernels on the CPU, slowly, for testing)"
+    )
 
 
 BACKEND = Backend(

@@ -21,8 +21,14 @@ from . import triton_interpreter  # noqa: F401 (the interpreter fix, when interp
 
 @triton.jit
 def _conflict_weights_kernel(
-    ids_ptr, lengths_ptr, adv_ptr, lambda_ptr, n_conflict_ptr,
-    length, group_size, weight,
+    ids_ptr,
+    lengths_ptr,
+    adv_ptr,
+    lambda_ptr,
+    n_conflict_ptr,
+    length,
+    group_size,
+    weight,
     BLOCK_L: tl.constexpr,
 ):
     i = tl.program_id(0)
@@ -77,7 +83,10 @@ def _conflict_weights_kernel(
 
 
 def conflict_weights_triton(
-    completion_ids: torch.Tensor, valid: torch.Tensor, advantages: torch.Tensor, group_size: int,
+    completion_ids: torch.Tensor,
+    valid: torch.Tensor,
+    advantages: torch.Tensor,
+    group_size: int,
     weight: float = 2.0,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `reference.conflict_weights` (``valid`` must be a prefix mask); float32 weights."""
@@ -90,7 +99,15 @@ def conflict_weights_triton(
     if n_rows and length:
         block = min(1024, triton.next_power_of_2(length))
         _conflict_weights_kernel[(n_rows,)](
-            ids, lengths, adv, lambda_, n_conflict, length, group_size, float(weight), BLOCK_L=block,
+            ids,
+            lengths,
+            adv,
+            lambda_,
+            n_conflict,
+            length,
+            group_size,
+            float(weight),
+            BLOCK_L=block,
         )
     elif n_rows:
         n_conflict.zero_()

@@ -32,6 +32,5 @@ def _interpreter_index_fix() -> None:
     interpreter._patch_lang_tensor = patch_lang_tensor
 
 
-
 if triton_interpreted():
     _interpreter_index_fix()

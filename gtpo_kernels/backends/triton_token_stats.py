@@ -35,6 +35,7 @@ from triton.language.extra import libdevice
 
 from .triton_interpreter import triton_interpreted
 
+
 @triton.jit
 def _log1p(x):
     """log(1 + x) without losing small x (Kahan): tl has no log1p."""
@@ -76,8 +77,19 @@ def _round_for(x, ptr, EMULATE_BF16_ROUNDING: tl.constexpr):
 
 @triton.jit
 def _token_stats_forward_kernel(
-    logits_ptr, ids_ptr, valid_ptr, max_ptr, log_s_ptr, logp_ptr, entropy_ptr,
-    length, vocab, stride_n, stride_l, inv_temperature, scale,
+    logits_ptr,
+    ids_ptr,
+    valid_ptr,
+    max_ptr,
+    log_s_ptr,
+    logp_ptr,
+    entropy_ptr,
+    length,
+    vocab,
+    stride_n,
+    stride_l,
+    inv_temperature,
+    scale,
     BLOCK_V: tl.constexpr,
 ):
     token = tl.program_id(0)
@@ -139,8 +151,8 @@ def _token_stats_forward_kernel(
     r = tl.fma(m, scale, -big_m)
     unshift = tl.exp2(-r)
     s_rest = tl.sum(s_lanes, axis=0)
-    rest = s_rest * unshift                                        # sum_v 2^u_v over values below m, u = (z - m) * scale
-    w = (tl.sum(w_lanes, axis=0) - r * s_rest) * unshift           # sum_v 2^u_v u_v
+    rest = s_rest * unshift  # sum_v 2^u_v over values below m, u = (z - m) * scale
+    w = (tl.sum(w_lanes, axis=0) - r * s_rest) * unshift  # sum_v 2^u_v u_v
     log_s = _log1p((top - 1.0) + rest)
     entropy = log_s - w * 0.6931471805599453 / (top + rest)
     # An id outside [0, V) (the loss reports it) reads in bounds and gives NaN; so do NaN or +inf logits.
@@ -158,10 +170,26 @@ def _token_stats_forward_kernel(
 
 @triton.jit
 def _token_stats_backward_kernel(
-    logits_ptr, grad_ptr, ids_ptr, valid_ptr, max_ptr, log_s_ptr, logp_ptr, entropy_ptr, grad_logp_ptr,
+    logits_ptr,
+    grad_ptr,
+    ids_ptr,
+    valid_ptr,
+    max_ptr,
+    log_s_ptr,
+    logp_ptr,
+    entropy_ptr,
+    grad_logp_ptr,
     grad_entropy_ptr,
-    length, vocab, stride_n, stride_l, grad_stride_n, grad_stride_l, inv_temperature,
-    BLOCK_V: tl.constexpr, HAS_GRAD_ENTROPY: tl.constexpr, INTERPRETED: tl.constexpr,
+    length,
+    vocab,
+    stride_n,
+    stride_l,
+    grad_stride_n,
+    grad_stride_l,
+    inv_temperature,
+    BLOCK_V: tl.constexpr,
+    HAS_GRAD_ENTROPY: tl.constexpr,
+    INTERPRETED: tl.constexpr,
     EMULATE_BF16_ROUNDING: tl.constexpr,
 ):
     token = tl.program_id(0)
@@ -223,7 +251,7 @@ _BACKWARD_LAUNCH = ((1024, 1024, 4), (8192, 2048, 8), (1 << 62, 4096, 16))
 
 def launch_config(vocab: int, table=None):
     """``(BLOCK_V, num_warps)`` for a vocabulary of ``vocab`` (the forward's table unless ``table`` is given)."""
-    for limit, block, warps in (table or _FORWARD_LAUNCH):
+    for limit, block, warps in table or _FORWARD_LAUNCH:
         if vocab <= limit:
             return min(block, triton.next_power_of_2(vocab)), warps
     raise AssertionError("unreachable")
@@ -233,28 +261,54 @@ def _log2e_over(temperature: float) -> float:
     return 1.4426950408889634 / temperature
 
 
-def forward(logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, temperature: float = 1.0,
-            max_chunk_bytes=None):
+def forward(
+    logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, temperature: float = 1.0, max_chunk_bytes=None
+):
     """``logits [N, L, V]`` (last dim contiguous), ``ids, valid [N, L]`` -> ``(row_max, log_s, logp, H)``
     float32 ``[N, L]`` of softmax(logits / T), zeros where masked; NaN log-probs for ids outside ``[0, V)``
     and for NaN or +inf logits. ``max_chunk_bytes`` is unused (each program streams its own row)."""
     n_rows, length, vocab = logits.shape
     ids = ids.to(torch.int32).contiguous()
     valid = valid.contiguous()
-    row_max, log_s, logp, entropy = (torch.empty((n_rows, length), dtype=torch.float32, device=logits.device)
-                                     for _ in range(4))
+    row_max, log_s, logp, entropy = (
+        torch.empty((n_rows, length), dtype=torch.float32, device=logits.device) for _ in range(4)
+    )
     if logp.numel():
         block, warps = launch_config(vocab, _FORWARD_LAUNCH)
         _token_stats_forward_kernel[(n_rows * length,)](
-            logits, ids, valid, row_max, log_s, logp, entropy, length, vocab, logits.stride(0), logits.stride(1),
-            1.0 / temperature, _log2e_over(temperature), BLOCK_V=block, num_warps=warps,
+            logits,
+            ids,
+            valid,
+            row_max,
+            log_s,
+            logp,
+            entropy,
+            length,
+            vocab,
+            logits.stride(0),
+            logits.stride(1),
+            1.0 / temperature,
+            _log2e_over(temperature),
+            BLOCK_V=block,
+            num_warps=warps,
         )
     return row_max, log_s, logp, entropy
 
 
-def backward(logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, row_max: torch.Tensor, log_s: torch.Tensor,
-             logp: torch.Tensor, entropy: torch.Tensor, grad_logp: torch.Tensor, grad_entropy, out: torch.Tensor,
-             temperature: float = 1.0, max_chunk_bytes=None) -> torch.Tensor:
+def backward(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    valid: torch.Tensor,
+    row_max: torch.Tensor,
+    log_s: torch.Tensor,
+    logp: torch.Tensor,
+    entropy: torch.Tensor,
+    grad_logp: torch.Tensor,
+    grad_entropy,
+    out: torch.Tensor,
+    temperature: float = 1.0,
+    max_chunk_bytes=None,
+) -> torch.Tensor:
     """Writes ``dlogits`` into ``out`` (``[N, L, V]``, last dim contiguous; may be ``logits`` itself);
     ``grad_entropy`` ``None`` is zero (the kernel then skips the entropy term)."""
     if logits.stride(-1) != 1 or out.stride(-1) != 1:
@@ -265,11 +319,27 @@ def backward(logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, row_m
         has_grad_entropy = grad_entropy is not None
         grad_entropy = grad_entropy.float().contiguous() if has_grad_entropy else logp
         _token_stats_backward_kernel[(n_rows * length,)](
-            logits, out, ids.to(torch.int32).contiguous(), valid.contiguous(), row_max.float().contiguous(),
-            log_s.float().contiguous(), logp.float().contiguous(), entropy.float().contiguous(),
-            grad_logp.float().contiguous(), grad_entropy, length, vocab, logits.stride(0), logits.stride(1),
-            out.stride(0), out.stride(1), 1.0 / temperature,
-            BLOCK_V=block, HAS_GRAD_ENTROPY=has_grad_entropy, INTERPRETED=triton_interpreted(),
-            EMULATE_BF16_ROUNDING=out.dtype == torch.bfloat16 and triton_interpreted(), num_warps=warps,
+            logits,
+            out,
+            ids.to(torch.int32).contiguous(),
+            valid.contiguous(),
+            row_max.float().contiguous(),
+            log_s.float().contiguous(),
+            logp.float().contiguous(),
+            entropy.float().contiguous(),
+            grad_logp.float().contiguous(),
+            grad_entropy,
+            length,
+            vocab,
+            logits.stride(0),
+            logits.stride(1),
+            out.stride(0),
+            out.stride(1),
+            1.0 / temperature,
+            BLOCK_V=block,
+            HAS_GRAD_ENTROPY=has_grad_entropy,
+            INTERPRETED=triton_interpreted(),
+            EMULATE_BF16_ROUNDING=out.dtype == torch.bfloat16 and triton_interpreted(),
+            num_warps=warps,
         )
     return out

@@ -39,10 +39,10 @@ from typing import Optional
 
 import torch
 
+from ..chunked_logits import transformed_logits_gtpo_loss, transformed_logits_token_stats
 from ..config import GTPOConfig
 from ..conflict import conflict_weights
 from ..fused_linear import fused_linear_gtpo_loss, fused_linear_token_logprobs_and_entropy
-from ..chunked_logits import transformed_logits_gtpo_loss, transformed_logits_token_stats
 from ..hf import decoder_of, head_logit_transform
 from ..result import GTPOMetrics
 from .trl_settings import check_settings
@@ -54,8 +54,15 @@ except ImportError as exc:  # pragma: no cover (the extra is not installed)
 
 logger = logging.getLogger(__name__)
 
-METRIC_NAMES = ("entropy", "filtered_fraction", "signal_fraction", "amplified_fraction", "skipped_fraction",
-                "clip_fraction", "kl")
+METRIC_NAMES = (
+    "entropy",
+    "filtered_fraction",
+    "signal_fraction",
+    "amplified_fraction",
+    "skipped_fraction",
+    "clip_fraction",
+    "kl",
+)
 
 
 def _lm_head(model):
@@ -78,7 +85,7 @@ def _lm_head(model):
     return weight, bias, gather
 
 
-def add_gtpo_head(model, trainer: "GTPOTrainer") -> None:
+def add_gtpo_head(model, trainer: GTPOTrainer) -> None:
     """Adds two modes to ``model.forward`` (whatever TRL's own patches do otherwise):
 
     ``model(input_ids, attention_mask, gtpo_stats=L)``: per-token log-probs and entropies of the last ``L``
@@ -89,8 +96,12 @@ def add_gtpo_head(model, trainer: "GTPOTrainer") -> None:
     transformed, in chunks of rows that are rebuilt in backward (`chunked_logits`), so memory stays bounded."""
     transform = head_logit_transform(model)
     if transform is not None:
-        logger.info("GTPOTrainer: %s %s: the loss takes the logits path (in chunks of rows) instead of the fused "
-                    "hidden @ lm_head kernels", type(model).__name__, transform[0])
+        logger.info(
+            "GTPOTrainer: %s %s: the loss takes the logits path (in chunks of rows) instead of the fused "
+            "hidden @ lm_head kernels",
+            type(model).__name__,
+            transform[0],
+        )
     previous_forward = model.forward
 
     def forward(self, *args, gtpo_stats: Optional[int] = None, gtpo_loss: Optional[dict] = None, **kwargs):
@@ -100,23 +111,34 @@ def add_gtpo_head(model, trainer: "GTPOTrainer") -> None:
         hidden_all = decoder_of(self)(*args, **kwargs).last_hidden_state
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         length = gtpo_stats if gtpo_stats is not None else gtpo_loss["completion_ids"].shape[1]
-        hidden = hidden_all[:, -length - 1:-1]
+        hidden = hidden_all[:, -length - 1 : -1]
         weight, bias, gather = _lm_head(self)
         with gather:
             if gtpo_stats is not None:
                 completion_ids = input_ids[:, -length:]
                 mask = kwargs["attention_mask"][:, -length:] if kwargs.get("attention_mask") is not None else None
                 if transform is not None:
-                    return transformed_logits_token_stats(hidden, weight, bias, transform[1], completion_ids, mask,
-                                                          temperature=trainer.temperature,
-                                                          max_chunk_bytes=trainer.gtpo_config.max_chunk_bytes)
-                return fused_linear_token_logprobs_and_entropy(hidden, weight, completion_ids, mask, lm_head_bias=bias,
-                                                               temperature=trainer.temperature)
+                    return transformed_logits_token_stats(
+                        hidden,
+                        weight,
+                        bias,
+                        transform[1],
+                        completion_ids,
+                        mask,
+                        temperature=trainer.temperature,
+                        max_chunk_bytes=trainer.gtpo_config.max_chunk_bytes,
+                    )
+                return fused_linear_token_logprobs_and_entropy(
+                    hidden, weight, completion_ids, mask, lm_head_bias=bias, temperature=trainer.temperature
+                )
             inputs = dict(gtpo_loss)
-            ids, mask, advantages = inputs.pop("completion_ids"), inputs.pop("completion_mask"), inputs.pop("advantages")
+            ids, mask, advantages = (
+                inputs.pop("completion_ids"),
+                inputs.pop("completion_mask"),
+                inputs.pop("advantages"),
+            )
             if transform is not None:
-                return transformed_logits_gtpo_loss(hidden, weight, bias, transform[1], ids, mask, advantages,
-                                                    **inputs)
+                return transformed_logits_gtpo_loss(hidden, weight, bias, transform[1], ids, mask, advantages, **inputs)
             return fused_linear_gtpo_loss(hidden, weight, ids, mask, advantages, lm_head_bias=bias, **inputs)
 
     model.forward = types.MethodType(forward, model)
@@ -145,27 +167,36 @@ class GTPOTrainer(GRPOTrainer):
         if config.loss_reduction == "dr_grpo":
             config = config.replace(max_completion_length=self.max_completion_length)
         if abs(float(self.beta) - config.kl_beta) > 0:
-            raise ValueError(f"GRPOConfig(beta={self.beta}) and GTPOConfig(kl_beta={config.kl_beta}) disagree: the loss "
-                             f"uses kl_beta, and TRL loads the reference model only when beta > 0; set both to the same "
-                             f"value")
+            raise ValueError(
+                f"GRPOConfig(beta={self.beta}) and GTPOConfig(kl_beta={config.kl_beta}) disagree: the loss "
+                f"uses kl_beta, and TRL loads the reference model only when beta > 0; set both to the same "
+                f"value"
+            )
         check_settings(self.args, config)  # every GRPOConfig field the GTPO loss would ignore (trl_settings.py)
         if getattr(self, "aux_loss_enabled", False):
             # TRL adds the router's load-balancing loss from the model's own forward; the GTPO loss runs the
             # decoder alone (no logits), which leaves that loss out: refuse rather than train without it.
-            raise ValueError(f"GTPOTrainer does not add a Mixture-of-Experts model's router load-balancing loss "
-                             f"(router_aux_loss_coef={self.router_aux_loss_coef}); set "
-                             f"GRPOConfig(router_aux_loss_coef=0.0) to train {type(self.model).__name__} without it")
+            raise ValueError(
+                f"GTPOTrainer does not add a Mixture-of-Experts model's router load-balancing loss "
+                f"(router_aux_loss_coef={self.router_aux_loss_coef}); set "
+                f"GRPOConfig(router_aux_loss_coef=0.0) to train {type(self.model).__name__} without it"
+            )
         # Advantages as the GTPO config defines them (mean-centred for the paper and official presets).
         self.scale_rewards = "group" if config.normalize_advantages_by_std else "none"
-        if config.loss_reduction == "token_mean" and self.args.steps_per_generation % self.args.gradient_accumulation_steps:
+        if (
+            config.loss_reduction == "token_mean"
+            and self.args.steps_per_generation % self.args.gradient_accumulation_steps
+        ):
             raise ValueError(
                 f"GTPOTrainer: loss_reduction='token_mean' needs each optimiser step's token count, which is known "
                 f"only when an optimiser step's micro-batches come from one generation batch: "
                 f"GRPOConfig(steps_per_generation={self.args.steps_per_generation}) must be a multiple of "
-                f"gradient_accumulation_steps={self.args.gradient_accumulation_steps}")
+                f"gradient_accumulation_steps={self.args.gradient_accumulation_steps}"
+            )
         self.gtpo_config = config
         self._gtpo_initial_entropy: Optional[float] = None
-        self._gtpo_pending = {}  # mode -> (metric sums, clip extremes) of the loss calls since the last log, on the device
+        # mode -> (metric sums, clip extremes) of the loss calls since the last log, on the device
+        self._gtpo_pending = {}
         base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         add_gtpo_head(base, self)
         if self.ref_model is not None:
@@ -182,24 +213,40 @@ class GTPOTrainer(GRPOTrainer):
             all_ids = self.accelerator.gather(self.accelerator.pad_across_processes(ids, dim=1, pad_index=pad or 0))
             all_mask = self.accelerator.gather(self.accelerator.pad_across_processes(mask, dim=1, pad_index=0))
             all_adv = self.accelerator.gather(advantages)
-            lambda_, n_conflict = conflict_weights(all_ids, all_mask.bool(), all_adv.float(), self.num_generations,
-                                                   self.gtpo_config.conflict_weight)
-            rows = slice(self.accelerator.process_index * ids.shape[0], (self.accelerator.process_index + 1) * ids.shape[0])
-            output["gtpo_lambda"] = lambda_[rows, :ids.shape[1]]
+            lambda_, n_conflict = conflict_weights(
+                all_ids, all_mask.bool(), all_adv.float(), self.num_generations, self.gtpo_config.conflict_weight
+            )
+            rows = slice(
+                self.accelerator.process_index * ids.shape[0], (self.accelerator.process_index + 1) * ids.shape[0]
+            )
+            output["gtpo_lambda"] = lambda_[rows, : ids.shape[1]]
             output["gtpo_n_conflict"] = n_conflict[rows]
         if self._gtpo_initial_entropy is None and self.model.training:
             # The policy's mean token entropy before any update, over every process: the entropy gate's H_ini.
             _, entropy, _ = self._get_per_token_logps_and_entropies(
-                self.model, torch.cat([output["prompt_ids"], ids], dim=1),
-                torch.cat([output["prompt_mask"], mask], dim=1), ids.shape[1], compute_entropy=True)
+                self.model,
+                torch.cat([output["prompt_ids"], ids], dim=1),
+                torch.cat([output["prompt_mask"], mask], dim=1),
+                ids.shape[1],
+                compute_entropy=True,
+            )
             sums = torch.stack([(entropy * mask).sum(), mask.sum()]).double()
             sums = self.accelerator.reduce(sums, reduction="sum")
             self._gtpo_initial_entropy = float(sums[0] / sums[1].clamp(min=1))
         return output
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
-                                           compute_entropy=False, compute_aux_loss=False, pixel_values=None,
-                                           **kwargs):
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        pixel_values=None,
+        **kwargs,
+    ):
         """Old and reference log-probs (and entropies) from the hidden states, in chunks of ``batch_size`` rows."""
         if pixel_values is not None or compute_aux_loss:
             raise ValueError("GTPOTrainer supports text-only models without MoE auxiliary losses")
@@ -209,8 +256,9 @@ class GTPOTrainer(GRPOTrainer):
             for start in range(0, input_ids.size(0), batch_size):
                 rows = slice(start, start + batch_size)
                 with self.accelerator.autocast():
-                    logp, entropy = model(input_ids=input_ids[rows], attention_mask=attention_mask[rows],
-                                          gtpo_stats=logits_to_keep)
+                    logp, entropy = model(
+                        input_ids=input_ids[rows], attention_mask=attention_mask[rows], gtpo_stats=logits_to_keep
+                    )
                 logps.append(logp)
                 entropies.append(entropy)
         return torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None
@@ -264,10 +312,18 @@ class GTPOTrainer(GRPOTrainer):
         if self.gtpo_config.use_conflict_weights:
             conflict = (inputs["gtpo_lambda"], inputs["gtpo_n_conflict"])
         loss_inputs = dict(
-            completion_ids=completion_ids, completion_mask=mask, advantages=inputs["advantages"].reshape(-1),
-            config=self.gtpo_config, conflict=conflict, old_logprobs=inputs.get("old_per_token_logps"),
-            ref_logprobs=inputs.get("ref_per_token_logps"), initial_entropy=self._gtpo_initial_entropy,
-            num_sequences=num_sequences, num_tokens=num_tokens, temperature=self.temperature)
+            completion_ids=completion_ids,
+            completion_mask=mask,
+            advantages=inputs["advantages"].reshape(-1),
+            config=self.gtpo_config,
+            conflict=conflict,
+            old_logprobs=inputs.get("old_per_token_logps"),
+            ref_logprobs=inputs.get("ref_per_token_logps"),
+            initial_entropy=self._gtpo_initial_entropy,
+            num_sequences=num_sequences,
+            num_tokens=num_tokens,
+            temperature=self.temperature,
+        )
         input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         with self.accelerator.autocast():
@@ -289,8 +345,12 @@ class GTPOTrainer(GRPOTrainer):
             return row.amin() if row.numel() else sums.new_full((), math.inf)
 
         # TRL's clip_ratio/low_min and /high_max, kept as [low_min, -high_max]: one running minimum holds both.
-        extremes = torch.stack([smallest(metrics.completion_clip_low),
-                                smallest(None if metrics.completion_clip_high is None else -metrics.completion_clip_high)])
+        extremes = torch.stack(
+            [
+                smallest(metrics.completion_clip_low),
+                smallest(None if metrics.completion_clip_high is None else -metrics.completion_clip_high),
+            ]
+        )
         pending = self._gtpo_pending.get(mode)
         if pending is None:
             self._gtpo_pending[mode] = (sums, extremes)
@@ -313,9 +373,16 @@ class GTPOTrainer(GRPOTrainer):
         has_kl = float(self.beta) != 0.0
         merged = GTPOMetrics.from_sums(per_process.sum(0), has_kl=has_kl)
         values = {f"gtpo/{name}": getattr(merged, name) for name in METRIC_NAMES if getattr(merged, name) is not None}
-        values.update({"entropy": merged.entropy, "clip_ratio/low_mean": merged.clip_low_fraction,
-                       "clip_ratio/high_mean": merged.clip_high_fraction, "clip_ratio/region_mean": merged.clip_fraction,
-                       "clip_ratio/low_min": extremes[0], "clip_ratio/high_max": -extremes[1]})
+        values.update(
+            {
+                "entropy": merged.entropy,
+                "clip_ratio/low_mean": merged.clip_low_fraction,
+                "clip_ratio/high_mean": merged.clip_high_fraction,
+                "clip_ratio/region_mean": merged.clip_fraction,
+                "clip_ratio/low_min": extremes[0],
+                "clip_ratio/high_max": -extremes[1],
+            }
+        )
         if has_kl:
             values["kl"] = merged.kl
         read = torch.stack([v.to(torch.float64) for v in values.values()]).tolist()  # the one host read

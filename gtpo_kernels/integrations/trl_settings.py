@@ -17,8 +17,16 @@ from typing import Callable, Dict, NamedTuple, Optional
 HONOURED, IRRELEVANT, REFUSED = "honoured", "irrelevant to the loss", "refused"
 
 # TRL's loss_type -> the GTPO reduction that computes the same normalisation (None: not expressible).
-LOSS_TYPE_REDUCTION = {"grpo": "sequence_mean", "dapo": "token_mean", "dr_grpo": "dr_grpo", "bnpo": None,
-                       "cispo": None, "sapo": None, "luspo": None, "vespo": None}
+LOSS_TYPE_REDUCTION = {
+    "grpo": "sequence_mean",
+    "dapo": "token_mean",
+    "dr_grpo": "dr_grpo",
+    "bnpo": None,
+    "cispo": None,
+    "sapo": None,
+    "luspo": None,
+    "vespo": None,
+}
 
 
 class Setting(NamedTuple):
@@ -31,9 +39,11 @@ class Setting(NamedTuple):
 
 def _unless(expected, why: str):
     def refuse(value, args, config):
-        same = value == expected or (isinstance(value, float) and isinstance(expected, float)
-                                     and math.isclose(value, expected))
+        same = value == expected or (
+            isinstance(value, float) and isinstance(expected, float) and math.isclose(value, expected)
+        )
         return None if same else f"{why}; leave it at {expected!r}"
+
     return refuse
 
 
@@ -44,8 +54,11 @@ def _clip_side(side: str):
         if value == default or value == preset:
             return None
         knob = "clip_eps_low" if side == "low" else "clip_eps_high"
-        return (f"contradicts GTPOConfig({knob}={preset!r}) (preset {config.preset!r}), which sets the loss's clip "
-                f"range: set GTPOConfig({knob}={value!r}) instead, or leave the TRL field at its default")
+        return (
+            f"contradicts GTPOConfig({knob}={preset!r}) (preset {config.preset!r}), which sets the loss's clip "
+            f"range: set GTPOConfig({knob}={value!r}) instead, or leave the TRL field at its default"
+        )
+
     return refuse
 
 
@@ -56,8 +69,10 @@ def _loss_type(value, args, config):
     if reduction is None:
         return f"{value!r} is not a GTPO reduction (the loss is GTPOConfig.loss_reduction={config.loss_reduction!r})"
     if reduction != config.loss_reduction:
-        return (f"contradicts GTPOConfig(loss_reduction={config.loss_reduction!r}) (preset {config.preset!r}): set "
-                f"GTPOConfig(loss_reduction={reduction!r}) for TRL's {value!r} normalisation")
+        return (
+            f"contradicts GTPOConfig(loss_reduction={config.loss_reduction!r}) (preset {config.preset!r}): set "
+            f"GTPOConfig(loss_reduction={reduction!r}) for TRL's {value!r} normalisation"
+        )
     return None
 
 
@@ -72,22 +87,28 @@ def _scale_rewards(value, args, config):
         return None
     wanted = "group" if config.normalize_advantages_by_std else "none"
     if value == "batch" or value != wanted:
-        return (f"contradicts GTPOConfig(normalize_advantages_by_std={config.normalize_advantages_by_std}) "
-                f"(preset {config.preset!r}), which sets the advantages ('{wanted}')")
+        return (
+            f"contradicts GTPOConfig(normalize_advantages_by_std={config.normalize_advantages_by_std}) "
+            f"(preset {config.preset!r}), which sets the advantages ('{wanted}')"
+        )
     return None
 
 
 def _bias_correction(value, args, config):
     if float(args.beta) != 0.0 and bool(value) != config.kl_ratio_weighted:
-        return (f"contradicts GTPOConfig(kl_ratio_weighted={config.kl_ratio_weighted}), which decides whether the KL "
-                f"is weighted by the importance ratio: set both the same (TRL's default is True)")
+        return (
+            f"contradicts GTPOConfig(kl_ratio_weighted={config.kl_ratio_weighted}), which decides whether the KL "
+            f"is weighted by the importance ratio: set both the same (TRL's default is True)"
+        )
     return None
 
 
 def _delta(value, args, config):
     if value != config.ratio_cap:
-        return (f"contradicts GTPOConfig(ratio_cap={config.ratio_cap!r}), the loss's two-sided clipping: set "
-                f"GTPOConfig(ratio_cap={value!r})" + ("" if value is not None else " or leave ratio_cap None"))
+        return (
+            f"contradicts GTPOConfig(ratio_cap={config.ratio_cap!r}), the loss's two-sided clipping: set "
+            f"GTPOConfig(ratio_cap={value!r})" + ("" if value is not None else " or leave ratio_cap None")
+        )
     return None
 
 
@@ -99,8 +120,10 @@ def _vllm_is(value, args, config):
 
 def _cast_head(value, args, config):
     if value:
-        return ("the fused GTPO loss computes the head's matmul from the final hidden states under the trainer's "
-                "autocast, not in float32: leave it False")
+        return (
+            "the fused GTPO loss computes the head's matmul from the final hidden states under the trainer's "
+            "autocast, not in float32: leave it False"
+        )
     return None
 
 
@@ -114,8 +137,11 @@ SETTINGS: Dict[str, Setting] = {
     "model_init_kwargs": Setting(HONOURED, _TRL + " (loading the model)"),
     "trust_remote_code": Setting(HONOURED, _TRL + " (loading the model)"),
     "disable_dropout": Setting(HONOURED, _TRL + " (dropout off in the policy and reference)"),
-    "router_aux_loss_coef": Setting(REFUSED, "a MoE router load-balancing loss TRL would add is refused at "
-                                             "construction (the GTPO loss runs the decoder alone): set 0.0"),
+    "router_aux_loss_coef": Setting(
+        REFUSED,
+        "a MoE router load-balancing loss TRL would add is refused at "
+        "construction (the GTPO loss runs the decoder alone): set 0.0",
+    ),
     "cast_lm_head_to_fp32": Setting(REFUSED, "True is refused", _cast_head),
     # generation and groups
     "num_generations": Setting(HONOURED, "G: the group of the advantages and of the conflict weights"),
@@ -124,8 +150,11 @@ SETTINGS: Dict[str, Setting] = {
     "ds3_gather_for_generation": Setting(IRRELEVANT, "generation under DeepSpeed ZeRO-3"),
     "shuffle_dataset": Setting(IRRELEVANT, "data order"),
     "pad_to_multiple_of": Setting(IRRELEVANT, "padding (masked out of the loss)"),
-    "generation_batch_size": Setting(HONOURED, "the generation batch, split into steps_per_generation slices; each "
-                                               "optimiser step's counts are exact across them"),
+    "generation_batch_size": Setting(
+        HONOURED,
+        "the generation batch, split into steps_per_generation slices; each "
+        "optimiser step's counts are exact across them",
+    ),
     "steps_per_generation": Setting(HONOURED, "as generation_batch_size"),
     "temperature": Setting(HONOURED, "the loss's statistics are those of softmax(logits / temperature)"),
     "top_p": _sampling("top_p"),
@@ -138,62 +167,124 @@ SETTINGS: Dict[str, Setting] = {
     "use_transformers_continuous_batching": Setting(IRRELEVANT, "generation"),
     "transformers_continuous_batching_config": Setting(IRRELEVANT, "generation"),
     "use_transformers_paged": Setting(IRRELEVANT, "generation"),
-    "max_tool_calling_iterations": Setting(HONOURED, "tools; a tool's output is masked out of the loss (tool_mask) "
-                                                     "and kept in the conflict runs"),
+    "max_tool_calling_iterations": Setting(
+        HONOURED, "tools; a tool's output is masked out of the loss (tool_mask) and kept in the conflict runs"
+    ),
     # vLLM
     "use_vllm": Setting(IRRELEVANT, "generation with vLLM"),
-    **{name: Setting(IRRELEVANT, "generation with vLLM") for name in (
-        "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_structured_outputs_regex",
-        "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_group_port",
-        "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_tensor_parallel_size")},
+    **{
+        name: Setting(IRRELEVANT, "generation with vLLM")
+        for name in (
+            "vllm_mode",
+            "vllm_model_impl",
+            "vllm_enable_sleep_mode",
+            "vllm_structured_outputs_regex",
+            "vllm_server_base_url",
+            "vllm_server_host",
+            "vllm_server_port",
+            "vllm_server_timeout",
+            "vllm_group_port",
+            "vllm_gpu_memory_utilization",
+            "vllm_max_model_length",
+            "vllm_tensor_parallel_size",
+        )
+    },
     "vllm_importance_sampling_correction": Setting(REFUSED, "True with use_vllm is refused", _vllm_is),
-    **{name: Setting(IRRELEVANT, "used only by vllm_importance_sampling_correction (refused)") for name in (
-        "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min",
-        "vllm_importance_sampling_cap")},
+    **{
+        name: Setting(IRRELEVANT, "used only by vllm_importance_sampling_correction (refused)")
+        for name in (
+            "vllm_importance_sampling_mode",
+            "vllm_importance_sampling_clip_max",
+            "vllm_importance_sampling_clip_min",
+            "vllm_importance_sampling_cap",
+        )
+    },
     # rewards and advantages
     "reward_weights": Setting(HONOURED, _TRL + " (the reward)"),
     "multi_objective_aggregation": Setting(HONOURED, _TRL + " (the reward)"),
-    "scale_rewards": Setting(HONOURED, "set from GTPOConfig.normalize_advantages_by_std ('group' or 'none'); another "
-                                      "value given is refused when it contradicts it ('batch' always)",
-                             _scale_rewards),
+    "scale_rewards": Setting(
+        HONOURED,
+        "set from GTPOConfig.normalize_advantages_by_std ('group' or 'none'); another "
+        "value given is refused when it contradicts it ('batch' always)",
+        _scale_rewards,
+    ),
     "mask_truncated_completions": Setting(HONOURED, "TRL zeroes a truncated completion's mask before the loss"),
     # the loss
-    "loss_type": Setting(HONOURED, "the reduction is GTPOConfig.loss_reduction; a value given is refused unless it "
-                                  "names the same one ('grpo': sequence_mean, 'dapo': token_mean, 'dr_grpo')",
-                         _loss_type),
-    "epsilon": Setting(HONOURED, "through GTPOConfig.clip_eps_low/high (from_grpo_config sets them); a value given "
-                                 "is refused unless it equals the config's", _clip_side("low")),
+    "loss_type": Setting(
+        HONOURED,
+        "the reduction is GTPOConfig.loss_reduction; a value given is refused unless it "
+        "names the same one ('grpo': sequence_mean, 'dapo': token_mean, 'dr_grpo')",
+        _loss_type,
+    ),
+    "epsilon": Setting(
+        HONOURED,
+        "through GTPOConfig.clip_eps_low/high (from_grpo_config sets them); a value given "
+        "is refused unless it equals the config's",
+        _clip_side("low"),
+    ),
     "epsilon_high": Setting(HONOURED, "as epsilon", _clip_side("high")),
-    "delta": Setting(HONOURED, "two-sided clipping is GTPOConfig.ratio_cap; a value other than the config's is "
-                              "refused", _delta),
+    "delta": Setting(
+        HONOURED, "two-sided clipping is GTPOConfig.ratio_cap; a value other than the config's is refused", _delta
+    ),
     "beta": Setting(HONOURED, "must equal GTPOConfig.kl_beta (TRL loads the reference model when beta > 0)"),
-    "use_bias_correction_kl": Setting(HONOURED, "the ratio-weighted KL is GTPOConfig.kl_ratio_weighted; with beta > 0 "
-                                               "a value other than the config's is refused (TRL's default is True)",
-                                      _bias_correction),
+    "use_bias_correction_kl": Setting(
+        HONOURED,
+        "the ratio-weighted KL is GTPOConfig.kl_ratio_weighted; with beta > 0 "
+        "a value other than the config's is refused (TRL's default is True)",
+        _bias_correction,
+    ),
     "num_iterations": Setting(HONOURED, "TRL keeps the old log-probs; the loss takes the ratio against them"),
-    "importance_sampling_level": Setting(REFUSED, "'sequence' is refused", _unless(
-        "token", "sequence-level importance sampling is not in the GTPO loss")),
-    "off_policy_mask_threshold": Setting(REFUSED, "refused when set", _unless(
-        None, "off-policy sequence masking is not in the GTPO loss")),
-    "top_entropy_quantile": Setting(REFUSED, "refused below 1.0", _unless(
-        1.0, "the GTPO loss filters by completion entropy (GTPOConfig.entropy_threshold), not by token quantile")),
-    "entropy_coef": Setting(REFUSED, "refused when non-zero", _unless(
-        0.0, "TRL's entropy bonus is not in the GTPO loss (its entropy term is GTPOConfig.entropy_coef)")),
-    "use_adaptive_entropy": Setting(REFUSED, "refused when True", _unless(
-        False, "TRL's adaptive entropy bonus is not in the GTPO loss")),
-    **{name: Setting(IRRELEVANT, "used only by use_adaptive_entropy (refused)") for name in (
-        "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target")},
-    **{name: Setting(IRRELEVANT, "used only by loss_type='sapo' / 'vespo' (refused)") for name in (
-        "sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
-        "vespo_lambda_neg")},
+    "importance_sampling_level": Setting(
+        REFUSED, "'sequence' is refused", _unless("token", "sequence-level importance sampling is not in the GTPO loss")
+    ),
+    "off_policy_mask_threshold": Setting(
+        REFUSED, "refused when set", _unless(None, "off-policy sequence masking is not in the GTPO loss")
+    ),
+    "top_entropy_quantile": Setting(
+        REFUSED,
+        "refused below 1.0",
+        _unless(
+            1.0, "the GTPO loss filters by completion entropy (GTPOConfig.entropy_threshold), not by token quantile"
+        ),
+    ),
+    "entropy_coef": Setting(
+        REFUSED,
+        "refused when non-zero",
+        _unless(0.0, "TRL's entropy bonus is not in the GTPO loss (its entropy term is GTPOConfig.entropy_coef)"),
+    ),
+    "use_adaptive_entropy": Setting(
+        REFUSED, "refused when True", _unless(False, "TRL's adaptive entropy bonus is not in the GTPO loss")
+    ),
+    **{
+        name: Setting(IRRELEVANT, "used only by use_adaptive_entropy (refused)")
+        for name in ("entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target")
+    },
+    **{
+        name: Setting(IRRELEVANT, "used only by loss_type='sapo' / 'vespo' (refused)")
+        for name in (
+            "sapo_temperature_neg",
+            "sapo_temperature_pos",
+            "vespo_k_pos",
+            "vespo_lambda_pos",
+            "vespo_k_neg",
+            "vespo_lambda_neg",
+        )
+    },
     # the reference model
     "sync_ref_model": Setting(HONOURED, _TRL + " (reference model updates)"),
     "ref_model_mixup_alpha": Setting(HONOURED, _TRL + " (reference model updates)"),
     "ref_model_sync_steps": Setting(HONOURED, _TRL + " (reference model updates)"),
     # logging
-    **{name: Setting(IRRELEVANT, "logging") for name in (
-        "log_completions", "log_multimodal", "num_completions_to_print", "log_unique_prompts",
-        "log_completions_hub_repo")},
+    **{
+        name: Setting(IRRELEVANT, "logging")
+        for name in (
+            "log_completions",
+            "log_multimodal",
+            "num_completions_to_print",
+            "log_unique_prompts",
+            "log_completions_hub_repo",
+        )
+    },
 }
 
 
@@ -208,17 +299,28 @@ def from_grpo_config(args, **overrides):
 
     reduction = LOSS_TYPE_REDUCTION.get(args.loss_type)
     if reduction is None:
-        raise ValueError(f"GRPOConfig(loss_type={args.loss_type!r}) has no GTPO counterpart; the GTPO loss reduces as "
-                         f"'grpo' (sequence_mean), 'dapo' (token_mean) or 'dr_grpo' does")
+        raise ValueError(
+            f"GRPOConfig(loss_type={args.loss_type!r}) has no GTPO counterpart; the GTPO loss reduces as "
+            f"'grpo' (sequence_mean), 'dapo' (token_mean) or 'dr_grpo' does"
+        )
     scale = _scale_mode(args.scale_rewards)
     if scale not in ("group", "none"):
-        raise ValueError(f"GRPOConfig(scale_rewards={args.scale_rewards!r}) has no GTPO counterpart: the advantages "
-                         f"are scaled per group ('group') or not at all ('none')")
+        raise ValueError(
+            f"GRPOConfig(scale_rewards={args.scale_rewards!r}) has no GTPO counterpart: the advantages "
+            f"are scaled per group ('group') or not at all ('none')"
+        )
     high = args.epsilon if args.epsilon_high is None else args.epsilon_high
-    knobs = dict(preset="grpo", loss_reduction=reduction, clip_eps_low=args.epsilon, clip_eps_high=high,
-                 ratio_cap=args.delta, kl_beta=float(args.beta), kl_ratio_weighted=bool(args.use_bias_correction_kl),
-                 normalize_advantages_by_std=scale == "group",
-                 max_completion_length=args.max_completion_length if reduction == "dr_grpo" else None)
+    knobs = dict(
+        preset="grpo",
+        loss_reduction=reduction,
+        clip_eps_low=args.epsilon,
+        clip_eps_high=high,
+        ratio_cap=args.delta,
+        kl_beta=float(args.beta),
+        kl_ratio_weighted=bool(args.use_bias_correction_kl),
+        normalize_advantages_by_std=scale == "group",
+        max_completion_length=args.max_completion_length if reduction == "dr_grpo" else None,
+    )
     knobs.update(overrides)
     return GTPOConfig(**knobs)
 
@@ -261,11 +363,17 @@ def check_settings(args, config) -> None:
 
 def markdown() -> str:
     fields = grpo_fields()
-    lines = ["# GRPOConfig settings under GTPOTrainer", "",
-             "Generated by `python -m gtpo_kernels.integrations.trl_settings` from the installed TRL's `GRPOConfig` "
-             "(the fields it adds to `transformers.TrainingArguments`; those of `TrainingArguments` itself are the "
-             "Trainer's and are honoured as they are). A refused value stops `GTPOTrainer(...)` with one line naming "
-             "the field.", "", "| field | default | status | how |", "|---|---|---|---|"]
+    lines = [
+        "# GRPOConfig settings under GTPOTrainer",
+        "",
+        "Generated by `python -m gtpo_kernels.integrations.trl_settings` from the installed TRL's `GRPOConfig` "
+        "(the fields it adds to `transformers.TrainingArguments`; those of `TrainingArguments` itself are the "
+        "Trainer's and are honoured as they are). A refused value stops `GTPOTrainer(...)` with one line naming "
+        "the field.",
+        "",
+        "| field | default | status | how |",
+        "|---|---|---|---|",
+    ]
     for name in fields:
         setting = SETTINGS.get(name, Setting("NOT CLASSIFIED", ""))
         lines.append(f"| `{name}` | `{fields[name]!r}` | {setting.status} | {setting.how} |")

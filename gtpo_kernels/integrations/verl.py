@@ -44,7 +44,7 @@ import math
 import sys
 from contextlib import contextmanager
 from dataclasses import fields
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 import torch
@@ -57,8 +57,9 @@ from ..objective import loss_from_token_stats, token_advantages
 try:
     from verl.trainer.ppo import core_algos
 except ImportError as exc:  # pragma: no cover (the extra is not installed)
-    raise ImportError("gtpo_kernels.integrations.verl needs verl: pip install -e '.[verl]' (see README, "
-                      "'Training with verl')") from exc
+    raise ImportError(
+        "gtpo_kernels.integrations.verl needs verl: pip install -e '.[verl]' (see README, 'Training with verl')"
+    ) from exc
 
 ESTIMATOR = "gtpo"
 POLICY_LOSS = "gtpo"
@@ -90,6 +91,7 @@ def _plain(section) -> dict:
         return {}
     try:
         from omegaconf import DictConfig, OmegaConf
+
         if isinstance(section, DictConfig):
             return OmegaConf.to_container(section, resolve=True)
     except ImportError:  # pragma: no cover (omegaconf comes with verl)
@@ -121,15 +123,21 @@ def gtpo_settings(algorithm) -> tuple[GTPOConfig, Optional[float]]:
         if name in VERL_OWNED:
             raise ValueError(f"algorithm.gtpo.{name}: verl holds this setting; set {VERL_OWNED[name]} instead")
         if name in NOT_IN_VERL:
-            raise ValueError(f"algorithm.gtpo.{name} acts in the policy loss, which verl gives only its actor config "
-                             f"(no field for it): not available with verl")
+            raise ValueError(
+                f"algorithm.gtpo.{name} acts in the policy loss, which verl gives only its actor config "
+                f"(no field for it): not available with verl"
+            )
         if name not in known:
-            raise ValueError(f"algorithm.gtpo.{name} is not a GTPO setting; known: "
-                             f"{sorted(known - set(VERL_OWNED) - set(NOT_IN_VERL)) + ['initial_entropy']}")
+            raise ValueError(
+                f"algorithm.gtpo.{name} is not a GTPO setting; known: "
+                f"{sorted(known - set(VERL_OWNED) - set(NOT_IN_VERL)) + ['initial_entropy']}"
+            )
     config = GTPOConfig(**section, warn_no_signal=False)
     if config.entropy_mode == "penalty" and config.entropy_coef > 0:
-        raise ValueError("algorithm.gtpo.entropy_mode='penalty' needs the current entropy with its gradient, which "
-                         "verl's policy loss is not given: use 'advantage_shift' (the presets' mode)")
+        raise ValueError(
+            "algorithm.gtpo.entropy_mode='penalty' needs the current entropy with its gradient, which "
+            "verl's policy loss is not given: use 'advantage_shift' (the presets' mode)"
+        )
     if initial_entropy is not None and not (isinstance(initial_entropy, (int, float)) and initial_entropy >= 0):
         raise ValueError(f"algorithm.gtpo.initial_entropy must be a number >= 0, got {initial_entropy!r}")
     return config, initial_entropy
@@ -139,14 +147,18 @@ def verl_reduction(loss_mode: str, loss_agg_mode: str) -> str:
     """The GTPO reduction the ``gtpo`` / ``gtpo_sum`` policy loss computes under this ``loss_agg_mode``."""
     if loss_mode == POLICY_LOSS_SUM:
         if loss_agg_mode != "seq-mean-token-mean":
-            raise ValueError(f"actor.policy_loss.loss_mode={POLICY_LOSS_SUM} sums per-completion token means; set "
-                             f"actor.loss_agg_mode=seq-mean-token-mean (got {loss_agg_mode!r}) so that verl's own "
-                             f"KL and entropy terms also take per-completion means")
+            raise ValueError(
+                f"actor.policy_loss.loss_mode={POLICY_LOSS_SUM} sums per-completion token means; set "
+                f"actor.loss_agg_mode=seq-mean-token-mean (got {loss_agg_mode!r}) so that verl's own "
+                f"KL and entropy terms also take per-completion means"
+            )
         return "sum"
     if loss_agg_mode not in AGG_MODE_REDUCTION:
-        raise ValueError(f"actor.loss_agg_mode={loss_agg_mode!r} is none of GTPO's reductions; with "
-                         f"loss_mode={POLICY_LOSS} use one of {sorted(AGG_MODE_REDUCTION)} (or "
-                         f"loss_mode={POLICY_LOSS_SUM} for the official preset's sum)")
+        raise ValueError(
+            f"actor.loss_agg_mode={loss_agg_mode!r} is none of GTPO's reductions; with "
+            f"loss_mode={POLICY_LOSS} use one of {sorted(AGG_MODE_REDUCTION)} (or "
+            f"loss_mode={POLICY_LOSS_SUM} for the official preset's sum)"
+        )
     return AGG_MODE_REDUCTION[loss_agg_mode]
 
 
@@ -160,36 +172,47 @@ def check_verl_config(config) -> None:
     actor = config.actor_rollout_ref.actor
     loss_mode = _get(_get(actor, "policy_loss"), "loss_mode", "vanilla")
     if loss_mode not in (POLICY_LOSS, POLICY_LOSS_SUM):
-        raise ValueError(f"algorithm.adv_estimator={ESTIMATOR} folds the conflict weights and the entropy filter "
-                         f"into the advantages, which only the GTPO policy loss reduces as GTPO does: set "
-                         f"actor_rollout_ref.actor.policy_loss.loss_mode={POLICY_LOSS} (got {loss_mode!r})")
+        raise ValueError(
+            f"algorithm.adv_estimator={ESTIMATOR} folds the conflict weights and the entropy filter "
+            f"into the advantages, which only the GTPO policy loss reduces as GTPO does: set "
+            f"actor_rollout_ref.actor.policy_loss.loss_mode={POLICY_LOSS} (got {loss_mode!r})"
+        )
     reduction = verl_reduction(loss_mode, _get(actor, "loss_agg_mode"))
     if reduction != gtpo.loss_reduction:
         wanted = {v: k for k, v in AGG_MODE_REDUCTION.items()}.get(gtpo.loss_reduction)
-        fix = (f"actor_rollout_ref.actor.policy_loss.loss_mode={POLICY_LOSS_SUM} with loss_agg_mode="
-               f"seq-mean-token-mean" if gtpo.loss_reduction == "sum" else
-               f"actor_rollout_ref.actor.loss_agg_mode={wanted} with loss_mode={POLICY_LOSS}")
-        raise ValueError(f"algorithm.gtpo (preset {gtpo.preset!r}) reduces by {gtpo.loss_reduction}, but "
-                         f"actor.loss_agg_mode={_get(actor, 'loss_agg_mode')!r} with loss_mode={loss_mode!r} gives "
-                         f"{reduction}: set {fix} (or algorithm.gtpo.loss_reduction={reduction})")
+        fix = (
+            f"actor_rollout_ref.actor.policy_loss.loss_mode={POLICY_LOSS_SUM} with loss_agg_mode=seq-mean-token-mean"
+            if gtpo.loss_reduction == "sum"
+            else f"actor_rollout_ref.actor.loss_agg_mode={wanted} with loss_mode={POLICY_LOSS}"
+        )
+        raise ValueError(
+            f"algorithm.gtpo (preset {gtpo.preset!r}) reduces by {gtpo.loss_reduction}, but "
+            f"actor.loss_agg_mode={_get(actor, 'loss_agg_mode')!r} with loss_mode={loss_mode!r} gives "
+            f"{reduction}: set {fix} (or algorithm.gtpo.loss_reduction={reduction})"
+        )
     if reduction == "dr_grpo" and _get(actor, "loss_scale_factor") is None:
-        raise ValueError("actor.loss_agg_mode=seq-mean-token-sum-norm (dr_grpo) without actor.loss_scale_factor "
-                         "divides each micro-batch by its own padded length: set loss_scale_factor to the "
-                         "generation cap (data.max_response_length)")
+        raise ValueError(
+            "actor.loss_agg_mode=seq-mean-token-sum-norm (dr_grpo) without actor.loss_scale_factor "
+            "divides each micro-batch by its own padded length: set loss_scale_factor to the "
+            "generation cap (data.max_response_length)"
+        )
     if _get(algorithm, "use_kl_in_reward", False):
-        raise ValueError("algorithm.use_kl_in_reward=True puts a per-token KL into the rewards, which GTPO sums "
-                         "into one reward per completion: use actor_rollout_ref.actor.use_kl_loss instead")
+        raise ValueError(
+            "algorithm.use_kl_in_reward=True puts a per-token KL into the rewards, which GTPO sums "
+            "into one reward per completion: use actor_rollout_ref.actor.use_kl_loss instead"
+        )
     needs_entropy = gtpo.entropy_coef > 0 or gtpo.entropy_filter
     bypass = _get(_get(algorithm, "rollout_correction"), "bypass_mode", False)
     if needs_entropy and bypass:
-        raise ValueError("algorithm.rollout_correction.bypass_mode=True skips the old-policy pass that gives the "
-                         "completion entropies GTPO's filter and shift use: turn it off, or set "
-                         "algorithm.gtpo.entropy_threshold=null and entropy_coef=0")
+        raise ValueError(
+            "algorithm.rollout_correction.bypass_mode=True skips the old-policy pass that gives the "
+            "completion entropies GTPO's filter and shift use: turn it off, or set "
+            "algorithm.gtpo.entropy_threshold=null and entropy_coef=0"
+        )
 
 
 # ------------------------------------------------------------------------------------ advantage estimator
-_BATCH_FIELDS: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("gtpo_verl_batch_fields",
-                                                                                 default=None)
+_BATCH_FIELDS: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("gtpo_verl_batch_fields", default=None)
 _MEASURED_INITIAL_ENTROPY: dict = {}
 
 
@@ -244,9 +267,15 @@ def group_advantages_and_conflicts(rewards, responses, valid, index, config: GTP
     return advantages, lambda_, n_conflict
 
 
-def compute_gtpo_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index=None,
-                           config=None, responses: Optional[torch.Tensor] = None,
-                           entropy: Optional[torch.Tensor] = None, **unused):
+def compute_gtpo_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index=None,
+    config=None,
+    responses: Optional[torch.Tensor] = None,
+    entropy: Optional[torch.Tensor] = None,
+    **unused,
+):
     """verl's ``gtpo`` advantage estimator.
 
     Args:
@@ -269,18 +298,23 @@ def compute_gtpo_advantage(token_level_rewards: torch.Tensor, response_mask: tor
     valid = response_mask.bool()
     n_rows, length = valid.shape
     if gtpo.use_conflict_weights and responses is None:
-        raise ValueError("the gtpo advantage estimator needs the completion ids for the conflict weights, which "
-                         "verl does not pass to estimators: run verl's V1 trainer with gtpo_kernels installed "
-                         "(it supplies them), or wrap the call in gtpo_kernels.integrations.verl.batch_fields")
+        raise ValueError(
+            "the gtpo advantage estimator needs the completion ids for the conflict weights, which "
+            "verl does not pass to estimators: run verl's V1 trainer with gtpo_kernels installed "
+            "(it supplies them), or wrap the call in gtpo_kernels.integrations.verl.batch_fields"
+        )
     needs_entropy = gtpo.entropy_coef > 0 or gtpo.entropy_filter
     if needs_entropy and entropy is None:
-        raise ValueError("the gtpo advantage estimator needs the old policy's per-token entropies (verl's "
-                         "'entropy' field) for the entropy filter and shift; or set algorithm.gtpo."
-                         "entropy_threshold=null and entropy_coef=0")
+        raise ValueError(
+            "the gtpo advantage estimator needs the old policy's per-token entropies (verl's "
+            "'entropy' field) for the entropy filter and shift; or set algorithm.gtpo."
+            "entropy_threshold=null and entropy_coef=0"
+        )
     for name, tensor in (("responses", responses), ("entropy", entropy)):
         if tensor is not None and tuple(tensor.shape) != (n_rows, length):
-            raise ValueError(f"{name} must be [bs, L] = {(n_rows, length)} like response_mask, got "
-                             f"{tuple(tensor.shape)}")
+            raise ValueError(
+                f"{name} must be [bs, L] = {(n_rows, length)} like response_mask, got {tuple(tensor.shape)}"
+            )
     dtype = token_level_rewards.dtype if token_level_rewards.is_floating_point() else torch.float32
     rewards = token_level_rewards.to(dtype).sum(dim=-1)
     advantages, lambda_, n_conflict = group_advantages_and_conflicts(rewards, responses, valid, index, gtpo)
@@ -291,8 +325,9 @@ def compute_gtpo_advantage(token_level_rewards: torch.Tensor, response_mask: tor
             mask = valid.to(entropy.dtype)
             _MEASURED_INITIAL_ENTROPY["value"] = float((entropy * mask).sum() / mask.sum().clamp(min=1))
         initial_entropy = _MEASURED_INITIAL_ENTROPY["value"]
-    _, _, token_advantage = token_advantages(entropy.to(dtype), valid, advantages, lambda_, n_conflict, gtpo,
-                                             initial_entropy)
+    _, _, token_advantage = token_advantages(
+        entropy.to(dtype), valid, advantages, lambda_, n_conflict, gtpo, initial_entropy
+    )
     return token_advantage, token_advantage
 
 
@@ -303,52 +338,104 @@ def _clip(config) -> tuple[Optional[float], Optional[float]]:
     high = _get(config, "clip_ratio_high")
     low = clip if low is None else low
     high = clip if high is None else high
-    return (None if low is None or math.isinf(low) else float(low),
-            None if high is None or math.isinf(high) else float(high))
+    return (
+        None if low is None or math.isinf(low) else float(low),
+        None if high is None or math.isinf(high) else float(high),
+    )
 
 
-def gtpo_policy_loss(old_log_prob, log_prob, advantages, response_mask, reduction: str, config=None,
-                     rollout_is_weights=None):
+def gtpo_policy_loss(
+    old_log_prob, log_prob, advantages, response_mask, reduction: str, config=None, rollout_is_weights=None
+):
     """The package's objective on verl's per-token statistics and GTPO's per-token advantages (see the module
     docstring). Returns ``(loss, metrics)`` as verl's policy losses do."""
     info = dict(_get(config, "global_batch_info", None) or {})
     dp_size = info.get("dp_size") or 1
     scale = _get(config, "loss_scale_factor")
     if reduction == "dr_grpo" and scale is None:
-        raise ValueError("loss_agg_mode=seq-mean-token-sum-norm (dr_grpo) needs actor.loss_scale_factor, the "
-                         "generation cap: without it each micro-batch would divide by its own padded length")
+        raise ValueError(
+            "loss_agg_mode=seq-mean-token-sum-norm (dr_grpo) needs actor.loss_scale_factor, the "
+            "generation cap: without it each micro-batch would divide by its own padded length"
+        )
     low, high = _clip(config)
-    loss_config = GTPOConfig(preset="grpo", normalize_advantages_by_std=False, entropy_threshold=None,
-                             entropy_coef=0.0, use_conflict_weights=True, divide_by_conflict_count=False,
-                             loss_reduction=reduction, clip_eps_low=low, clip_eps_high=high,
-                             max_completion_length=int(scale) if reduction == "dr_grpo" else None,
-                             warn_no_signal=False)
+    loss_config = GTPOConfig(
+        preset="grpo",
+        normalize_advantages_by_std=False,
+        entropy_threshold=None,
+        entropy_coef=0.0,
+        use_conflict_weights=True,
+        divide_by_conflict_count=False,
+        loss_reduction=reduction,
+        clip_eps_low=low,
+        clip_eps_high=high,
+        max_completion_length=int(scale) if reduction == "dr_grpo" else None,
+        warn_no_signal=False,
+    )
     valid = response_mask.bool()
     weights = advantages if rollout_is_weights is None else advantages * rollout_is_weights  # IS weights >= 0
     ones = torch.ones(valid.shape[0], dtype=log_prob.dtype, device=log_prob.device)
     out = loss_from_token_stats(
-        log_prob, torch.zeros_like(log_prob), valid, ones, weights, None, loss_config, old_logprobs=old_log_prob,
+        log_prob,
+        torch.zeros_like(log_prob),
+        valid,
+        ones,
+        weights,
+        None,
+        loss_config,
+        old_logprobs=old_log_prob,
         num_sequences=info.get("global_batch_size") if reduction in ("sequence_mean", "dr_grpo") else None,
-        num_tokens=info.get("batch_num_tokens") if reduction == "token_mean" else None)
+        num_tokens=info.get("batch_num_tokens") if reduction == "token_mean" else None,
+    )
     mask = valid.to(log_prob.dtype)
     ppo_kl = ((old_log_prob - log_prob).detach() * mask).sum() / mask.sum().clamp(min=1)
-    metrics = {"actor/pg_clipfrac": float(out.metrics.clip_fraction), "actor/ppo_kl": float(ppo_kl),
-               "actor/gtpo_ratio_mean": float(out.metrics.ratio_mean)}
+    metrics = {
+        "actor/pg_clipfrac": float(out.metrics.clip_fraction),
+        "actor/ppo_kl": float(ppo_kl),
+        "actor/gtpo_ratio_mean": float(out.metrics.ratio_mean),
+    }
     return out.loss * dp_size, metrics
 
 
-def compute_policy_loss_gtpo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode: str = "token-mean",
-                             config=None, rollout_is_weights=None):
+def compute_policy_loss_gtpo(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    loss_agg_mode: str = "token-mean",
+    config=None,
+    rollout_is_weights=None,
+):
     """verl's ``gtpo`` policy loss: the reduction named by ``loss_agg_mode`` (`AGG_MODE_REDUCTION`)."""
-    return gtpo_policy_loss(old_log_prob, log_prob, advantages, response_mask,
-                            verl_reduction(POLICY_LOSS, loss_agg_mode), config, rollout_is_weights)
+    return gtpo_policy_loss(
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        verl_reduction(POLICY_LOSS, loss_agg_mode),
+        config,
+        rollout_is_weights,
+    )
 
 
-def compute_policy_loss_gtpo_sum(old_log_prob, log_prob, advantages, response_mask,
-                                 loss_agg_mode: str = "seq-mean-token-mean", config=None, rollout_is_weights=None):
+def compute_policy_loss_gtpo_sum(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    config=None,
+    rollout_is_weights=None,
+):
     """verl's ``gtpo_sum`` policy loss: the ``official`` preset's sum of per-completion token means."""
-    return gtpo_policy_loss(old_log_prob, log_prob, advantages, response_mask,
-                            verl_reduction(POLICY_LOSS_SUM, loss_agg_mode), config, rollout_is_weights)
+    return gtpo_policy_loss(
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        verl_reduction(POLICY_LOSS_SUM, loss_agg_mode),
+        config,
+        rollout_is_weights,
+    )
 
 
 # ---------------------------------------------------------------------------------------- registration
@@ -403,8 +490,9 @@ class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         if spec is None or spec.loader is None:
             return None
         self.spec = spec
-        wrapped = importlib.util.spec_from_loader(fullname, self, origin=spec.origin,
-                                                  is_package=spec.submodule_search_locations is not None)
+        wrapped = importlib.util.spec_from_loader(
+            fullname, self, origin=spec.origin, is_package=spec.submodule_search_locations is not None
+        )
         wrapped.submodule_search_locations = spec.submodule_search_locations
         wrapped.has_location = spec.has_location
         return wrapped
