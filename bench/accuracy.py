@@ -41,7 +41,7 @@ def errors(backend_name: str, logits: torch.Tensor, ids: torch.Tensor) -> Tuple[
     from gtpo_kernels.reference import token_logprobs_and_entropy
 
     valid = torch.ones(ids.shape, dtype=torch.bool)
-    _, _, logp, entropy = get_backend(backend_name).forward(logits, ids, valid, 1.0, None)
+    _, _, logp, entropy = get_backend(backend_name).forward(logits, ids, valid, 1.0)
     logp64, entropy64 = token_logprobs_and_entropy(logits.double(), ids)
     return float((logp.double() - logp64).abs().max()), float((entropy.double() - entropy64).abs().max())
 

@@ -23,6 +23,7 @@ from gtpo_kernels.backends.cpu_extension import extension_error
 from gtpo_kernels.backends.torch_backend import conflict_weights as torch_conflict_weights
 from gtpo_kernels.objective import loss_from_token_stats
 from gtpo_kernels.reference import token_logprobs_and_entropy
+from gtpo_kernels.rows import LossRows
 
 # Where tables go: bench/results/local/ (ignored by git: a user's figures never overwrite the committed ones in
 # bench/results/), or GTPO_BENCH_OUT (the GPU check writes only there; maintainers refreshing the committed
@@ -48,12 +49,12 @@ def plain_pytorch_gtpo_loss(
     logits and plain autograd through everything (the baseline of the benchmarks, eager and compiled)."""
     valid = completion_mask.bool()
     logp, entropy = token_logprobs_and_entropy(logits / temperature, torch.where(valid, completion_ids, 0))
-    lambda_, n_conflict = (
+    conflict = (
         torch_conflict_weights(completion_ids, valid, advantages, group_size, config.conflict_weight)
         if config.use_conflict_weights
-        else (None, None)
+        else None
     )
-    return loss_from_token_stats(logp, entropy, valid, advantages, lambda_, n_conflict, config)
+    return loss_from_token_stats(logp, entropy, LossRows(completion_ids, valid, advantages, conflict), config)
 
 
 def sync(device: torch.device) -> None:

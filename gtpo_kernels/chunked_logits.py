@@ -10,72 +10,44 @@ weights of whole groups (``conflict``).
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from .backends import chunk_budget
 from .config import GTPOConfig
-from .loss import gtpo_loss
+from .loss import loss_of_rows
 from .result import GTPOLossOutput, GTPOMetrics
+from .rows import LossRows
 from .token_stats import token_logprobs_and_entropy
 
-DEFAULT_CHUNK_BYTES = 256 * 2**20
 
-
-def _row_chunks(n_rows: int, length: int, vocab: int, max_chunk_bytes: Optional[int]):
-    rows = max(1, (max_chunk_bytes or DEFAULT_CHUNK_BYTES) // max(1, 4 * length * vocab))
+def _row_chunks(n_rows: int, length: int, vocab: int, device: torch.device, max_chunk_bytes: Optional[int]):
+    budget = chunk_budget.chunk_bytes(chunk_budget.TRANSFORMED_LOGITS, device, max_chunk_bytes)
+    rows = max(1, budget // max(1, 4 * length * vocab))
     return [slice(start, min(start + rows, n_rows)) for start in range(0, n_rows, rows)]
 
 
 def transformed_logits_gtpo_loss(
     hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    transform: Callable,
-    completion_ids,
-    completion_mask,
-    advantages,
-    *,
+    head: Tuple[torch.Tensor, Optional[torch.Tensor], Callable],
+    given: LossRows,
     config: GTPOConfig,
-    conflict=None,
-    old_logprobs=None,
-    ref_logprobs=None,
-    num_sequences=None,
-    num_tokens=None,
-    **loss_kwargs,
 ) -> GTPOLossOutput:
-    """`gtpo_loss` on ``transform(hidden @ weight.T + bias)`` (``hidden [N, L, H]``), in row chunks.
+    """`gtpo_loss` on ``transform(hidden @ weight.T + bias)`` (``hidden [N, L, H]``, ``head = (weight, bias,
+    transform)``), in row chunks, for the per-row inputs ``given``.
 
-    ``conflict`` (whole groups' weights, sliced like the rows) is required when the config uses conflict
-    weights; ``num_sequences``/``num_tokens`` default to this call's rows and tokens (the whole call's, not a
-    chunk's)."""
-    n_rows, length = completion_ids.shape
-    if config.use_conflict_weights and conflict is None:
+    ``given.conflict`` (whole groups' weights, sliced like the rows) is required when the config uses conflict
+    weights; the counts default to this call's rows and tokens (the whole call's, not a chunk's)."""
+    weight, bias, transform = head
+    n_rows, length = given.ids.shape
+    if config.use_conflict_weights and given.conflict is None:
         raise ValueError("transformed_logits_gtpo_loss: pass conflict=conflict_weights(...) computed on whole groups")
-    valid = completion_mask.bool()
-    num_sequences = n_rows if num_sequences is None else num_sequences
-    num_tokens = valid.sum() if num_tokens is None else num_tokens
 
     def part(rows, h, w, b):
-        def pick(t):
-            return None if t is None else t[rows]
-
-        logits = transform(F.linear(h, w, b))
-        out = gtpo_loss(
-            logits,
-            completion_ids[rows],
-            completion_mask[rows],
-            advantages[rows],
-            config=config,
-            conflict=None if conflict is None else (conflict[0][rows], conflict[1][rows]),
-            old_logprobs=pick(old_logprobs),
-            ref_logprobs=pick(ref_logprobs),
-            num_sequences=num_sequences,
-            num_tokens=num_tokens,
-            **loss_kwargs,
-        )
+        out = loss_of_rows(transform(F.linear(h, w, b)), given.slice(rows), config)
         m = out.metrics
         rows_out = [m.completion_entropy] + [
             torch.zeros_like(m.completion_entropy) if r is None else r
@@ -84,7 +56,7 @@ def transformed_logits_gtpo_loss(
         return out.loss, m.to_sums(), *rows_out
 
     losses, sums, per_row = [], [], []
-    for rows in _row_chunks(n_rows, length, weight.shape[0], config.max_chunk_bytes):
+    for rows in _row_chunks(n_rows, length, weight.shape[0], hidden.device, config.max_chunk_bytes):
         outs = checkpoint(part, rows, hidden[rows], weight, bias, use_reentrant=False)
         losses.append(outs[0])
         sums.append(outs[1].detach())
@@ -111,7 +83,7 @@ def transformed_logits_token_stats(
     """``(logp [N, L], H [N, L])`` of ``transform(hidden @ weight.T + bias)``, in row chunks (no gradient)."""
     n_rows, length = completion_ids.shape
     logps, entropies = [], []
-    for rows in _row_chunks(n_rows, length, weight.shape[0], max_chunk_bytes):
+    for rows in _row_chunks(n_rows, length, weight.shape[0], hidden.device, max_chunk_bytes):
         logits = transform(F.linear(hidden[rows], weight, bias))
         mask = None if completion_mask is None else completion_mask[rows]
         logp, entropy = token_logprobs_and_entropy(logits, completion_ids[rows], mask, temperature=temperature)

@@ -13,6 +13,8 @@ import torch
 
 from . import custom_ops, validation
 from .backends import resolve_backend_name
+from .config import GTPOConfig
+from .rows import LossRows
 
 
 def conflict_weights(
@@ -69,3 +71,16 @@ def compute_conflict_weights(backend: str, completion_ids, valid, advantages, gr
     return custom_ops.conflict_weights(
         completion_ids, as_generated(valid), advantages.detach(), group_size, float(weight), backend
     )
+
+
+def with_conflict_weights(rows: LossRows, config: GTPOConfig, backend: str) -> LossRows:
+    """``rows`` with the conflict weights the config asks for: the given ones, or computed by ``backend`` from
+    whole groups of ``rows.group_size``; ``conflict=None`` when the config does not use them."""
+    if not config.use_conflict_weights:
+        return rows.replace(conflict=None, group_size=None)
+    if rows.conflict is not None:
+        return rows.replace(group_size=None)
+    conflict = compute_conflict_weights(
+        backend, rows.ids, rows.valid, rows.advantages, rows.group_size, config.conflict_weight
+    )
+    return rows.replace(conflict=conflict, group_size=None)

@@ -24,8 +24,9 @@ from torch import Tensor
 
 from ._autograd import SECOND_DERIVATIVE, first_derivative_only
 from .backends import get_backend, kernels_for
-from .backends.base import stats_dtype
-from .fused_chunks import fused_forward
+from .backends.base import Backend, stats_dtype
+from .fused_chunks import fused_forward, unmasked_tokens
+from .rows import LossRows
 
 NAMESPACE = "gtpo_kernels"
 
@@ -33,14 +34,33 @@ NAMESPACE = "gtpo_kernels"
 # ------------------------------------------------------------------------------------------ token statistics
 
 
+def token_stats_gradient(
+    kernels: Backend,
+    saved,
+    grad_logp: Optional[Tensor],
+    grad_entropy: Optional[Tensor],
+    out: Tensor,
+    temperature: float,
+) -> Tensor:
+    """The one backward of the token statistics (the operator's and the in-place `token_stats.TokenStats`'s):
+    writes the gradient of ``sum grad_logp logp + grad_H H`` with respect to the logits into ``out`` (which may
+    be the logits themselves) and returns it. ``saved = (logits, ids, valid, row_max, log_s, logp, H)``;
+    ``grad_logp`` None is zero, ``grad_H`` None is zero (nothing downstream differentiates the entropy: the
+    kernels skip its term)."""
+    logits, ids, valid, row_max, log_s, logp, entropy = saved
+    grad_logp = torch.zeros_like(logp) if grad_logp is None else grad_logp
+    kernels.backward(logits, ids, valid, row_max, log_s, logp, entropy, grad_logp, grad_entropy, out, temperature)
+    return out
+
+
 @torch.library.custom_op(f"{NAMESPACE}::token_stats", mutates_args=())
 def token_stats(
     logits: Tensor, ids: Tensor, valid: Tensor, temperature: float, backend: str, max_chunk_bytes: int
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(row_max, log_s, logp, H)`` ``[N, L]`` of ``softmax(logits / temperature)``; ``max_chunk_bytes`` 0: the
-    backend's default. ``logits`` must have a contiguous last dimension."""
-    kernels = kernels_for(get_backend(backend), logits.dtype)
-    return tuple(kernels.forward(logits, ids, valid, temperature, max_chunk_bytes or None))
+    """``(row_max, log_s, logp, H)`` ``[N, L]`` of ``softmax(logits / temperature)``; ``max_chunk_bytes`` (for a
+    chunked backend) 0: its default. ``logits`` must have a contiguous last dimension."""
+    kernels = kernels_for(get_backend(backend), logits.dtype, max_chunk_bytes or None)
+    return tuple(kernels.forward(logits, ids, valid, temperature))
 
 
 @token_stats.register_fake
@@ -58,31 +78,17 @@ def token_stats_backward(
     log_s: Tensor,
     logp: Tensor,
     entropy: Tensor,
-    grad_logp: Tensor,
+    grad_logp: Optional[Tensor],
     grad_entropy: Optional[Tensor],
     temperature: float,
     backend: str,
     max_chunk_bytes: int,
 ) -> Tensor:
-    """The gradient of ``sum grad_logp logp + grad_H H`` with respect to ``logits`` (a new tensor); ``grad_H``
-    None is zero (nothing downstream differentiates the entropy: the kernels skip its term)."""
-    kernels = kernels_for(get_backend(backend), logits.dtype)
+    """`token_stats_gradient` into a new tensor."""
+    kernels = kernels_for(get_backend(backend), logits.dtype, max_chunk_bytes or None)
     out = torch.empty_like(logits, memory_format=torch.contiguous_format)
-    kernels.backward(
-        logits,
-        ids,
-        valid,
-        row_max,
-        log_s,
-        logp,
-        entropy,
-        grad_logp,
-        grad_entropy,
-        out,
-        temperature,
-        max_chunk_bytes or None,
-    )
-    return out
+    saved = (logits, ids, valid, row_max, log_s, logp, entropy)
+    return token_stats_gradient(kernels, saved, grad_logp, grad_entropy, out, temperature)
 
 
 @token_stats_backward.register_fake
@@ -99,11 +105,7 @@ def _token_stats_setup(ctx, inputs, output):
 
 
 def _token_stats_grad(ctx, grad_row_max, grad_log_s, grad_logp, grad_entropy):
-    logits, ids, valid, row_max, log_s, logp, entropy = ctx.saved_tensors
-    grad_logp = torch.zeros_like(logp) if grad_logp is None else grad_logp
-    grad = token_stats_backward(
-        logits, ids, valid, row_max, log_s, logp, entropy, grad_logp, grad_entropy, *ctx.settings
-    )
+    grad = token_stats_backward(*ctx.saved_tensors, grad_logp, grad_entropy, *ctx.settings)
     return grad, None, None, None, None, None
 
 
@@ -150,70 +152,37 @@ def fused_linear_gtpo(
     n_conflict: Optional[Tensor],
     old_logprobs: Optional[Tensor],
     ref_logprobs: Optional[Tensor],
-    config_json: str,
     initial_entropy: Optional[float],
-    backend: str,
-    compute_dtype: torch.dtype,
     temperature: float,
     num_sequences: Optional[Tensor],
     num_tokens: Optional[Tensor],
+    config_json: str,
+    backend: str,
+    compute_dtype: torch.dtype,
     row_lengths: Optional[List[int]],
     need_grads: List[bool],
 ) -> List[Tensor]:
     """The fused loss and, computed on the way, its gradients: ``[loss, d_hidden, d_weight, d_bias, logp, H,
-    metric sums, completion entropy]`` (gradients not asked for are empty tensors). ``row_lengths``: the
-    unmasked tokens of each row, when the caller has read them already (else one host synchronisation here)."""
+    metric sums, completion entropy]`` (gradients not asked for are empty tensors). ``ids`` to ``num_tokens`` are
+    a checked `rows.LossRows` as `LossRows.op_args` flattens it. ``row_lengths``: the unmasked tokens of each row,
+    when the caller has read them already (else one host synchronisation here)."""
     from .config import GTPOConfig
 
+    rows = LossRows.from_op_args(
+        (ids, valid, advantages, lambda_, n_conflict, old_logprobs, ref_logprobs, initial_entropy, temperature)
+        + (num_sequences, num_tokens)
+    )
     config = GTPOConfig.from_dict(json.loads(config_json))
     kernels = kernels_for(get_backend(backend), compute_dtype)
-    return fused_forward(
-        hidden,
-        weight,
-        bias,
-        ids,
-        valid,
-        advantages,
-        lambda_,
-        n_conflict,
-        old_logprobs,
-        ref_logprobs,
-        config,
-        initial_entropy,
-        kernels,
-        compute_dtype,
-        temperature,
-        num_sequences,
-        num_tokens,
-        row_lengths,
-        need_grads,
-    )
+    tokens = unmasked_tokens(valid, row_lengths)
+    return fused_forward(hidden, (weight, bias), rows, config, kernels, compute_dtype, tokens, need_grads)
 
 
 @fused_linear_gtpo.register_fake
-def _(
-    hidden,
-    weight,
-    bias,
-    ids,
-    valid,
-    advantages,
-    lambda_,
-    n_conflict,
-    old_logprobs,
-    ref_logprobs,
-    config_json,
-    initial_entropy,
-    backend,
-    compute_dtype,
-    temperature,
-    num_sequences,
-    num_tokens,
-    row_lengths,
-    need_grads,
-):
+def _(hidden, weight, bias, ids, *rest):
     from .result import SUMS_SIZE
 
+    compute_dtype, need_grads = rest[-3], rest[-1]
     stat = stats_dtype(compute_dtype)
     n_rows, length = ids.shape
 
@@ -235,6 +204,7 @@ def _(
 def _fused_setup(ctx, inputs, output):
     ctx.save_for_backward(output[1], output[2], output[3])
     ctx.needed = [need and (i != 2 or inputs[2] is not None) for i, need in enumerate(inputs[-1])]
+    ctx.num_inputs = len(inputs)
 
 
 @first_derivative_only
@@ -243,7 +213,7 @@ def _fused_grad(ctx, output_grads):
     if grad_loss is None:
         grad_loss = torch.zeros((), device=ctx.saved_tensors[0].device)
     grads = [g * grad_loss.to(g.dtype) if needed else None for g, needed in zip(ctx.saved_tensors, ctx.needed)]
-    return (*grads,) + (None,) * 16
+    return (*grads,) + (None,) * (ctx.num_inputs - len(grads))  # hidden, weight, bias; nothing for the rest
 
 
 torch.library.register_autograd(f"{NAMESPACE}::fused_linear_gtpo", _fused_grad, setup_context=_fused_setup)

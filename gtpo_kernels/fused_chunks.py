@@ -12,31 +12,22 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from .backends import chunk_budget
 from .backends.base import Backend, stats_dtype
 from .config import GTPOConfig
 from .objective import loss_from_token_stats, loss_gradients
+from .rows import LossRows
 
-# Default budget (float32 bytes of one chunk's logits). The CPU's GEMMs are efficient at a few hundred
-# tokens; on a GPU, chunks of a few thousand tokens keep the GEMMs near peak (2 GiB: 3500 tokens at
-# V = 151936; the H200's fused loss ran at 1.2x its FLOP floor with it). A constant, never the device's free
-# memory: the chunk plan sets the order in which d_W accumulates, so the same inputs give bitwise the same
-# gradients in every call and process. A GPU short of memory takes a smaller config.max_chunk_bytes.
-DEFAULT_CHUNK_BYTES_CPU = 256 * 2**20
-DEFAULT_CHUNK_BYTES_GPU = 2 * 2**30
 WEIGHT_GRAD_SLICE_BYTES = 64 * 2**20  # temporary of one slice of d_W when it cannot accumulate in place
 
 
-def default_chunk_bytes(device: torch.device) -> int:
-    return DEFAULT_CHUNK_BYTES_CPU if device.type == "cpu" else DEFAULT_CHUNK_BYTES_GPU
-
-
 def chunk_tokens_for(vocab: int, device: torch.device, max_chunk_bytes: Optional[int]) -> int:
-    """Tokens whose float32 logits fit the budget (at least one)."""
-    return max(1, (max_chunk_bytes or default_chunk_bytes(device)) // (4 * vocab))
+    """Tokens of one chunk of the fused loss (`chunk_budget.FUSED_LINEAR`, or ``max_chunk_bytes``)."""
+    return chunk_budget.chunk_tokens(vocab, chunk_budget.FUSED_LINEAR, device, max_chunk_bytes)
 
 
 @dataclass
-class _Tokens:
+class Tokens:
     """The unmasked tokens of a batch, in row-major order, and where each row's tokens start."""
 
     flat: torch.Tensor  # [T] int64: i * L + t of each unmasked token
@@ -45,7 +36,7 @@ class _Tokens:
     offsets: List[int]  # [N + 1]: row i's tokens are flat[offsets[i]:offsets[i + 1]]
 
 
-def _unmasked_tokens(valid: torch.Tensor, lengths: Optional[List[int]] = None) -> _Tokens:
+def unmasked_tokens(valid: torch.Tensor, lengths: Optional[List[int]] = None) -> Tokens:
     """``lengths``: each row's unmasked tokens, if the caller has read them (else one host synchronisation)."""
     n_rows, length = valid.shape
     if lengths is None:
@@ -57,7 +48,7 @@ def _unmasked_tokens(valid: torch.Tensor, lengths: Optional[List[int]] = None) -
         flat = torch.nonzero_static(valid.reshape(-1), size=offsets[-1]).squeeze(1)
     else:  # pragma: no cover (torch < 2.1)
         flat = valid.reshape(-1).nonzero().squeeze(1)
-    return _Tokens(flat, flat // max(1, length), flat % max(1, length), offsets)
+    return Tokens(flat, flat // max(1, length), flat % max(1, length), offsets)
 
 
 def _chunks(offsets: List[int], budget: int) -> List[Tuple[int, int]]:
@@ -75,14 +66,14 @@ def _chunks(offsets: List[int], budget: int) -> List[Tuple[int, int]]:
     return chunks
 
 
-def _logits(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
+def chunk_logits(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
     return h @ w.T if b is None else torch.addmm(b, h, w.T)
 
 
-def _stats(kernels: Backend, logits: torch.Tensor, ids: torch.Tensor, temperature: float):
+def chunk_stats(kernels: Backend, logits: torch.Tensor, ids: torch.Tensor, temperature: float):
     """``(row_max, log_s, logp, H)`` ``[t]`` of the rows of ``logits [t, V]`` (see `backends.base.Backend`)."""
     everything = torch.ones((1, logits.shape[0]), dtype=torch.bool, device=logits.device)
-    return tuple(x[0] for x in kernels.forward(logits[None], ids[None], everything, temperature, None))
+    return tuple(x[0] for x in kernels.forward(logits[None], ids[None], everything, temperature))
 
 
 def _gradient_in_place(kernels: Backend, logits, ids, stats, c, e, temperature: float) -> torch.Tensor:
@@ -98,7 +89,6 @@ def _gradient_in_place(kernels: Backend, logits, ids, stats, c, e, temperature: 
         e[None],
         logits[None],
         temperature,
-        None,
     )
     return logits
 
@@ -135,29 +125,21 @@ def _add_weight_grad(d_weight: torch.Tensor, dlogits: torch.Tensor, h: torch.Ten
 
 
 def fused_forward(
-    hidden,
-    weight,
-    bias,
-    ids,
-    valid,
-    advantages,
-    lambda_,
-    n_conflict,
-    old_logprobs,
-    ref_logprobs,
+    hidden: torch.Tensor,
+    head: Tuple[torch.Tensor, Optional[torch.Tensor]],
+    rows: LossRows,
     config: GTPOConfig,
-    initial_entropy,
     kernels: Backend,
     compute_dtype: torch.dtype,
-    temperature: float,
-    num_sequences,
-    num_tokens,
-    row_lengths,
-    need_grads,
+    tokens: Tokens,
+    need_grads: List[bool],
 ) -> List[torch.Tensor]:
     """The body of ``gtpo_kernels::fused_linear_gtpo`` (`custom_ops`): the loss and its gradients in one walk over
-    the chunks. Returns ``[loss, d_hidden, d_weight, d_bias, logp, H, metric sums, completion entropy]``; a
+    the chunks of ``tokens`` (`unmasked_tokens` of ``rows.valid``), for the head ``(weight [V, H], bias [V] or
+    None)``. Returns ``[loss, d_hidden, d_weight, d_bias, logp, H, metric sums, completion entropy]``; a
     gradient not in ``need_grads`` is an empty tensor."""
+    weight, bias = head
+    ids, temperature = rows.ids, rows.temperature
     n_rows, length, hidden_size = hidden.shape
     vocab = weight.shape[0]
     device = hidden.device
@@ -167,9 +149,11 @@ def fused_forward(
     b = None if bias is None else bias.to(compute_dtype)
     stat_dtype = stats_dtype(compute_dtype)
 
-    tokens = _unmasked_tokens(valid, row_lengths)
-    sequences = n_rows if num_sequences is None else num_sequences
-    token_total = tokens.offsets[-1] if num_tokens is None else num_tokens
+    # The coefficients of a chunk's rows use the whole call's counts.
+    whole = rows.replace(
+        num_sequences=n_rows if rows.num_sequences is None else rows.num_sequences,
+        num_tokens=tokens.offsets[-1] if rows.num_tokens is None else rows.num_tokens,
+    )
     # Per token: row_max, log_s, logp, H (the backends' forward), for the whole call.
     stats_all = torch.zeros((4, n_rows, length), dtype=stat_dtype, device=device)
     logp_all, entropy_all = stats_all[2], stats_all[3]
@@ -186,27 +170,13 @@ def fused_forward(
 
     def coefficients(r0: int, r1: int):
         """``(c, e)`` ``[r1 - r0, L]``: the gradient of the batch loss w.r.t. these rows' logp and H."""
-        rows = slice(r0, r1)
-        return loss_gradients(
-            logp_all[rows],
-            entropy_all[rows],
-            valid[rows],
-            advantages[rows],
-            None if lambda_ is None else lambda_[rows],
-            None if n_conflict is None else n_conflict[rows],
-            config,
-            old_logprobs=None if old_logprobs is None else old_logprobs[rows],
-            ref_logprobs=None if ref_logprobs is None else ref_logprobs[rows],
-            initial_entropy=initial_entropy,
-            num_sequences=sequences,
-            num_tokens=token_total,
-        )
+        return loss_gradients(logp_all[r0:r1], entropy_all[r0:r1], whole.slice(slice(r0, r1)), config)
 
     def gradients(t0: int, t1: int, r0: int, c, e, logits=None):
         """The gradient of tokens ``[t0, t1)`` (rows from ``r0``), into d_hidden, d_W and d_b."""
         h, y = rows_of(t0, t1)
         if logits is None:  # a piece of a completion longer than the budget: compute its logits again
-            logits = _logits(h, w, b)
+            logits = chunk_logits(h, w, b)
         index = tokens.flat[t0:t1]
         local = index - r0 * length
         dlogits = _gradient_in_place(
@@ -228,8 +198,8 @@ def fused_forward(
         logits = None
         for t0, t1 in pieces:  # statistics (one piece, unless one completion is over budget)
             h, y = rows_of(t0, t1)
-            logits = _logits(h, w, b)
-            stats_all.view(4, -1)[:, tokens.flat[t0:t1]] = torch.stack(_stats(kernels, logits, y, temperature)).to(
+            logits = chunk_logits(h, w, b)
+            stats_all.view(4, -1)[:, tokens.flat[t0:t1]] = torch.stack(chunk_stats(kernels, logits, y, temperature)).to(
                 stat_dtype
             )
         c, e = coefficients(r0, r1)
@@ -242,20 +212,7 @@ def fused_forward(
                 gradients(t0, t1, r0, c, e)
 
     # The loss value and metrics from the whole call's statistics (cheap, O(N L)).
-    full = loss_from_token_stats(
-        logp_all,
-        entropy_all,
-        valid,
-        advantages,
-        lambda_,
-        n_conflict,
-        config,
-        old_logprobs=old_logprobs,
-        ref_logprobs=ref_logprobs,
-        initial_entropy=initial_entropy,
-        num_sequences=num_sequences,
-        num_tokens=num_tokens,
-    )
+    full = loss_from_token_stats(logp_all, entropy_all, rows, config)
 
     def empty():  # a fresh one each time: an operator's outputs may not alias one another
         return hidden.new_empty((0,))

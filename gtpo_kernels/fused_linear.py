@@ -36,10 +36,11 @@ from . import custom_ops, validation
 from .backends import get_backend, kernels_for, resolve_backend_name
 from .backends.base import stats_dtype
 from .config import GTPOConfig
-from .fused_chunks import _logits, _stats, _unmasked_tokens, chunk_tokens_for
-from .loss import Conflict, loss_conflict_weights, prepare_loss_inputs
+from .conflict import with_conflict_weights
+from .fused_chunks import chunk_logits, chunk_stats, chunk_tokens_for, unmasked_tokens
 from .objective import completion_clip_fractions, signal_beyond_advantages
 from .result import GTPOLossOutput, GTPOMetrics
+from .rows import Conflict, LossRows, checked_rows, resolved_config
 
 _CONFIG_FIELDS = tuple(GTPOConfig().to_dict())
 
@@ -142,42 +143,38 @@ def fused_linear_gtpo_loss(
         Under ``torch.autocast`` the matrix products run in the autocast dtype.
     """
     compute_dtype = _check_linear_inputs(hidden_states, lm_head_weight, lm_head_bias)
-    inputs = prepare_loss_inputs(
-        hidden_states,
+    config = resolved_config(config)
+    given = LossRows(
         completion_ids,
         completion_mask,
         advantages,
-        group_size,
-        config,
-        old_logprobs,
-        ref_logprobs,
-        initial_entropy,
-        conflict,
-        num_sequences,
-        num_tokens,
-        temperature,
-        what="hidden_states [N, L, H]",
+        conflict=conflict,
+        old_logprobs=old_logprobs,
+        ref_logprobs=ref_logprobs,
+        initial_entropy=initial_entropy,
+        temperature=temperature,
+        num_sequences=num_sequences,
+        num_tokens=num_tokens,
+        group_size=group_size,
     )
-    config, valid = inputs.config, inputs.valid
+    rows, checks = checked_rows(hidden_states, "hidden_states [N, L, H]", given, config)
     device = hidden_states.device
     backend_ = resolve_backend_name(backend, device.type)
     stat_dtype = stats_dtype(compute_dtype)
-    lambda_, n_conflict = loss_conflict_weights(
-        config, backend_, completion_ids, valid, advantages.to(stat_dtype), group_size, conflict
-    )
+    rows = with_conflict_weights(rows.replace(advantages=rows.advantages.detach().to(stat_dtype)), config, backend_)
+    valid = rows.valid
     if config.warn_no_signal and not signal_beyond_advantages(config, ref_logprobs is not None):
         # What is known before the statistics: no unmasked token with a non-zero advantage and conflict weight.
-        weight = advantages.detach()[:, None] * (1 if lambda_ is None else lambda_)
-        inputs.checks.add_warning(
+        weight = advantages.detach()[:, None] * (1 if rows.lambda_ is None else rows.lambda_)
+        checks.add_warning(
             ~((weight != 0) & valid).any(), "no_signal", lambda: validation.no_signal_message(None, config)
         )
-    row_lengths = _read_checks_and_lengths(
-        inputs.checks, hidden_states, lm_head_weight, lm_head_bias, completion_ids, valid
-    )
+    row_lengths = _read_checks_and_lengths(checks, hidden_states, lm_head_weight, lm_head_bias, completion_ids, valid)
 
     def as_count(value):  # whole-batch counts travel as 0-d float64 tensors (the operator's signature)
         return None if value is None else torch.as_tensor(value, dtype=torch.float64, device=device)
 
+    rows = rows.replace(num_sequences=as_count(num_sequences), num_tokens=as_count(num_tokens))
     need_grads = [
         hidden_states.requires_grad,
         lm_head_weight.requires_grad,
@@ -188,20 +185,10 @@ def fused_linear_gtpo_loss(
             hidden_states,
             lm_head_weight,
             lm_head_bias,
-            completion_ids,
-            valid,
-            advantages.detach().to(stat_dtype),
-            lambda_,
-            n_conflict,
-            old_logprobs,
-            ref_logprobs,
+            *rows.op_args(),
             _config_json(config),
-            inputs.initial_entropy,
             backend_,
             compute_dtype,
-            inputs.temperature,
-            as_count(num_sequences),
-            as_count(num_tokens),
             row_lengths,
             need_grads,
         )
@@ -211,14 +198,7 @@ def fused_linear_gtpo_loss(
     metrics.completion_entropy = completion_entropy
     if config.clipping and old_logprobs is not None:  # per-row clip fractions from the call's statistics, O(N L)
         metrics.completion_clip_low, metrics.completion_clip_high = completion_clip_fractions(
-            outputs[4],
-            outputs[5],
-            valid,
-            advantages.to(stat_dtype),
-            lambda_,
-            old_logprobs,
-            config,
-            inputs.initial_entropy,
+            outputs[4], outputs[5], rows, config
         )
     return GTPOLossOutput(loss, metrics)
 
@@ -259,7 +239,7 @@ def fused_linear_token_logprobs_and_entropy(
     stat_dtype = stats_dtype(compute_dtype)
     w = lm_head_weight.to(compute_dtype)
     b = None if lm_head_bias is None else lm_head_bias.to(compute_dtype)
-    tokens = _unmasked_tokens(
+    tokens = unmasked_tokens(
         valid, _read_checks_and_lengths(checks, hidden_states, lm_head_weight, lm_head_bias, completion_ids, valid)
     )
     logp_all = torch.zeros(valid.shape, dtype=stat_dtype, device=device)
@@ -270,7 +250,7 @@ def fused_linear_token_logprobs_and_entropy(
             t1 = min(tokens.offsets[-1], t0 + budget)
             h = hidden_states[tokens.rows[t0:t1], tokens.positions[t0:t1]].to(compute_dtype)
             y = completion_ids.reshape(-1)[tokens.flat[t0:t1]]
-            _, _, logp, entropy = _stats(kernels, _logits(h, w, b), y, temperature)
+            _, _, logp, entropy = chunk_stats(kernels, chunk_logits(h, w, b), y, temperature)
             logp_all.view(-1).index_copy_(0, tokens.flat[t0:t1], logp.to(stat_dtype))
             entropy_all.view(-1).index_copy_(0, tokens.flat[t0:t1], entropy.to(stat_dtype))
     return logp_all, entropy_all

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 from torch import nn
@@ -11,12 +10,11 @@ from torch import nn
 from . import validation
 from .backends import resolve_backend_name
 from .config import GTPOConfig
-from .conflict import compute_conflict_weights
+from .conflict import with_conflict_weights
 from .objective import loss_from_token_stats
 from .result import GTPOLossOutput
+from .rows import Conflict, LossRows, checked_rows, resolved_config
 from .token_stats import token_stats
-
-Conflict = Tuple[torch.Tensor, torch.Tensor]
 
 
 def gtpo_loss(
@@ -74,163 +72,51 @@ def gtpo_loss(
         (`GTPOMetrics` of this call's rows, detached; merge calls with `GTPOMetrics.merge`). A batch with
         every position masked gives a zero loss and zero gradients.
     """
-    validation.check_logits(logits)
-    inputs = prepare_loss_inputs(
-        logits,
+    given = LossRows(
         completion_ids,
         completion_mask,
         advantages,
-        group_size,
-        config,
-        old_logprobs,
-        ref_logprobs,
-        initial_entropy,
-        conflict,
-        num_sequences,
-        num_tokens,
-        temperature,
-        what="logits [N, L, V]",
+        conflict=conflict,
+        old_logprobs=old_logprobs,
+        ref_logprobs=ref_logprobs,
+        initial_entropy=initial_entropy,
+        temperature=temperature,
+        num_sequences=num_sequences,
+        num_tokens=num_tokens,
+        group_size=group_size,
     )
-    config = inputs.config
+    return loss_of_rows(logits, given, config, backend)
+
+
+def loss_of_rows(logits: torch.Tensor, given: LossRows, config: Optional[GTPOConfig], backend: str = "auto"):
+    """`gtpo_loss` on the per-row inputs ``given`` as one bundle (checked here), e.g. a `LossRows.slice` of a
+    batch's."""
+    validation.check_logits(logits)
+    config = resolved_config(config)
+    rows, checks = checked_rows(logits, "logits [N, L, V]", given, config)
     backend_ = resolve_backend_name(backend, logits.device.type)
     logp, entropy = token_stats(
         backend_,
         logits,
-        completion_ids,
-        inputs.valid,
-        temperature=inputs.temperature,
+        rows.ids,
+        rows.valid,
+        temperature=rows.temperature,
         max_chunk_bytes=config.max_chunk_bytes,
         inplace=config.inplace_backward,
     )
     # The kernels report ids outside the vocabulary, NaN/+inf logits and sampled -inf tokens as NaN statistics.
-    validation.add_stats_check(inputs.checks, logp, entropy, inputs.valid, completion_ids, logits.shape[-1])
-    lambda_, n_conflict = loss_conflict_weights(
-        config, backend_, completion_ids, inputs.valid, advantages, group_size, conflict
-    )
-    out = loss_from_token_stats(
-        logp,
-        entropy,
-        inputs.valid,
-        advantages,
-        lambda_,
-        n_conflict,
-        config,
-        old_logprobs=old_logprobs,
-        ref_logprobs=ref_logprobs,
-        initial_entropy=inputs.initial_entropy,
-        num_sequences=num_sequences,
-        num_tokens=num_tokens,
-    )
+    validation.add_stats_check(checks, logp, entropy, rows.valid, rows.ids, logits.shape[-1])
+    rows = with_conflict_weights(rows, config, backend_)
+    out = loss_from_token_stats(logp, entropy, rows, config)
     if config.warn_no_signal:
         metrics = out.metrics
-        inputs.checks.add_warning(
+        checks.add_warning(
             metrics.signal_fraction == 0,
             "no_signal",
             lambda: validation.no_signal_message(float(metrics.filtered_fraction), config),
         )
-    inputs.checks.read()  # the call's one host synchronisation, after every kernel is queued
+    checks.read()  # the call's one host synchronisation, after every kernel is queued
     return out
-
-
-@dataclass
-class LossInputs:
-    config: GTPOConfig
-    valid: torch.Tensor  # [N, L] bool
-    initial_entropy: Optional[float]
-    temperature: float
-    checks: validation.DeferredChecks  # value checks, read once at the end of the call
-
-
-def prepare_loss_inputs(
-    source,
-    completion_ids,
-    completion_mask,
-    advantages,
-    group_size,
-    config,
-    old_logprobs,
-    ref_logprobs,
-    initial_entropy,
-    conflict,
-    num_sequences,
-    num_tokens,
-    temperature,
-    what: str,
-) -> LossInputs:
-    """Checks the inputs shared by every GTPO loss entry point.
-
-    ``source`` is the ``[N, L, *]`` tensor the loss reads (logits or hidden states), named ``what`` in
-    errors. Checks of values are queued on the returned ``checks`` (the caller adds its own, e.g. the
-    ids' range, and reads them all once).
-    """
-    config = config or GTPOConfig()
-    if not isinstance(config, GTPOConfig):
-        raise TypeError(f"config must be a GTPOConfig, got {type(config).__name__}")
-    shape = validation.check_rows_match_ids(source, what, completion_ids)
-    # Value checks need the device's answer: eager mode only (under torch.compile they would break the graph).
-    checks = validation.DeferredChecks(config.validate_inputs and not torch.compiler.is_compiling())
-    needs_groups = config.use_conflict_weights and conflict is None
-    if needs_groups and group_size is None:
-        raise ValueError(
-            "the config uses conflict weights, which compare the completions of a group: pass "
-            "group_size=G with whole groups, or conflict=conflict_weights(ids, mask, advantages, G) "
-            "computed on whole groups and sliced like these rows (or set use_conflict_weights=False)"
-        )
-    if group_size is not None and not needs_groups:
-        validation.check_group_size(group_size, None)
-        group_size = None  # unused: not required to divide a slice's rows
-    valid, initial_entropy = validation.check_loss_inputs(
-        source,
-        completion_ids,
-        completion_mask,
-        advantages,
-        group_size,
-        old_logprobs,
-        ref_logprobs,
-        initial_entropy,
-        checks,
-    )
-    if config.use_conflict_weights and conflict is not None:
-        validation.check_conflict(conflict, shape, source, what.split(" ")[0], checks)
-    if config.loss_reduction == "dr_grpo" and num_sequences is not None and config.max_completion_length is None:
-        raise ValueError(
-            "loss_reduction='dr_grpo' divides by num_sequences * max_completion_length; for a call that "
-            "holds a slice of the batch (num_sequences given) set GTPOConfig(max_completion_length=...) "
-            "to the generation cap, or each slice would divide by its own padded length and the "
-            "slices would not add up to the whole batch's loss"
-        )
-    if config.kl_beta and ref_logprobs is None:
-        raise ValueError(
-            f"config.kl_beta = {config.kl_beta} needs ref_logprobs [N, L]; pass the reference "
-            f"model's log-probs or set kl_beta=0"
-        )
-    validation.check_count(
-        "num_sequences", num_sequences, shape[0], checks, "the number of completions in the whole optimisation batch"
-    )
-    # No lower bound from this call: under DDP, which averages the processes' gradients, each process passes
-    # the whole batch's tokens divided by the number of processes, which a process with long completions
-    # may exceed on its own.
-    validation.check_count(
-        "num_tokens",
-        num_tokens,
-        0,
-        checks,
-        "the number of unmasked tokens in the whole optimisation batch (summed over every "
-        "rank and micro-batch; divided by the number of processes when DDP averages them)",
-    )
-    return LossInputs(config, valid, initial_entropy, validation.check_temperature(temperature), checks)
-
-
-def loss_conflict_weights(
-    config: GTPOConfig, backend: str, completion_ids, valid, advantages, group_size, conflict: Optional[Conflict]
-):
-    """``(lambda_, n_conflict)`` for the loss: the given slice, computed from whole groups, or ``(None, None)``
-    when the config does not use conflict weights."""
-    if not config.use_conflict_weights:
-        return None, None
-    if conflict is not None:
-        return conflict
-    return compute_conflict_weights(backend, completion_ids, valid, advantages, group_size, config.conflict_weight)
 
 
 class GTPOLoss(nn.Module):

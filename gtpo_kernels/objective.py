@@ -13,14 +13,13 @@ and gradient (docs/method.md, "Batches split across calls").
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 
 from .config import GTPOConfig
 from .result import GTPOLossOutput, GTPOMetrics
-
-Count = Union[int, float, torch.Tensor]
+from .rows import LossRows
 
 
 class _K3(torch.autograd.Function):
@@ -53,39 +52,53 @@ def entropy_filter_on(config: GTPOConfig, initial_entropy: Optional[float]) -> b
     return True
 
 
-def _shaping(entropy, mask, lengths, advantages, lambda_, config: GTPOConfig, initial_entropy):
+class _Masked:
+    """What every function here starts from: ``rows``' mask in the statistics' dtype, the completion lengths,
+    the statistics with masked positions zeroed, and the entropy filter and shaping (`_shaping`)."""
+
+    def __init__(self, token_logprobs, token_entropy, rows: LossRows, config: GTPOConfig) -> None:
+        valid = rows.valid
+        self.dtype = token_logprobs.dtype
+        self.zero = torch.zeros((), dtype=self.dtype, device=valid.device)
+        self.mask = valid.to(self.dtype)
+        self.lengths = self.mask.sum(dim=1)
+        self.logp = torch.where(valid, token_logprobs, self.zero)
+        self.entropy = torch.where(valid, token_entropy.to(self.dtype), self.zero)
+        self.completion_entropy, self.keep, self.token_advantage = _shaping(self, rows, config)
+
+    def given(self, rows: LossRows, tensor: torch.Tensor) -> torch.Tensor:
+        """A per-token input (old or reference log-probs) in the statistics' dtype, 0 where masked."""
+        return torch.where(rows.valid, tensor.to(self.dtype), self.zero)
+
+
+def _shaping(masked: _Masked, rows: LossRows, config: GTPOConfig):
     """``(Hbar [N], keep [N], per-token advantage [N, L])``: the entropy filter and shaping. Hbar is detached:
     it selects and shifts, it is not optimised."""
-    completion_entropy = (entropy.detach() * mask).sum(dim=1) / lengths.clamp(min=1)
-    if entropy_filter_on(config, initial_entropy):
+    mask = masked.mask
+    completion_entropy = (masked.entropy.detach() * mask).sum(dim=1) / masked.lengths.clamp(min=1)
+    if entropy_filter_on(config, rows.initial_entropy):
         keep = (completion_entropy <= config.entropy_threshold).to(mask.dtype)
     else:
         keep = torch.ones_like(completion_entropy)
-    advantages = advantages.detach().to(mask.dtype)
+    advantages = rows.advantages.detach().to(mask.dtype)
     if config.entropy_mode == "advantage_shift":
         shaped = keep * (advantages - config.entropy_coef * completion_entropy)
     else:
         shaped = keep * advantages
+    lambda_ = rows.lambda_
     token_advantage = shaped[:, None] if lambda_ is None else lambda_.to(mask.dtype) * shaped[:, None]
     return completion_entropy, keep, token_advantage.expand(mask.shape)
 
 
-def token_advantages(
-    token_entropy: torch.Tensor,
-    valid: torch.Tensor,
-    advantages: torch.Tensor,
-    lambda_: Optional[torch.Tensor],
-    n_conflict: Optional[torch.Tensor],
-    config: GTPOConfig,
-    initial_entropy: Optional[float] = None,
-):
+def token_advantages(token_entropy: torch.Tensor, rows: LossRows, config: GTPOConfig):
     """Everything GTPO does to the advantages, folded into one per-token advantage, for trainers whose policy
     loss takes per-token advantages and knows nothing of GTPO (verl).
 
     Args:
-        token_entropy: ``[N, L]`` per-token entropies (no gradient is taken); only ``valid`` positions are read.
-        valid: ``[N, L]`` bool. advantages: ``[N]`` raw advantages. lambda_, n_conflict: from `conflict_weights`
-            on whole groups, or ``None`` when the config does not use them.
+        token_entropy: ``[N, L]`` per-token entropies (no gradient is taken); only ``rows.valid`` positions are
+            read.
+        rows: the rows' mask (bool), raw advantages, conflict weights from whole groups (``None`` when the
+            config does not use them) and initial entropy.
 
     Returns:
         ``(completion_entropy [N], keep [N], a [N, L])``: ``a = lambda * delta (A - gamma Hbar) / n`` (``n`` only
@@ -100,15 +113,12 @@ def token_advantages(
             "advantages cannot carry: use entropy_mode='advantage_shift'"
         )
     dtype = token_entropy.dtype if token_entropy.is_floating_point() else torch.float32
-    mask = valid.to(dtype)
-    lengths = mask.sum(dim=1)
-    entropy = torch.where(valid, token_entropy.detach().to(dtype), torch.zeros((), dtype=dtype, device=mask.device))
-    completion_entropy, keep, token_advantage = _shaping(
-        entropy, mask, lengths, advantages, lambda_, config, initial_entropy
-    )
-    if config.divide_by_conflict_count and n_conflict is not None:
-        token_advantage = token_advantage / n_conflict.clamp(min=1).to(dtype)[:, None]
-    return completion_entropy, keep, token_advantage * mask
+    entropy = token_entropy.detach().to(dtype)
+    masked = _Masked(entropy, entropy, rows, config)
+    token_advantage = masked.token_advantage
+    if config.divide_by_conflict_count and rows.n_conflict is not None:
+        token_advantage = token_advantage / rows.n_conflict.clamp(min=1).to(dtype)[:, None]
+    return masked.completion_entropy, masked.keep, token_advantage * masked.mask
 
 
 def clip_flags(ratio: torch.Tensor, token_advantage: torch.Tensor, config: GTPOConfig):
@@ -118,23 +128,16 @@ def clip_flags(ratio: torch.Tensor, token_advantage: torch.Tensor, config: GTPOC
     return (ratio < low) & (token_advantage < 0), (ratio > high) & (token_advantage > 0)
 
 
-def completion_clip_fractions(
-    token_logprobs, token_entropy, valid, advantages, lambda_, old_logprobs, config: GTPOConfig, initial_entropy=None
-):
+def completion_clip_fractions(token_logprobs, token_entropy, rows: LossRows, config: GTPOConfig):
     """``(low [N], high [N])``: each completion's fraction of clipped tokens on each side (NaN for an empty
     completion; 0 without clipping or on-policy), from a call's statistics: what `loss_from_token_stats`
     reports, for a path (the fused one) whose operator returns the statistics but not these."""
-    dtype = token_logprobs.dtype
-    mask = valid.to(dtype)
-    lengths = mask.sum(dim=1)
-    if not config.clipping or old_logprobs is None:  # on-policy the ratio is 1 in value
+    masked = _Masked(token_logprobs.detach(), token_entropy.detach(), rows, config)
+    valid, lengths = rows.valid, masked.lengths
+    if not config.clipping or rows.old_logprobs is None:  # on-policy the ratio is 1 in value
         return _row_fraction(None, valid, lengths), _row_fraction(None, valid, lengths)
-    zero = torch.zeros((), dtype=dtype, device=token_logprobs.device)
-    entropy = torch.where(valid, token_entropy.detach().to(dtype), zero)
-    _, _, token_advantage = _shaping(entropy, mask, lengths, advantages, lambda_, config, initial_entropy)
-    logp = torch.where(valid, token_logprobs.detach(), zero)
-    ratio = torch.exp(logp - torch.where(valid, old_logprobs.to(dtype), zero))
-    low, high = clip_flags(ratio, token_advantage, config)
+    ratio = torch.exp(masked.logp - masked.given(rows, rows.old_logprobs))
+    low, high = clip_flags(ratio, masked.token_advantage, config)
     return _row_fraction(low, valid, lengths), _row_fraction(high, valid, lengths)
 
 
@@ -146,11 +149,12 @@ def _row_fraction(flags, valid, lengths):
     return (flags & valid).sum(dim=1).to(lengths.dtype) / lengths.clamp(min=1) + empty
 
 
-def _token_weights(valid, lengths, n_conflict, config: GTPOConfig, num_sequences, num_tokens):
+def _token_weights(rows: LossRows, lengths: torch.Tensor, config: GTPOConfig):
     """``[N, L]``: d loss / d per-token loss, the reduction's factor for each unmasked token (0 where masked)."""
     dtype = lengths.dtype
+    valid, n_conflict, num_tokens = rows.valid, rows.n_conflict, rows.num_tokens
     n_rows, n_positions = valid.shape
-    sequences = n_rows if num_sequences is None else num_sequences
+    sequences = n_rows if rows.num_sequences is None else rows.num_sequences
     if config.loss_reduction in ("sequence_mean", "sum"):
         row = 1.0 / lengths.clamp(min=1)
         if config.loss_reduction == "sequence_mean":
@@ -170,40 +174,20 @@ def _token_weights(valid, lengths, n_conflict, config: GTPOConfig, num_sequences
     return torch.where(valid, row[:, None], torch.zeros((), dtype=dtype, device=lengths.device))
 
 
-def loss_gradients(
-    token_logprobs: torch.Tensor,
-    token_entropy: torch.Tensor,
-    valid: torch.Tensor,
-    advantages: torch.Tensor,
-    lambda_: Optional[torch.Tensor],
-    n_conflict: Optional[torch.Tensor],
-    config: GTPOConfig,
-    *,
-    old_logprobs: Optional[torch.Tensor] = None,
-    ref_logprobs: Optional[torch.Tensor] = None,
-    initial_entropy: Optional[float] = None,
-    num_sequences: Optional[Count] = None,
-    num_tokens: Optional[Count] = None,
-):
+def loss_gradients(token_logprobs: torch.Tensor, token_entropy: torch.Tensor, rows: LossRows, config: GTPOConfig):
     """``(c, e)`` ``[N, L]``: the gradient of `loss_from_token_stats` with respect to ``token_logprobs`` and
     ``token_entropy``, in closed form (no autograd graph; what the fused path needs per chunk). Same
     arguments; tested against autograd of `loss_from_token_stats`."""
-    dtype = token_logprobs.dtype
-    zero = torch.zeros((), dtype=dtype, device=token_logprobs.device)
-    mask = valid.to(dtype)
-    lengths = mask.sum(dim=1)
-    logp = torch.where(valid, token_logprobs, zero)
-    entropy = torch.where(valid, token_entropy, zero)
-    _, _, token_advantage = _shaping(entropy, mask, lengths, advantages, lambda_, config, initial_entropy)
-    weights = _token_weights(valid, lengths, n_conflict, config, num_sequences, num_tokens)
+    masked = _Masked(token_logprobs, token_entropy, rows, config)
+    logp, token_advantage, zero = masked.logp, masked.token_advantage, masked.zero
+    valid = rows.valid
+    weights = _token_weights(rows, masked.lengths, config)
 
     # Policy term -min(min(rho, delta) a, clip(rho) a): its gradient is -a rho on the branch the min takes (ties
     # go to the first, as torch.minimum does) where that branch is not flat: the first below the cap, the
     # clipped one inside [1 - eps_low, 1 + eps_high] (torch.clamp passes the gradient at the bounds).
     ratio = (
-        torch.ones_like(logp)
-        if old_logprobs is None
-        else torch.exp(logp - torch.where(valid, old_logprobs.to(dtype), zero))
+        torch.ones_like(logp) if rows.old_logprobs is None else torch.exp(logp - masked.given(rows, rows.old_logprobs))
     )
     c = -token_advantage * ratio
     first = ratio
@@ -219,8 +203,8 @@ def loss_gradients(
     else:
         slope = first_slope
     c = torch.where(slope, c, zero)
-    if ref_logprobs is not None and config.kl_beta:
-        d = torch.where(valid, ref_logprobs.to(dtype), zero) - logp
+    if rows.ref_logprobs is not None and config.kl_beta:
+        d = masked.given(rows, rows.ref_logprobs) - logp
         if config.kl_ratio_weighted:
             # rho k3(d): d/d logp = rho (k3(d) - expm1(d)) = -rho d.
             c = c - config.kl_beta * ratio * d
@@ -234,52 +218,33 @@ def loss_gradients(
 
 
 def loss_from_token_stats(
-    token_logprobs: torch.Tensor,
-    token_entropy: torch.Tensor,
-    valid: torch.Tensor,
-    advantages: torch.Tensor,
-    lambda_: Optional[torch.Tensor],
-    n_conflict: Optional[torch.Tensor],
-    config: GTPOConfig,
-    *,
-    old_logprobs: Optional[torch.Tensor] = None,
-    ref_logprobs: Optional[torch.Tensor] = None,
-    initial_entropy: Optional[float] = None,
-    num_sequences: Optional[Count] = None,
-    num_tokens: Optional[Count] = None,
+    token_logprobs: torch.Tensor, token_entropy: torch.Tensor, rows: LossRows, config: GTPOConfig
 ) -> GTPOLossOutput:
     """The GTPO loss from per-token log-probs and entropies.
 
     Args:
         token_logprobs, token_entropy: ``[N, L]`` float32/float64, differentiable; values at masked
             positions are never used (they may hold anything, even NaN).
-        valid: ``[N, L]`` bool: the tokens that take part (a prefix per row, or with holes).
-        advantages: ``[N]``.
-        lambda_, n_conflict: ``[N, L]`` conflict weights and ``[N]`` conflict counts (`conflict_weights`),
-            or ``None`` when the config does not use them.
-        num_sequences, num_tokens: the whole batch's completions and unmasked tokens (defaults: this
-            call's), as ints or 0-d tensors (tensors keep the call free of host synchronisation).
+        rows: the checked per-row inputs (`rows.checked_rows`): ``valid`` ``[N, L]`` bool (the tokens that take
+            part, a prefix per row or with holes), the advantages ``[N]``, the conflict weights ``[N, L]`` and
+            counts ``[N]`` (``None`` when the config does not use them), old and reference log-probs, and
+            the whole batch's completions and unmasked tokens (defaults: this call's), as ints or 0-d tensors
+            (tensors keep the call free of host synchronisation).
 
     Returns:
         `GTPOLossOutput`; the metrics describe this call's rows only (merge them with
         `GTPOMetrics.merge`).
     """
-    dtype = token_logprobs.dtype
-    device = token_logprobs.device
-    mask = valid.to(dtype)
-    zero = torch.zeros((), dtype=dtype, device=device)
+    masked = _Masked(token_logprobs, token_entropy, rows, config)
+    valid, mask, lengths, zero = rows.valid, masked.mask, masked.lengths, masked.zero
+    logp, entropy, token_advantage = masked.logp, masked.entropy, masked.token_advantage
+    completion_entropy, keep = masked.completion_entropy, masked.keep
+    dtype, device = masked.dtype, valid.device
     n_rows = valid.shape[0]
-    lengths = mask.sum(dim=1)
     call_tokens = mask.sum()
 
-    logp = torch.where(valid, token_logprobs, zero)
-    entropy = torch.where(valid, token_entropy, zero)
-    completion_entropy, keep, token_advantage = _shaping(
-        entropy, mask, lengths, advantages, lambda_, config, initial_entropy
-    )
-
     # Importance ratio; on-policy it is 1 in value and carries the gradient of logp.
-    old = logp.detach() if old_logprobs is None else torch.where(valid, old_logprobs.to(dtype), zero)
+    old = logp.detach() if rows.old_logprobs is None else masked.given(rows, rows.old_logprobs)
     ratio = torch.exp(logp - old)
     capped = ratio if config.ratio_cap is None else torch.clamp(ratio, max=config.ratio_cap)
     unclipped = capped * token_advantage
@@ -298,8 +263,8 @@ def loss_from_token_stats(
         per_token = per_token + config.entropy_coef * entropy
 
     kl = None
-    if ref_logprobs is not None:
-        kl_per_token = _K3.apply(torch.where(valid, ref_logprobs.to(dtype), zero) - logp)  # k3, >= 0
+    if rows.ref_logprobs is not None:
+        kl_per_token = _K3.apply(masked.given(rows, rows.ref_logprobs) - logp)  # k3, >= 0
         if config.kl_ratio_weighted:
             kl_per_token = kl_per_token * ratio  # reported weighted too, as TRL reports it
         if config.kl_beta:
@@ -307,7 +272,7 @@ def loss_from_token_stats(
         kl = (kl_per_token.detach() * mask).sum() / call_tokens.clamp(min=1)
 
     # The reduction is the same per-token weights the closed-form gradient uses (one definition of both).
-    weights = _token_weights(valid, lengths, n_conflict, config, num_sequences, num_tokens)
+    weights = _token_weights(rows, lengths, config)
     loss = (torch.where(valid, per_token, zero) * weights).sum()
 
     def token_fraction(flags: Optional[torch.Tensor]) -> torch.Tensor:
@@ -318,7 +283,7 @@ def loss_from_token_stats(
     non_empty = lengths > 0
     n_non_empty = non_empty.sum()
     has_signal = ((token_advantage != 0) & valid).any(dim=1)
-    if signal_beyond_advantages(config, ref_logprobs is not None):
+    if signal_beyond_advantages(config, rows.ref_logprobs is not None):
         has_signal = torch.ones_like(has_signal)
     count = dict(dtype=torch.float64, device=device)
     metrics = GTPOMetrics(
@@ -326,8 +291,8 @@ def loss_from_token_stats(
         completion_entropy=completion_entropy,
         filtered_fraction=((1 - keep) * non_empty).sum() / n_non_empty.clamp(min=1),
         signal_fraction=(has_signal & non_empty).sum().to(dtype) / n_non_empty.clamp(min=1),
-        amplified_fraction=token_fraction(None if lambda_ is None else lambda_ > 1),
-        skipped_fraction=token_fraction(None if lambda_ is None else lambda_ == 0),
+        amplified_fraction=token_fraction(None if rows.lambda_ is None else rows.lambda_ > 1),
+        skipped_fraction=token_fraction(None if rows.lambda_ is None else rows.lambda_ == 0),
         ratio_mean=(ratio.detach() * mask).sum() / call_tokens.clamp(min=1),
         clip_fraction=token_fraction(was_clipped),
         clip_low_fraction=token_fraction(clipped_low),

@@ -23,53 +23,31 @@ from .backends import Backend, get_backend, kernels_for, resolve_backend_name
 
 
 class TokenStats(torch.autograd.Function):
-    """``(logits [N, L, V], ids, valid, kernels, temperature, max_chunk_bytes, inplace) -> (logp, H)``, each
-    ``[N, L]``, of ``softmax(logits / temperature)``.
+    """``(logits [N, L, V], ids, valid, kernels, temperature) -> (logp, H)``, each ``[N, L]``, of
+    ``softmax(logits / temperature)``, whose backward writes the gradient over the logits themselves (the
+    in-place gradient mode; the registered operator's backward writes a new tensor). Both run
+    `custom_ops.token_stats_gradient`.
 
     The backward is the closed form of docs/method.md and is not itself differentiable: a second derivative
     through it raises an error instead of returning a wrong one."""
 
     @staticmethod
-    def forward(
-        ctx,
-        logits: torch.Tensor,
-        ids: torch.Tensor,
-        valid: torch.Tensor,
-        kernels: Backend,
-        temperature: float,
-        max_chunk_bytes: Optional[int],
-        inplace: bool,
-    ):
+    def forward(ctx, logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, kernels: Backend, temperature):
         if logits.stride(-1) != 1:
             logits = logits.contiguous()  # the kernels stream rows of V; strided rows are copied once
-        row_max, log_s, logp, entropy = kernels.forward(logits, ids, valid, temperature, max_chunk_bytes)
+        row_max, log_s, logp, entropy = kernels.forward(logits, ids, valid, temperature)
         ctx.save_for_backward(logits, ids, valid, row_max, log_s, logp, entropy)
-        ctx.kernels, ctx.temperature, ctx.max_chunk_bytes, ctx.inplace = kernels, temperature, max_chunk_bytes, inplace
+        ctx.kernels, ctx.temperature = kernels, temperature
         return logp, entropy
 
     @staticmethod
     @first_derivative_only
     def backward(ctx, grad_logp: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor]):
-        logits, ids, valid, row_max, log_s, logp, entropy = ctx.saved_tensors
-        grad_logp = torch.zeros_like(logp) if grad_logp is None else grad_logp
-        out = logits if ctx.inplace else torch.empty_like(logits, memory_format=torch.contiguous_format)
-        ctx.kernels.backward(
-            logits,
-            ids,
-            valid,
-            row_max,
-            log_s,
-            logp,
-            entropy,
-            grad_logp,
-            grad_entropy,
-            out,
-            ctx.temperature,
-            ctx.max_chunk_bytes,
-        )
-        if ctx.inplace:
-            torch.autograd.graph.increment_version(logits)
-        return out, None, None, None, None, None, None
+        saved = ctx.saved_tensors
+        logits = saved[0]
+        custom_ops.token_stats_gradient(ctx.kernels, saved, grad_logp, grad_entropy, logits, ctx.temperature)
+        torch.autograd.graph.increment_version(logits)
+        return logits, None, None, None, None
 
 
 def token_stats(
@@ -84,7 +62,8 @@ def token_stats(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(logp, H)`` ``[N, L]`` from a resolved backend (by name); differentiable w.r.t. ``logits``. Through the
     registered operator ``gtpo_kernels::token_stats`` (what ``torch.compile`` sees); the in-place gradient mode, which
-    writes over a saved input, through `TokenStats` (eager mode)."""
+    writes over a saved input, through `TokenStats` (eager mode). ``max_chunk_bytes`` is the chunk budget of a
+    chunked backend (`chunk_budget`)."""
     if inplace:
         if logits.requires_grad and logits.is_leaf:
             raise ValueError(
@@ -92,15 +71,8 @@ def token_stats(
                 "parameter (logits.grad would alias logits); use it on logits computed by the "
                 "model, or set inplace_backward=False"
             )
-        return TokenStats.apply(
-            logits,
-            ids,
-            valid,
-            kernels_for(get_backend(backend), logits.dtype),
-            float(temperature),
-            max_chunk_bytes,
-            True,
-        )
+        kernels = kernels_for(get_backend(backend), logits.dtype, max_chunk_bytes)
+        return TokenStats.apply(logits, ids, valid, kernels, float(temperature))
     if logits.stride(-1) != 1:
         logits = logits.contiguous()  # the kernels stream rows of V; strided rows are copied once
     _, _, logp, entropy = custom_ops.token_stats(logits, ids, valid, float(temperature), backend, max_chunk_bytes or 0)

@@ -343,36 +343,27 @@ def check_initial_entropy(initial_entropy) -> Optional[float]:
     return float(initial_entropy)
 
 
-def check_loss_inputs(
-    logits,
-    completion_ids,
-    completion_mask,
-    advantages,
-    group_size,
-    old_logprobs,
-    ref_logprobs,
-    initial_entropy,
-    checks: DeferredChecks,
-):
-    """Checks everything `gtpo_loss` takes except the logits' own shape, given as ``logits=[N, L, *]``,
-    the ids' range, and the conflict and count arguments (`add_stats_check`, `check_conflict`,
-    `check_count`).
+def check_loss_inputs(logits, given, group_size, checks: DeferredChecks):
+    """Checks the per-row inputs ``given`` (a `rows.LossRows` as the caller passed them) except the logits' own
+    shape, given as ``logits=[N, L, *]``, the ids' range, and the conflict and count arguments
+    (`add_stats_check`, `check_conflict`, `check_count`).
 
     ``group_size`` may be ``None`` (checked only when given). Returns
     ``(valid [N, L] bool, initial_entropy float|None)``. The checks of values (mask pattern, finite
     advantages) go to ``checks``.
     """
-    shape = check_ids(completion_ids)
+    shape = check_ids(given.ids)
     n_rows = shape[0]
+    advantages = given.advantages
     check_same_device(
         logits=logits,
-        completion_ids=completion_ids,
-        completion_mask=completion_mask,
+        completion_ids=given.ids,
+        completion_mask=given.valid,
         advantages=advantages,
-        old_logprobs=old_logprobs,
-        ref_logprobs=ref_logprobs,
+        old_logprobs=given.old_logprobs,
+        ref_logprobs=given.ref_logprobs,
     )
-    valid = check_mask(completion_mask, shape, checks)
+    valid = check_mask(given.valid, shape, checks)
     check_float("advantages", advantages, (n_rows,), "[N]")
 
     def explain_advantages():
@@ -384,11 +375,11 @@ def check_loss_inputs(
     checks.add(~torch.isfinite(advantages).all(), explain_advantages)
     if group_size is not None:
         check_group_size(group_size, n_rows)
-    if old_logprobs is not None:
-        check_float("old_logprobs", old_logprobs, shape, "[N, L]")
-    if ref_logprobs is not None:
-        check_float("ref_logprobs", ref_logprobs, shape, "[N, L]")
-    return valid, check_initial_entropy(initial_entropy)
+    if given.old_logprobs is not None:
+        check_float("old_logprobs", given.old_logprobs, shape, "[N, L]")
+    if given.ref_logprobs is not None:
+        check_float("ref_logprobs", given.ref_logprobs, shape, "[N, L]")
+    return valid, check_initial_entropy(given.initial_entropy)
 
 
 def check_logits(logits: torch.Tensor) -> None:

@@ -9,6 +9,7 @@ transformers = pytest.importorskip("transformers")
 
 from gtpo_kernels import GTPOConfig, conflict_weights, custom_ops, fused_linear_gtpo_loss, gtpo_loss  # noqa: E402
 from gtpo_kernels.objective import loss_from_token_stats, loss_gradients  # noqa: E402
+from gtpo_kernels.rows import LossRows  # noqa: E402
 
 from .helpers import random_batch  # noqa: E402
 
@@ -44,11 +45,12 @@ def test_loss_gradients_equal_autograd(name, config):
         num_sequences=10,
         num_tokens=40,
     )
-    lambda_, n_conflict = conflict_weights(ids, mask, adv, 3) if config.use_conflict_weights else (None, None)
+    conflict = conflict_weights(ids, mask, adv, 3) if config.use_conflict_weights else None
+    rows = LossRows(ids, mask, adv, conflict=conflict, **kw)
     lp, h = logp.clone().requires_grad_(), entropy.clone().requires_grad_()
-    loss = loss_from_token_stats(lp, h, mask, adv, lambda_, n_conflict, config, **kw).loss
+    loss = loss_from_token_stats(lp, h, rows, config).loss
     c_ref, e_ref = torch.autograd.grad(loss, (lp, h), allow_unused=True)
-    c, e = loss_gradients(logp, entropy, mask, adv, lambda_, n_conflict, config, **kw)
+    c, e = loss_gradients(logp, entropy, rows, config)
     torch.testing.assert_close(c, c_ref, rtol=1e-12, atol=1e-15)
     torch.testing.assert_close(e, torch.zeros_like(e) if e_ref is None else e_ref, rtol=1e-12, atol=1e-15)
     assert c.abs().max() > 0
@@ -99,16 +101,16 @@ def test_opcheck_fused_linear(backend):
             adv,
             lambda_,
             n_conflict,
-            None,
-            None,
+            None,  # old log-probs
+            None,  # reference log-probs
+            None,  # initial entropy
+            0.7,  # temperature
+            None,  # num_sequences
+            None,  # num_tokens
             config,
-            None,
             backend,
             torch.float32,
-            0.7,
-            None,
-            None,
-            None,
+            None,  # row lengths
             [True, True, False],
         ),
     )

@@ -62,7 +62,7 @@ def record_logits(monkeypatch, hidden: torch.Tensor) -> dict:
     rows = hidden.detach().reshape(-1, hidden.shape[-1]).float()
     lookup = {row.cpu().numpy().tobytes(): i for i, row in enumerate(rows)}  # .cpu(): hidden may be on a GPU
     seen = {}
-    real = fused_chunks._logits
+    real = fused_chunks.chunk_logits
 
     def spy(h, w, b):
         out = real(h, w, b)
@@ -71,8 +71,8 @@ def record_logits(monkeypatch, hidden: torch.Tensor) -> dict:
         return out
 
     # The loss's chunk loop (fused_chunks) and the statistics alone (fused_linear) both compute logits.
-    monkeypatch.setattr(fused_chunks, "_logits", spy)
-    monkeypatch.setattr(fused_linear, "_logits", spy)
+    monkeypatch.setattr(fused_chunks, "chunk_logits", spy)
+    monkeypatch.setattr(fused_linear, "chunk_logits", spy)
     return seen
 
 
@@ -407,8 +407,8 @@ def test_one_long_completion_through_a_small_budget(monkeypatch):
     adv = torch.tensor([0.5, -0.5])
     config = GTPOConfig(preset="official", max_chunk_bytes=4 * 2**20)
     gemms = []
-    real_logits = fused_chunks._logits
-    monkeypatch.setattr(fused_chunks, "_logits", lambda *a: gemms.append(a[0].shape[0]) or real_logits(*a))
+    real_logits = fused_chunks.chunk_logits
+    monkeypatch.setattr(fused_chunks, "chunk_logits", lambda *a: gemms.append(a[0].shape[0]) or real_logits(*a))
 
     hx, wx = h.float().requires_grad_(), w.float().requires_grad_()
     with PeakTensorMemory() as memory:

@@ -131,15 +131,13 @@ def test_statistics_do_not_depend_on_the_batch(backend, dtype):
     dev = device_for(backend)
     logits, ids, mask = logits.to(dev), ids.to(dev), mask.to(dev)
     everything = torch.ones_like(mask)
-    _, _, logp, entropy = kernels.forward(logits, ids, everything, 0.7, None)
+    _, _, logp, entropy = kernels.forward(logits, ids, everything, 0.7)
     # Row 4 alone, and row 4's positions moved to the front of another batch shape.
-    _, _, logp_one, entropy_one = kernels.forward(logits[4:5], ids[4:5], everything[4:5], 0.7, None)
+    _, _, logp_one, entropy_one = kernels.forward(logits[4:5], ids[4:5], everything[4:5], 0.7)
     assert torch.equal(logp_one[0], logp[4]) and torch.equal(entropy_one[0], entropy[4])
     shuffled = logits[[4, 0, 2]][:, [3, 1]]
-    _, _, logp_s, entropy_s = kernels.forward(
-        shuffled.contiguous(), ids[[4, 0, 2]][:, [3, 1]], everything[:3, :2], 0.7, None
-    )
+    _, _, logp_s, entropy_s = kernels.forward(shuffled.contiguous(), ids[[4, 0, 2]][:, [3, 1]], everything[:3, :2], 0.7)
     assert torch.equal(logp_s[0], logp[4, [3, 1]]) and torch.equal(entropy_s[0], entropy[4, [3, 1]])
     # Neighbours masked or not: the same.
-    _, _, logp_m, _ = kernels.forward(logits, ids, mask, 0.7, None)
+    _, _, logp_m, _ = kernels.forward(logits, ids, mask, 0.7)
     assert torch.equal(logp_m[mask], logp[mask])

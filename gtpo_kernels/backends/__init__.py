@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import importlib
 import warnings
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -98,6 +98,8 @@ def resolve_backend_name(name: str, device_type: str) -> str:
     return resolve_backend(name, torch.device(device_type)).name
 
 
-def kernels_for(backend: Backend, logits_dtype: torch.dtype) -> Backend:
-    """``backend`` if its token-statistics kernels take ``logits_dtype``, else the ``"torch"`` backend."""
-    return backend if logits_dtype in backend.logits_dtypes else get_backend("torch")
+def kernels_for(backend: Backend, logits_dtype: torch.dtype, max_chunk_bytes: Optional[int] = None) -> Backend:
+    """``backend`` if its token-statistics kernels take ``logits_dtype``, else the ``"torch"`` backend, with the
+    chunk budget ``max_chunk_bytes`` set where the kernels take one (`Backend.with_chunk_bytes`)."""
+    kernels = backend if logits_dtype in backend.logits_dtypes else get_backend("torch")
+    return kernels.with_chunk_bytes(max_chunk_bytes)

@@ -26,7 +26,6 @@ def forward(
     ids: torch.Tensor,
     valid: torch.Tensor,
     temperature: float = 1.0,
-    max_chunk_bytes: Optional[int] = None,
 ):
     """``logits [N, L, V]`` -> ``(row_max, log_s, logp, H)`` float32 ``[N, L]`` of softmax(logits / T), zeros where
     masked."""
@@ -45,7 +44,6 @@ def backward(
     grad_entropy,
     out,
     temperature: float = 1.0,
-    max_chunk_bytes: Optional[int] = None,
 ):
     """Writes the gradient of the logits into ``out`` (may be ``logits`` itself); ``grad_entropy`` None is zero."""
     if grad_entropy is None:

@@ -261,12 +261,10 @@ def _log2e_over(temperature: float) -> float:
     return 1.4426950408889634 / temperature
 
 
-def forward(
-    logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, temperature: float = 1.0, max_chunk_bytes=None
-):
+def forward(logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, temperature: float = 1.0):
     """``logits [N, L, V]`` (last dim contiguous), ``ids, valid [N, L]`` -> ``(row_max, log_s, logp, H)``
     float32 ``[N, L]`` of softmax(logits / T), zeros where masked; NaN log-probs for ids outside ``[0, V)``
-    and for NaN or +inf logits. ``max_chunk_bytes`` is unused (each program streams its own row)."""
+    and for NaN or +inf logits. Each program streams its own row: no chunk budget."""
     n_rows, length, vocab = logits.shape
     ids = ids.to(torch.int32).contiguous()
     valid = valid.contiguous()
@@ -307,7 +305,6 @@ def backward(
     grad_entropy,
     out: torch.Tensor,
     temperature: float = 1.0,
-    max_chunk_bytes=None,
 ) -> torch.Tensor:
     """Writes ``dlogits`` into ``out`` (``[N, L, V]``, last dim contiguous; may be ``logits`` itself);
     ``grad_entropy`` ``None`` is zero (the kernel then skips the entropy term)."""

@@ -45,6 +45,7 @@ from ..conflict import conflict_weights
 from ..fused_linear import fused_linear_gtpo_loss, fused_linear_token_logprobs_and_entropy
 from ..hf import decoder_of, head_logit_transform
 from ..result import GTPOMetrics
+from ..rows import LossRows
 from .trl_settings import check_settings
 
 try:
@@ -138,7 +139,9 @@ def add_gtpo_head(model, trainer: GTPOTrainer) -> None:
                 inputs.pop("advantages"),
             )
             if transform is not None:
-                return transformed_logits_gtpo_loss(hidden, weight, bias, transform[1], ids, mask, advantages, **inputs)
+                config = inputs.pop("config")
+                given = LossRows(ids, mask, advantages, **inputs)
+                return transformed_logits_gtpo_loss(hidden, (weight, bias, transform[1]), given, config)
             return fused_linear_gtpo_loss(hidden, weight, ids, mask, advantages, lm_head_bias=bias, **inputs)
 
     model.forward = types.MethodType(forward, model)

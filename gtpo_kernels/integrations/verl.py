@@ -53,6 +53,7 @@ from ..advantages import compute_advantages
 from ..config import GTPOConfig
 from ..conflict import conflict_weights
 from ..objective import loss_from_token_stats, token_advantages
+from ..rows import LossRows
 
 try:
     from verl.trainer.ppo import core_algos
@@ -325,9 +326,8 @@ def compute_gtpo_advantage(
             mask = valid.to(entropy.dtype)
             _MEASURED_INITIAL_ENTROPY["value"] = float((entropy * mask).sum() / mask.sum().clamp(min=1))
         initial_entropy = _MEASURED_INITIAL_ENTROPY["value"]
-    _, _, token_advantage = token_advantages(
-        entropy.to(dtype), valid, advantages, lambda_, n_conflict, gtpo, initial_entropy
-    )
+    rows = LossRows(responses, valid, advantages, conflict=(lambda_, n_conflict), initial_entropy=initial_entropy)
+    _, _, token_advantage = token_advantages(entropy.to(dtype), rows, gtpo)
     return token_advantage, token_advantage
 
 
@@ -374,18 +374,17 @@ def gtpo_policy_loss(
     valid = response_mask.bool()
     weights = advantages if rollout_is_weights is None else advantages * rollout_is_weights  # IS weights >= 0
     ones = torch.ones(valid.shape[0], dtype=log_prob.dtype, device=log_prob.device)
-    out = loss_from_token_stats(
-        log_prob,
-        torch.zeros_like(log_prob),
+    # The per-token advantages ride as the conflict weights of unit advantages: lambda * A = the given a.
+    rows = LossRows(
+        None,
         valid,
         ones,
-        weights,
-        None,
-        loss_config,
+        conflict=(weights, None),
         old_logprobs=old_log_prob,
         num_sequences=info.get("global_batch_size") if reduction in ("sequence_mean", "dr_grpo") else None,
         num_tokens=info.get("batch_num_tokens") if reduction == "token_mean" else None,
     )
+    out = loss_from_token_stats(log_prob, torch.zeros_like(log_prob), rows, loss_config)
     mask = valid.to(log_prob.dtype)
     ppo_kl = ((old_log_prob - log_prob).detach() * mask).sum() / mask.sum().clamp(min=1)
     metrics = {

@@ -1,0 +1,181 @@
+"""`LossRows`: the per-row inputs of one loss call, checked once at the API and passed whole below it.
+
+Every GTPO loss entry point (`gtpo_loss`, `fused_linear_gtpo_loss`) takes the same per-row inputs: the
+completions' ids and mask, their advantages, the conflict weights (given, or computed here from whole
+groups), the old and reference log-probs, the whole batch's counts, the initial entropy and the sampling
+temperature. `checked_rows` validates them and returns one frozen `LossRows`; the objective
+(`objective.py`) and the fused chunk walk (`fused_chunks.py`) take it as it is, and only the registered
+operator's boundary (`custom_ops.fused_linear_gtpo`) flattens it into tensors and numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional, Tuple, Union
+
+import torch
+
+from . import validation
+from .config import GTPOConfig
+
+Count = Union[int, float, torch.Tensor]
+Conflict = Tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LossRows:
+    """The per-row inputs of one loss call (``N`` completions of ``L`` positions).
+
+    Attributes:
+        ids: ``[N, L]`` integer token ids.
+        valid: ``[N, L]`` the completion mask; a bool tensor once checked (`checked_rows`).
+        advantages: ``[N]`` raw advantages.
+        conflict: ``(lambda_ [N, L], n_conflict [N])`` from whole groups, or ``None`` (not used by the config,
+            or not computed yet: `with_conflict_weights`).
+        old_logprobs, ref_logprobs: ``[N, L]`` or ``None``.
+        initial_entropy: the policy's first-step mean token entropy (the entropy gate), or ``None``.
+        temperature: the sampling temperature.
+        num_sequences, num_tokens: the whole optimisation batch's completions and unmasked tokens, or ``None``
+            for this call's own.
+        group_size: ``G`` when the rows are whole groups and the conflict weights are still to be computed from
+            them; ``None`` otherwise (a slice of a batch holds no whole groups).
+    """
+
+    ids: torch.Tensor
+    valid: torch.Tensor
+    advantages: torch.Tensor
+    conflict: Optional[Conflict] = None
+    old_logprobs: Optional[torch.Tensor] = None
+    ref_logprobs: Optional[torch.Tensor] = None
+    initial_entropy: Optional[float] = None
+    temperature: float = 1.0
+    num_sequences: Optional[Count] = None
+    num_tokens: Optional[Count] = None
+    group_size: Optional[int] = None
+
+    @property
+    def lambda_(self) -> Optional[torch.Tensor]:
+        return None if self.conflict is None else self.conflict[0]
+
+    @property
+    def n_conflict(self) -> Optional[torch.Tensor]:
+        return None if self.conflict is None else self.conflict[1]
+
+    def replace(self, **changes) -> LossRows:
+        return dataclasses.replace(self, **changes)
+
+    def slice(self, rows) -> LossRows:
+        """The same inputs for ``rows`` (a slice or an index tensor) as this call's share: the counts stay this
+        call's whole (``N`` and its unmasked tokens where none were given), so the slices' losses add up to
+        this call's loss."""
+
+        def pick(tensor):
+            return None if tensor is None else tensor[rows]
+
+        return self.replace(
+            ids=self.ids[rows],
+            valid=self.valid[rows],
+            advantages=self.advantages[rows],
+            conflict=None if self.conflict is None else (self.conflict[0][rows], self.conflict[1][rows]),
+            old_logprobs=pick(self.old_logprobs),
+            ref_logprobs=pick(self.ref_logprobs),
+            num_sequences=self.valid.shape[0] if self.num_sequences is None else self.num_sequences,
+            num_tokens=self.valid.sum() if self.num_tokens is None else self.num_tokens,
+            group_size=None,
+        )
+
+    def op_args(self) -> tuple:
+        """The rows as a registered operator takes them: flat tensors and numbers, in `from_op_args`'s order
+        (``group_size`` is not among them: the conflict weights are computed before an operator runs)."""
+        return (
+            self.ids,
+            self.valid,
+            self.advantages,
+            self.lambda_,
+            self.n_conflict,
+            self.old_logprobs,
+            self.ref_logprobs,
+            self.initial_entropy,
+            self.temperature,
+            self.num_sequences,
+            self.num_tokens,
+        )
+
+    @classmethod
+    def from_op_args(cls, args: tuple) -> LossRows:
+        """The inverse of `op_args`."""
+        ids, valid, advantages, lambda_, n_conflict, old, ref, initial_entropy, temperature, sequences, tokens = args
+        conflict = None if lambda_ is None else (lambda_, n_conflict)
+        return cls(ids, valid, advantages, conflict, old, ref, initial_entropy, temperature, sequences, tokens)
+
+
+def checked_rows(
+    source: torch.Tensor, what: str, given: LossRows, config: GTPOConfig
+) -> Tuple[LossRows, validation.DeferredChecks]:
+    """Checks the per-row inputs of a loss call on ``source`` (the ``[N, L, *]`` logits or hidden states, named
+    ``what`` in errors) and returns them checked (a bool mask, the initial entropy and temperature as floats,
+    ``group_size`` kept only where the conflict weights are still to be computed) with the value checks queued
+    on ``checks``: the caller adds its own (the ids' range, the statistics) and reads them all once."""
+    shape = validation.check_rows_match_ids(source, what, given.ids)
+    # Value checks need the device's answer: eager mode only (under torch.compile they would break the graph).
+    checks = validation.DeferredChecks(config.validate_inputs and not torch.compiler.is_compiling())
+    group_size = given.group_size
+    needs_groups = config.use_conflict_weights and given.conflict is None
+    if needs_groups and group_size is None:
+        raise ValueError(
+            "the config uses conflict weights, which compare the completions of a group: pass "
+            "group_size=G with whole groups, or conflict=conflict_weights(ids, mask, advantages, G) "
+            "computed on whole groups and sliced like these rows (or set use_conflict_weights=False)"
+        )
+    if group_size is not None and not needs_groups:
+        validation.check_group_size(group_size, None)
+        group_size = None  # unused: not required to divide a slice's rows
+    valid, initial_entropy = validation.check_loss_inputs(source, given, group_size, checks)
+    if config.use_conflict_weights and given.conflict is not None:
+        validation.check_conflict(given.conflict, shape, source, what.split(" ")[0], checks)
+    if config.loss_reduction == "dr_grpo" and given.num_sequences is not None and config.max_completion_length is None:
+        raise ValueError(
+            "loss_reduction='dr_grpo' divides by num_sequences * max_completion_length; for a call that "
+            "holds a slice of the batch (num_sequences given) set GTPOConfig(max_completion_length=...) "
+            "to the generation cap, or each slice would divide by its own padded length and the "
+            "slices would not add up to the whole batch's loss"
+        )
+    if config.kl_beta and given.ref_logprobs is None:
+        raise ValueError(
+            f"config.kl_beta = {config.kl_beta} needs ref_logprobs [N, L]; pass the reference "
+            f"model's log-probs or set kl_beta=0"
+        )
+    validation.check_count(
+        "num_sequences",
+        given.num_sequences,
+        shape[0],
+        checks,
+        "the number of completions in the whole optimisation batch",
+    )
+    # No lower bound from this call: under DDP, which averages the processes' gradients, each process passes
+    # the whole batch's tokens divided by the number of processes, which a process with long completions
+    # may exceed on its own.
+    validation.check_count(
+        "num_tokens",
+        given.num_tokens,
+        0,
+        checks,
+        "the number of unmasked tokens in the whole optimisation batch (summed over every "
+        "rank and micro-batch; divided by the number of processes when DDP averages them)",
+    )
+    rows = given.replace(
+        valid=valid,
+        initial_entropy=initial_entropy,
+        temperature=validation.check_temperature(given.temperature),
+        group_size=group_size,
+    )
+    return rows, checks
+
+
+def resolved_config(config: Optional[GTPOConfig]) -> GTPOConfig:
+    """``config``, or the default (``"paper"``) one; anything else is refused."""
+    config = config or GTPOConfig()
+    if not isinstance(config, GTPOConfig):
+        raise TypeError(f"config must be a GTPOConfig, got {type(config).__name__}")
+    return config

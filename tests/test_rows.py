@@ -1,0 +1,111 @@
+"""`LossRows`, the one bundle of per-row inputs: a slice is the rows' exact share of the call, the operator's
+flat arguments round-trip, and no function of the package threads the inputs one by one any more."""
+
+import ast
+from pathlib import Path
+
+import torch
+
+import gtpo_kernels
+from gtpo_kernels import GTPOConfig, conflict_weights, gtpo_loss
+from gtpo_kernels.loss import loss_of_rows
+from gtpo_kernels.rows import LossRows
+
+from .helpers import random_batch
+
+PACKAGE = Path(gtpo_kernels.__file__).resolve().parent
+
+
+def rows_of(n_groups=2, group=3, length=5, vocab=17, seed=0):
+    logits, ids, mask, adv = random_batch(n_groups, group, length, vocab, dtype=torch.float64, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    old = torch.randn(ids.shape, generator=g, dtype=torch.float64) - 2
+    rows = LossRows(ids, mask, adv, conflict=conflict_weights(ids, mask, adv, group), old_logprobs=old)
+    return logits, rows
+
+
+def test_slices_add_up_to_the_call():
+    """Shuffled slices of one call's rows, each a `LossRows.slice`, add up to the call's loss and gradient."""
+    logits, rows = rows_of()
+    logits = 8 * logits  # confident rows: not all above the entropy threshold
+    config = GTPOConfig(preset="official", loss_reduction="token_mean")
+    x = logits.clone().requires_grad_()
+    whole = loss_of_rows(x, rows, config)
+    assert whole.loss.abs() > 1e-3
+    (grad_whole,) = torch.autograd.grad(whole.loss, x)
+    parts = torch.randperm(rows.ids.shape[0], generator=torch.Generator().manual_seed(1)).split([2, 3, 1])
+    y = logits.clone().requires_grad_()
+    total = sum(loss_of_rows(y[p], rows.slice(p), config).loss for p in parts)
+    (grad_parts,) = torch.autograd.grad(total, y)
+    torch.testing.assert_close(total, whole.loss, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(grad_parts, grad_whole, rtol=1e-12, atol=1e-14)
+
+
+def test_a_slice_keeps_the_whole_calls_counts_and_drops_the_group_size():
+    _, rows = rows_of()
+    rows = rows.replace(group_size=3)
+    part = rows.slice(slice(1, 3))
+    assert part.num_sequences == 6 and int(part.num_tokens) == int(rows.valid.sum())
+    assert part.group_size is None  # two rows of a group of three are no whole group
+    assert torch.equal(part.ids, rows.ids[1:3]) and torch.equal(part.lambda_, rows.lambda_[1:3])
+    assert torch.equal(part.old_logprobs, rows.old_logprobs[1:3]) and part.ref_logprobs is None
+    given = rows.replace(num_sequences=40, num_tokens=torch.tensor(90.0))
+    assert given.slice([0]).num_sequences == 40 and float(given.slice([0]).num_tokens) == 90.0
+
+
+def test_the_operator_arguments_round_trip():
+    _, rows = rows_of()
+    rows = rows.replace(initial_entropy=0.3, temperature=0.7, num_sequences=12)
+    back = LossRows.from_op_args(rows.op_args())
+    assert all(a is b for a, b in zip(back.op_args(), rows.op_args()))
+    assert back.conflict[0] is rows.conflict[0] and back.conflict[1] is rows.conflict[1]
+    assert LossRows.from_op_args(rows.replace(conflict=None).op_args()).conflict is None
+
+
+def test_gtpo_loss_is_loss_of_rows():
+    logits, rows = rows_of(seed=3)
+    config = GTPOConfig()
+    a = gtpo_loss(logits, rows.ids, rows.valid, rows.advantages, group_size=3, config=config).loss
+    b = loss_of_rows(logits, LossRows(rows.ids, rows.valid, rows.advantages, group_size=3), config).loss
+    assert torch.equal(a, b)
+
+
+# Functions whose signature is not ours to shorten: the public entry points (their keywords are the users'
+# API), the float64 oracle that mirrors them, registered operators and their fakes (torch.library takes flat
+# tensors and numbers), Triton kernels (pointers and strides), the backends' kernel contract
+# (`backends.base.Backend`), and overrides of TRL's methods (TRL's signatures).
+EXEMPT = {
+    "gtpo_loss",
+    "fused_linear_gtpo_loss",
+    "fused_linear_token_logprobs_and_entropy",
+    "reference_gtpo_loss",
+    "reference_loss_from_token_stats",
+    "_get_per_token_logps_and_entropies",
+}
+KERNEL_CONTRACT = {"backends/torch_backend.py", "backends/cpu_backend.py", "backends/triton_token_stats.py"}
+MAX_PARAMETERS = 8
+
+
+def parameter_counts():
+    """``[(count, "file:line name")]`` of every function in the package outside ``EXEMPT``."""
+    counts = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name in EXEMPT:
+                continue
+            decorators = {ast.unparse(d).split("(")[0] for d in node.decorator_list}
+            if decorators & {"triton.jit", "torch.library.custom_op"} or any(".register_fake" in d for d in decorators):
+                continue
+            if relative in KERNEL_CONTRACT and node.name in ("forward", "backward"):
+                continue
+            a = node.args
+            n = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) + bool(a.vararg) + bool(a.kwarg)
+            n -= bool(a.args) and a.args[0].arg in ("self", "cls", "ctx")
+            counts.append((n, f"{relative}:{node.lineno} {node.name}"))
+    return sorted(counts, reverse=True)
+
+
+def test_no_function_threads_the_inputs_one_by_one():
+    counts = parameter_counts()
+    assert counts and counts[0][0] <= MAX_PARAMETERS, counts[:5]
