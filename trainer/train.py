@@ -1,5 +1,5 @@
-"""One GTPO (or GRPO) training run, top to bottom: ``gtpo-train`` (``python -m trainer``), or under
-``torchrun --nproc_per_node K -m trainer`` for K processes.
+"""One GTPO (or GRPO) training run, top to bottom: ``gtpo-train`` (``python -m gtpo_train``; ``python -m trainer``
+in a checkout), or under ``torchrun --nproc_per_node K -m gtpo_train`` for K processes.
 
     load model, data, rewards -> evaluate -> for each step:
         sample G completions for each of this process's prompts          (rollout)
