@@ -118,10 +118,17 @@ def _check_head(model, transform: Callable, what: str, advice: str, probe: bool 
     if not _sharded(base):
         # (FSDP2 / ZeRO-3 parameters are not probed: a forward outside the training step's own would gather and
         # release them out of turn on each process. The trainers check the model before wrapping it.)
-        error = _probe_head(base, head, transform)
+        try:
+            error = _probe_head(base, head, transform)
+        except ModelForwardError as exc:  # the model itself does not run: not a question of its head
+            raise ValueError(f"{exc}; fix the model or its inputs (the head check runs it on 2 x 4 tokens)") from exc
         if error is not None:
             raise ValueError(f"{type(base).__name__}'s logits are not {what} ({error}){advice}")
     setattr(base, _CHECKED, True)
+
+
+class ModelForwardError(RuntimeError):
+    """The model's own forward raised during the head check."""
 
 
 def _sharded(base) -> bool:
@@ -144,12 +151,18 @@ def _probe_head(base, head, transform: Callable = lambda x: x) -> Optional[str]:
         ids = (torch.arange(8, device=head.weight.device) * 7 % max(1, vocab - 1) + 1).reshape(2, 4)
         hidden = decoder_of(base)(input_ids=ids, use_cache=False).last_hidden_state
         mine = transform(head(hidden).float())
-        error = _compare(mine, base(input_ids=ids, use_cache=False).logits.float())
+        try:
+            logits = base(input_ids=ids, use_cache=False).logits.float()
+        except Exception as exc:
+            raise ModelForwardError(f"{type(base).__name__}'s own forward failed: {type(exc).__name__}: {exc}") from exc
+        error = _compare(mine, logits)
         if error is not None:
             # The instance's forward may be wrapped (accelerate runs a prepared model's forward under autocast,
             # which the decoder called here is not): the class's own forward is the architecture's maths.
             error = _compare(mine, type(base).forward(base, input_ids=ids, use_cache=False).logits.float())
-    except Exception as exc:  # a model that cannot run this probe cannot be checked
+    except ModelForwardError:
+        raise
+    except Exception as exc:  # a decoder or head that cannot run this probe cannot be checked
         return f"the check on 2 x 4 tokens failed: {type(exc).__name__}: {exc}"
     finally:
         base.train(was_training)

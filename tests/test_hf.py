@@ -350,3 +350,16 @@ def test_a_forward_wrapped_in_autocast_is_still_recognised():
     model = tiny_llama()
     model.forward = types.MethodType(torch.autocast("cpu", dtype=torch.bfloat16)(type(model).forward), model)
     gtpo_kernels.hf.check_hidden_states_supported(model)
+
+
+def test_a_model_whose_own_forward_crashes_is_refused_for_that_reason():
+    """Not with 'its logits are not final_hidden @ lm_head.weight.T', which is not the cause."""
+    model = tiny_llama()
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+    model.forward = types.MethodType(broken, model)
+    with pytest.raises(ValueError, match=r"own forward failed: RuntimeError: CUDA error") as info:
+        gtpo_kernels.hf.check_hidden_states_supported(model)
+    assert "logits are not" not in str(info.value)

@@ -4,6 +4,7 @@
 import json
 import math
 import os
+import re
 import signal
 
 import pytest
@@ -91,6 +92,21 @@ def test_a_step_without_signal_is_skipped_without_the_loss_warning(tiny_model_di
         )
     assert not result["stepped"] and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert not [w for w in caught if "no learning signal" in str(w.message)], [str(w.message) for w in caught]
+
+
+def test_the_schedule_moves_on_a_step_without_an_update_without_a_warning():
+    """A first step without signal takes no optimiser step; the schedule still advances, silently (the filter
+    once matched nothing: its message was a regex with unescaped parentheses)."""
+    import warnings
+
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, train_module.warmup_cosine(2, 10))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train_module.advance_schedule(scheduler)
+        train_module.advance_schedule(scheduler)
+    assert not caught, [str(w.message) for w in caught]
+    assert scheduler.last_epoch == 2
 
 
 def test_fused_and_logits_losses_agree(tiny_model_dir, tmp_path):
@@ -508,6 +524,8 @@ def test_help_shows_each_default_once():
     assert "--answer-in-block, --no-answer-in-block" in text and "(default: True)" in text
     for action in parser._actions:  # every flag says what it does, and a default at most once
         assert action.help and action.help.strip() and action.help.count("(default") <= 1, action.option_strings
+        assert re.sub(r"\(default: [^)]*\)", "", action.help).count("default") == 0, action.help  # named once
+    assert not re.search(r"\b20\d\d-\d\d-\d\d\b", text), "a help text carries a date (history belongs in docs)"
 
 
 @pytest.mark.parametrize(

@@ -29,9 +29,7 @@ class TrainConfig:
     conflict_weights: Optional[bool] = None  # override the preset: --no-conflict-weights sets every lambda to 1
     dataset: str = "arithmetic"  # "arithmetic" (built-in generator), "gsm8k" (needs network), or a .jsonl/.parquet path
     worked_examples: int = 2  # worked examples before each question: 2 (one adding, one subtracting), 1 (adding), 0
-    answer_in_block: bool = (
-        True  # correctness reads only the <answer> block (--no-answer-in-block: the last number anywhere)
-    )
+    answer_in_block: bool = True  # correctness reads the <answer> block only (else: the last number anywhere)
     difficulty: int = 1  # arithmetic generator: 1 (one operation) to 4 (three operations, larger numbers)
     seed: int = 0  # seeds the training problems' order and every sampling draw (held-out problems stay fixed)
     output_dir: str = "runs/default"  # where metrics.jsonl, checkpoint.pt, final/ and the plot go
@@ -50,9 +48,7 @@ class TrainConfig:
     grad_accum_steps: int = 1  # micro-batches per update (per process), each of whole prompt groups
     fused_linear: bool = True  # loss on final hidden states (no full logits); False: loss on model logits
     gradient_checkpointing: bool = False  # recompute activations in backward (less memory, more compute)
-    loss_chunk_mib: Optional[int] = (
-        None  # MiB of float32 logits per chunk of the loss (unset: 256 on a CPU, 2048 on a GPU)
-    )
+    loss_chunk_mib: Optional[int] = None  # MiB of float32 logits per loss chunk (unset: 256 on a CPU, 2048 on a GPU)
     fsdp: bool = False  # under torchrun: shard parameters with FSDP2 instead of replicating them (DDP)
     # Evaluation
     eval_size: int = 32  # held-out problems (the same for every seed)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 import time
 import warnings
@@ -295,6 +296,14 @@ def update(
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return {"loss": float(dist.all_sum(loss_sum)), "metrics": merged, "stepped": signal, "grad_norm": grad_norm}
+
+
+def advance_schedule(scheduler) -> None:
+    """One step of the learning-rate schedule, which follows the training steps, those without an optimiser
+    step too (PyTorch warns when the schedule moves before the optimiser ever stepped: here that is meant)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()` before"))
+        scheduler.step()
 
 
 def no_signal_cause(metrics: GTPOMetrics, loss_config: GTPOConfig) -> str:
@@ -658,9 +667,7 @@ def train_step(
         if stop is not None and iteration == 1:
             stop.paused = True  # the first update is applied: finish the step, so the checkpoint stays exact
         result = update(policy, optimizer, batch, loss_config, config, dist, old_logprobs, state["initial_entropy"])
-        with warnings.catch_warnings():  # the schedule follows steps, also those without an update
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()` before")
-            scheduler.step()
+        advance_schedule(scheduler)
         stepped += result["stepped"]
         losses.append(result["loss"])
         grad_norms.append(result["grad_norm"])
