@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def first_readme_example() -> str:
     text = (ROOT / "README.md").read_text()
-    usage = text[text.index("## Usage") :]
+    usage = text[text.index("## Three ways in") :]
     return re.search(r"```python\n(.*?)```", usage, re.DOTALL).group(1)
 
 
@@ -106,7 +106,7 @@ def test_benchmarks_write_beside_the_committed_results():
 
 
 def test_built_in_model_quantisation_is_measured():
-    """The built-in model's matrices are Q4_1: the rounding error the README quotes is measured from the file."""
+    """The built-in model's matrices are Q4_1: the rounding error docs/training.md quotes is measured from the file."""
     pytest.importorskip("gguf")
     import importlib.util
 
