@@ -85,12 +85,14 @@ def gtpo_loss(
         num_tokens=num_tokens,
         group_size=group_size,
     )
-    return loss_of_rows(logits, given, config, backend)
+    return loss_of_rows(logits, given, config, backend, stacklevel=4)
 
 
-def loss_of_rows(logits: torch.Tensor, given: LossRows, config: Optional[GTPOConfig], backend: str = "auto"):
+def loss_of_rows(
+    logits: torch.Tensor, given: LossRows, config: Optional[GTPOConfig], backend: str = "auto", stacklevel: int = 3
+) -> GTPOLossOutput:
     """`gtpo_loss` on the per-row inputs ``given`` as one bundle (checked here), e.g. a `LossRows.slice` of a
-    batch's."""
+    batch's. ``stacklevel``: where a warning points (3: this function's caller)."""
     validation.check_logits(logits)
     config = resolved_config(config)
     rows, checks = checked_rows(logits, "logits [N, L, V]", given, config)
@@ -115,7 +117,7 @@ def loss_of_rows(logits: torch.Tensor, given: LossRows, config: Optional[GTPOCon
             "no_signal",
             lambda: validation.no_signal_message(float(metrics.filtered_fraction), config),
         )
-    checks.read()  # the call's one host synchronisation, after every kernel is queued
+    checks.read(stacklevel=stacklevel)  # the call's one host synchronisation, after every kernel is queued
     return out
 
 
