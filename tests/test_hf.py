@@ -8,6 +8,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import gtpo_kernels.hf  # noqa: E402
+import gtpo_kernels.hf.head  # noqa: E402
 from gtpo_kernels import GTPOConfig, fused_linear_gtpo_loss, gtpo_loss  # noqa: E402
 from gtpo_kernels.hf import (
     cache_kwarg,
@@ -339,8 +340,8 @@ def test_sharded_models_are_not_probed(monkeypatch):
     """A model whose parameters are sharded across processes (FSDP2, ZeRO-3) is not run by the check: a forward
     outside the step's own would gather and free its parameters out of turn. The trainers check before wrapping."""
     model = tiny_llama()
-    monkeypatch.setattr(gtpo_kernels.hf, "_sharded", lambda base: True)
-    monkeypatch.setattr(gtpo_kernels.hf, "_probe_head", lambda *a, **k: pytest.fail("probed a sharded model"))
+    monkeypatch.setattr(gtpo_kernels.hf.head, "_sharded", lambda base: True)
+    monkeypatch.setattr(gtpo_kernels.hf.head, "_probe_head", lambda *a, **k: pytest.fail("probed a sharded model"))
     gtpo_kernels.hf.check_hidden_states_supported(model)
 
 
