@@ -621,3 +621,26 @@ def test_answer_in_block_reaches_rewards_and_evaluation(monkeypatch, in_block):
     metrics = train_module.evaluate(torch.nn.Linear(1, 1), None, problems, config, Distributed(0, 1, cpu), seed=0)
     expected = 0.0 if in_block else 1.0
     assert (metrics["accuracy"], metrics["pass@3"], metrics["maj@3"]) == (expected, expected, expected)
+
+
+def test_the_run_state_survives_a_checkpoint(tmp_path):
+    from trainer.checkpoint import RunState, load_checkpoint, save_checkpoint
+
+    state = RunState(step=3, eval_step=2, initial_entropy=1.25, before={"accuracy": 0.5}, no_signal_streak=1)
+    save_checkpoint(tmp_path / "c.pt", {}, {}, {}, state, {"seed": 0})
+    saved = load_checkpoint(tmp_path / "c.pt")["state"]
+    assert isinstance(saved, dict)  # a plain dict in the file: a checkpoint loads without this class
+    assert RunState.from_dict(saved) == state
+    assert RunState.from_dict({"step": 4}) == RunState(step=4)  # a field added later takes its default
+
+
+def test_only_the_time_cap_finishes_a_stopped_run():
+    from trainer.stopping import Stopped, StopReason, StopRequests
+
+    assert Stopped(StopReason.TIME_CAP, "cap").finishes
+    requests = StopRequests()
+    requests.requested = "SIGTERM"
+    stopped = requests.stopped("during the final evaluation")
+    assert not stopped.finishes and stopped.reason is StopReason.SIGNAL
+    assert stopped.message == "SIGTERM received during the final evaluation"
+    assert requests.exit_status == 143

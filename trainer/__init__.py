@@ -1,2 +1,8 @@
 """A lean GTPO trainer: rollouts, rewards, advantages, the fused GTPO loss, AdamW, evaluation,
-checkpoints and plots, in a loop you can read top to bottom (`train.py`)."""
+checkpoints and plots, in a loop you can read top to bottom (`train.py`).
+
+One job per module: `config` (the settings, one dataclass, and the command line), `data` and `rewards` (the
+problems and how answers are scored), `model` (loading), `sampling` (rollouts, each prompt run once),
+`distributed` (DDP / FSDP2 under torchrun), `checkpoint` (checkpoints and the run's state), `metrics_log`
+(metrics.jsonl), `stopping` (stop requests and why a run stopped), `seeding` (a step's random draws),
+`plots`, `compare` (runs side by side), `quantisation`."""

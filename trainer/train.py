@@ -24,8 +24,9 @@ import sys
 import time
 import warnings
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -43,22 +44,17 @@ from gtpo_kernels import (
 )
 from gtpo_kernels.hf import check_hidden_states_supported, grouped_completion_hidden_states
 
-from .checkpoint import (
-    Interrupted,
-    MetricsLog,
-    StopRequests,
-    load_checkpoint,
-    require_checkpoint,
-    save_checkpoint,
-    step_seed,
-)
+from .checkpoint import RunState, load_checkpoint, require_checkpoint, save_checkpoint
 from .config import ConfigError, TrainConfig, parse_args
 from .data import load_problems
 from .distributed import Distributed, full_parameters, full_state, load_full_state, no_sync, wrap
+from .metrics_log import MetricsLog
 from .model import check_model_source, load_model_and_tokenizer
 from .plots import plot_run
 from .rewards import DEFAULT_REWARDS, SYSTEM_PROMPT, WORKED_EXAMPLES, answers_match, extract_answer, parse_number
 from .sampling import sample
+from .seeding import step_seed
+from .stopping import Interrupted, Stopped, StopReason, StopRequests
 
 # Steps in a row without any learning signal before the run warns (it keeps going).
 NO_SIGNAL_WARNING_AFTER = 3
@@ -442,13 +438,42 @@ def step_problems(train_set, step: int, config: TrainConfig, dist: Distributed):
     return train_set.select([(first + j) % len(train_set) for j in range(share)])
 
 
-def checkpoint_now(
-    path: Path, policy, optimizer, scheduler, state: dict, config: TrainConfig, dist: Distributed
-) -> None:
-    model_state, optimizer_state = full_state(policy, optimizer)  # every process takes part in gathering
-    if dist.is_main:
-        save_checkpoint(path, model_state, optimizer_state, scheduler.state_dict(), state, config.to_dict())
-    dist.barrier()
+@dataclass
+class Session:
+    """What every step of a run works with, fixed once the run is loaded: the trainer's and the loss's settings,
+    the processes, the model, its loss as a (wrapped) module and its optimiser, the data, the stop requests."""
+
+    config: TrainConfig
+    loss_config: GTPOConfig
+    dist: Distributed
+    model: nn.Module
+    tokenizer: Any
+    policy: nn.Module  # PolicyLoss(model), wrapped for DDP / FSDP
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    train_set: Any
+    eval_set: Any
+    checkpoint_path: Path
+    stop: StopRequests
+
+    def evaluate(self, seed: int, desc: str = "eval") -> Optional[dict]:
+        with full_parameters(self.policy):
+            return evaluate(
+                self.model, self.tokenizer, self.eval_set, self.config, self.dist, seed=seed, stop=self.stop, desc=desc
+            )
+
+    def checkpoint(self, state: RunState) -> None:
+        model_state, optimizer_state = full_state(self.policy, self.optimizer)  # every process takes part
+        if self.dist.is_main:
+            save_checkpoint(
+                self.checkpoint_path,
+                model_state,
+                optimizer_state,
+                self.scheduler.state_dict(),
+                state,
+                self.config.to_dict(),
+            )
+        self.dist.barrier()
 
 
 def run(config: TrainConfig, dist: Optional[Distributed] = None) -> dict:
@@ -472,95 +497,93 @@ def run(config: TrainConfig, dist: Optional[Distributed] = None) -> dict:
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     if config.gradient_checkpointing:  # transformers >= 5.2x renamed it
         (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
-    loss_config = config.loss_config(max_completion_length=config.max_new_tokens)
     check_hidden_states_supported(model)  # before wrapping: its check runs the model once on a few tokens
     policy = wrap(PolicyLoss(model), model.get_decoder().layers, dist, config.fsdp)
     optimizer = torch.optim.AdamW(
         policy.parameters(), lr=config.learning_rate, betas=(0.9, 0.99), weight_decay=config.weight_decay
     )
     total_updates = config.steps * config.num_iterations
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(config.warmup_steps, total_updates))
+    session = Session(
+        config=config,
+        loss_config=config.loss_config(max_completion_length=config.max_new_tokens),
+        dist=dist,
+        model=model,
+        tokenizer=tokenizer,
+        policy=policy,
+        optimizer=optimizer,
+        scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(config.warmup_steps, total_updates)),
+        train_set=train_set,
+        eval_set=eval_set,
+        checkpoint_path=checkpoint_path,
+        stop=StopRequests(),
+    )
 
     if config.resume:
         payload = load_checkpoint(checkpoint_path)
         load_full_state(policy, optimizer, payload["model"], payload["optimizer"])
-        scheduler.load_state_dict(payload["scheduler"])
-        state = payload["state"]
-        dropped = log.cut_back(state["step"], state["eval_step"])
+        session.scheduler.load_state_dict(payload["scheduler"])
+        state = RunState.from_dict(payload["state"])
+        dropped = log.cut_back(state.step, state.eval_step)
         if dist.is_main:
             print(
-                f"resumed from {checkpoint_path} at step {state['step']}"
+                f"resumed from {checkpoint_path} at step {state.step}"
                 + (f" ({dropped} log rows after it dropped: those steps run again)" if dropped else "")
             )
     else:
-        state = {"step": 0, "eval_step": -1, "initial_entropy": None, "before": None, "no_signal_streak": 0}
+        state = RunState()
         log.start()
         if dist.is_main:
             (out_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=1))
 
     started = time.time()
-    stop_reason = None
-    with StopRequests() as stop:
+    stopped: Optional[Stopped] = None
+    with session.stop as stop:
         if dist.world == 1:  # one process stops mid-phase; several must agree, at step and batch boundaries
             stop.interrupt_layers(model.get_decoder().layers)
-        if state["eval_step"] < 0:  # the evaluation before training
-            with full_parameters(policy):
-                before = evaluate(model, tokenizer, eval_set, config, dist, seed=0, stop=stop, desc="eval before")
+        if state.eval_step < 0:  # the evaluation before training
+            before = session.evaluate(seed=0, desc="eval before")
             if before is None:
-                stop_reason = f"{stop.requested} during the first evaluation"
+                stopped = stop.stopped("during the first evaluation")
             else:
-                state["before"], state["eval_step"] = before, 0
+                state.before, state.eval_step = before, 0
                 log.append({"kind": "eval", "step": 0, **before})
                 if dist.is_main:
                     print(f"before training: {before}")
 
         def evaluate_if_due() -> None:
             """The evaluation every --eval-every steps, unless done (a resume may find it still owed)."""
-            due = config.eval_every and state["step"] % config.eval_every == 0 and 0 < state["step"] < config.steps
-            if due and state["eval_step"] < state["step"]:
-                with full_parameters(policy):
-                    result = evaluate(model, tokenizer, eval_set, config, dist, seed=state["step"], stop=stop)
+            due = config.eval_every and state.step % config.eval_every == 0 and 0 < state.step < config.steps
+            if due and state.eval_step < state.step:
+                result = session.evaluate(seed=state.step)
                 if result is not None:
-                    log.append({"kind": "eval", "step": state["step"], **result})
-                    state["eval_step"] = state["step"]
+                    log.append({"kind": "eval", "step": state.step, **result})
+                    state.eval_step = state.step
 
-        if stop_reason is None:
+        if stopped is None:
             evaluate_if_due()
         bar = tqdm(
-            range(state["step"], config.steps),
-            initial=state["step"],
+            range(state.step, config.steps),
+            initial=state.step,
             total=config.steps,
             desc=config.algo,
             disable=not dist.is_main,
         )
-        for step in bar if stop_reason is None else []:
+        for step in bar if stopped is None else []:
             if dist.any(stop.requested is not None):
-                stop_reason = f"{stop.requested or 'a stop request'} received"
+                stopped = stop.stopped()
                 break
             if config.max_minutes is not None and time.time() - started > 60 * config.max_minutes:
-                stop_reason = f"the --max-minutes cap ({config.max_minutes:g} min) was reached"
+                cap = f"the --max-minutes cap ({config.max_minutes:g} min) was reached"
+                stopped = Stopped(StopReason.TIME_CAP, cap)
                 break
             try:
-                row = train_step(
-                    policy,
-                    model,
-                    tokenizer,
-                    optimizer,
-                    scheduler,
-                    train_set,
-                    step,
-                    loss_config,
-                    config,
-                    dist,
-                    state,
-                    stop,
-                )
+                row = train_step(session, state, step)
             except Interrupted:  # nothing of this step was applied: the run is at the previous one
                 optimizer.zero_grad(set_to_none=True)
-                stop_reason = f"{stop.requested} received"
+                stopped = stop.stopped()
                 break
             log.append(row)
-            state["step"] = step + 1
+            state.step = step + 1
             bar.set_postfix(
                 reward=f"{row['reward']:.2f}",
                 acc=f"{row['accuracy']:.2f}",
@@ -568,38 +591,35 @@ def run(config: TrainConfig, dist: Optional[Distributed] = None) -> dict:
                 s_step=f"{row['time_step']:.1f}",
             )
             evaluate_if_due()
-            if config.save_every and state["step"] % config.save_every == 0:
-                checkpoint_now(checkpoint_path, policy, optimizer, scheduler, state, config, dist)
+            if config.save_every and state.step % config.save_every == 0:
+                session.checkpoint(state)
         bar.close()
-        if stop_reason is None and dist.any(stop.requested is not None):
-            stop_reason = f"{stop.requested or 'a stop request'} received"
-        if stop_reason is not None and dist.is_main and stop_reason.startswith("the --max-minutes"):
+        if stopped is None and dist.any(stop.requested is not None):
+            stopped = stop.stopped()
+        if stopped is not None and stopped.finishes and dist.is_main:
             print(
-                f"stopping early at step {state['step']} of {config.steps}: {stop_reason}; evaluating and saving",
+                f"stopping early at step {state.step} of {config.steps}: {stopped.message}; evaluating and saving",
                 flush=True,
             )
         after = None
-        if stop_reason is None or stop_reason.startswith("the --max-minutes"):
-            with full_parameters(policy):
-                after = evaluate(
-                    model, tokenizer, eval_set, config, dist, seed=config.steps, stop=stop, desc="eval after"
-                )
+        if stopped is None or stopped.finishes:
+            after = session.evaluate(seed=config.steps, desc="eval after")
             if after is None:
-                stop_reason = f"{stop.requested or 'a stop request'} received during the final evaluation"
+                stopped = stop.stopped("during the final evaluation")
         if after is None:  # stopped by a signal: save the last completed step, say how to go on, exit non-zero
-            checkpoint_now(checkpoint_path, policy, optimizer, scheduler, state, config, dist)
+            session.checkpoint(state)
             if dist.is_main:
                 print(
-                    f"stopped at step {state['step']} of {config.steps} ({stop_reason}); checkpoint saved; resume "
+                    f"stopped at step {state.step} of {config.steps} ({stopped.message}); checkpoint saved; resume "
                     f"with: gtpo-train --config {out_dir / 'config.json'} --resume",
                     file=sys.stderr,
                     flush=True,
                 )
-            return {"interrupted": True, "step": state["step"], "reason": stop_reason, "exit_status": stop.exit_status}
+            return {"interrupted": True, "step": state.step, "reason": stopped.message, "exit_status": stop.exit_status}
 
-    log.append({"kind": "eval", "step": state["step"], **after})
-    state["eval_step"] = state["step"]
-    checkpoint_now(checkpoint_path, policy, optimizer, scheduler, state, config, dist)
+    log.append({"kind": "eval", "step": state.step, **after})
+    state.eval_step = state.step
+    session.checkpoint(state)
     summary = None
     if dist.is_main:
         save_final(model, tokenizer, policy, out_dir / "final")
@@ -612,12 +632,12 @@ def run(config: TrainConfig, dist: Optional[Distributed] = None) -> dict:
             "algo": config.algo,
             "preset": config.loss_preset,
             "seed": config.seed,
-            "steps": state["step"],
-            "stopped_early": stop_reason,
+            "steps": state.step,
+            "stopped_early": None if stopped is None else stopped.message,
             "processes": dist.world,
             "minutes": (time.time() - started) / 60,
             "wall_minutes": (time.time() - run_started) / 60,
-            "before": state["before"],
+            "before": state.before,
             "after": after,
         }
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -625,58 +645,48 @@ def run(config: TrainConfig, dist: Optional[Distributed] = None) -> dict:
     else:
         full_state(policy, None)  # take part in save_final's gather
     dist.barrier()
-    return summary or {"steps": state["step"]}
+    return summary or {"steps": state.step}
 
 
-def train_step(
-    policy,
-    model,
-    tokenizer,
-    optimizer,
-    scheduler,
-    train_set,
-    step: int,
-    loss_config: GTPOConfig,
-    config: TrainConfig,
-    dist: Distributed,
-    state: dict,
-    stop: Optional[StopRequests] = None,
-) -> dict:
-    """Rollout, old log-probs, num_iterations updates; returns the step's log row. A stop request may cut it
-    short (`Interrupted`) until its first optimiser step; after that the step completes."""
+def train_step(session: Session, state: RunState, step: int) -> dict:
+    """Rollout, old log-probs, num_iterations updates; returns the step's log row and advances ``state``'s
+    initial entropy and no-signal streak. A stop request may cut it short (`Interrupted`) until its first
+    optimiser step; after that the step completes."""
+    config, loss_config, dist, stop = session.config, session.loss_config, session.dist, session.stop
+    model, policy = session.model, session.policy
     t0 = time.time()
     # Every random draw of this step comes from (seed, step, rank): a replayed step draws the same.
     torch.manual_seed(step_seed(config.seed, "rollout", step, dist.rank))
     with full_parameters(policy), autocast(config, dist.device):
-        batch = rollout(
-            model, tokenizer, step_problems(train_set, step, config, dist), config, loss_config, dist.device
-        )
+        problems = step_problems(session.train_set, step, config, dist)
+        batch = rollout(model, session.tokenizer, problems, config, loss_config, dist.device)
     t1 = time.time()
     old_logprobs = None
-    if state["initial_entropy"] is None or config.num_iterations > 1:
+    if state.initial_entropy is None or config.num_iterations > 1:
         with full_parameters(policy), autocast(config, dist.device):
             logp, entropy = token_stats(model, batch, config)
-        if state["initial_entropy"] is None:  # the policy's entropy before any update, over all processes
+        if state.initial_entropy is None:  # the policy's entropy before any update, over all processes
             mask = batch["completion_mask"]
             sums = dist.all_sum(torch.stack([(entropy * mask).sum().double(), mask.sum().double()]))
-            state["initial_entropy"] = float(sums[0] / sums[1].clamp(min=1))
+            state.initial_entropy = float(sums[0] / sums[1].clamp(min=1))
         old_logprobs = logp if config.num_iterations > 1 else None
     t2 = time.time()
     stepped, losses, grad_norms = 0, [], []
     for iteration in range(config.num_iterations):
-        if stop is not None and iteration == 1:
+        if iteration == 1:
             stop.paused = True  # the first update is applied: finish the step, so the checkpoint stays exact
-        result = update(policy, optimizer, batch, loss_config, config, dist, old_logprobs, state["initial_entropy"])
-        advance_schedule(scheduler)
+        result = update(
+            policy, session.optimizer, batch, loss_config, config, dist, old_logprobs, state.initial_entropy
+        )
+        advance_schedule(session.scheduler)
         stepped += result["stepped"]
         losses.append(result["loss"])
         grad_norms.append(result["grad_norm"])
     t3 = time.time()
-    if stop is not None:
-        stop.paused = False
+    stop.paused = False
     metrics = result["metrics"].to_dict()
-    state["no_signal_streak"] = 0 if stepped else state["no_signal_streak"] + 1
-    if state["no_signal_streak"] == NO_SIGNAL_WARNING_AFTER and dist.is_main:
+    state.no_signal_streak = 0 if stepped else state.no_signal_streak + 1
+    if state.no_signal_streak == NO_SIGNAL_WARNING_AFTER and dist.is_main:
         tqdm.write(
             f"warning: {NO_SIGNAL_WARNING_AFTER} steps in a row without any learning signal, so the weights "
             f"did not move: {no_signal_cause(result['metrics'], loss_config)}",
@@ -705,9 +715,9 @@ def train_step(
         "completion_length": float(totals[2]) / n,
         **{k: v for k, v in metrics.items() if not k.startswith("num_")},
         "updates": stepped,
-        "initial_entropy": state["initial_entropy"],
+        "initial_entropy": state.initial_entropy,
         "grad_norm": float(np.nanmean(grad_norms)) if stepped else None,
-        "lr": scheduler.get_last_lr()[0],
+        "lr": session.scheduler.get_last_lr()[0],
         "time_generation": t1 - t0,
         "time_old_logprobs": t2 - t1,
         "time_update": t3 - t2,
