@@ -18,6 +18,9 @@ from typing import Any, FrozenSet, Optional, Tuple
 PRESETS = ("paper", "official", "grpo")
 REDUCTIONS = ("sequence_mean", "sum", "token_mean", "dr_grpo")
 ENTROPY_MODES = ("advantage_shift", "penalty")
+# How the sampler's log-probs correct the policy term (TRL's vllm_importance_sampling_mode): the ratio of the
+# trainer's to the sampler's probability per token or per completion, truncated at the bounds or zeroed outside.
+SAMPLING_CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 # Default of the knobs a preset fills: "not given by the user". A string, not a sentinel object, so that
@@ -107,6 +110,16 @@ class GTPOConfig:
         kl_ratio_weighted: weight the KL term by the importance ratio ``rho`` (with its gradient), which makes
             its gradient the unbiased reverse-KL gradient off-policy (DeepSeek-V3.2; TRL's
             ``use_bias_correction_kl``). On-policy ``rho = 1`` in value but the gradient still changes.
+        sampling_correction: the correction for a sampler whose probabilities differ from the trainer's (vLLM,
+            SGLang), from the sampler's per-token log-probs (``sampling_logprobs``, a per-row input): each
+            token's policy term is multiplied by the detached weight ``w = exp(old - sampling)`` per token
+            (``"token_*"``) or ``exp(sum over the completion's tokens)`` per completion (``"sequence_*"``),
+            ``old`` being ``old_logprobs`` (or the current log-probs, detached, without them); ``"*_truncate"``
+            clamps ``w`` to ``[sampling_ratio_min, sampling_ratio_max]``, ``"*_mask"`` sets it to 0 outside.
+            A sampler log-prob that is NaN (not reported) counts as equal to the trainer's. The KL and the
+            entropy penalty are not weighted (TRL's ``vllm_importance_sampling_correction``). ``None``: off.
+        sampling_ratio_min, sampling_ratio_max: the bounds of ``w`` (``None``: open); TRL's
+            ``vllm_importance_sampling_clip_min`` / ``_max`` (defaults ``None`` and 3).
         max_completion_length: the generation cap. When set, ``dr_grpo`` divides by
             ``num_sequences * max_completion_length`` (TRL's and Liger's convention), so the loss does
             not depend on how much padding a batch happens to carry.
@@ -142,6 +155,9 @@ class GTPOConfig:
     kl_beta: float = 0.0
     ratio_cap: Optional[float] = None
     kl_ratio_weighted: bool = False
+    sampling_correction: Optional[str] = None
+    sampling_ratio_min: Optional[float] = None
+    sampling_ratio_max: Optional[float] = 3.0
     max_completion_length: Optional[int] = None
     max_chunk_bytes: Optional[int] = None
     inplace_backward: bool = False
@@ -211,6 +227,15 @@ class GTPOConfig:
             raise bad("kl_beta", "must be a finite number >= 0")
         if self.ratio_cap is not None and not (is_number(self.ratio_cap) and self.ratio_cap > 1):
             raise bad("ratio_cap", "must be a number > 1 (the cap on the unclipped ratio), or None for no cap")
+        if self.sampling_correction is not None and self.sampling_correction not in SAMPLING_CORRECTIONS:
+            raise bad("sampling_correction", f"must be one of {SAMPLING_CORRECTIONS}, or None for no correction")
+        for name in ("sampling_ratio_min", "sampling_ratio_max"):
+            value = getattr(self, name)
+            if value is not None and not (is_number(value) and value >= 0):
+                raise bad(name, "must be a number >= 0, or None for an open side")
+        low, high = self.sampling_ratio_min, self.sampling_ratio_max
+        if low is not None and high is not None and low > high:
+            raise bad("sampling_ratio_min", f"must not exceed sampling_ratio_max ({high!r})")
         for name in ("max_completion_length", "max_chunk_bytes"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):

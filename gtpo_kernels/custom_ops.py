@@ -152,6 +152,7 @@ def fused_linear_gtpo(
     n_conflict: Optional[Tensor],
     old_logprobs: Optional[Tensor],
     ref_logprobs: Optional[Tensor],
+    sampling_logprobs: Optional[Tensor],
     initial_entropy: Optional[float],
     temperature: float,
     num_sequences: Optional[Tensor],
@@ -169,8 +170,8 @@ def fused_linear_gtpo(
     from .config import GTPOConfig
 
     rows = LossRows.from_op_args(
-        (ids, valid, advantages, lambda_, n_conflict, old_logprobs, ref_logprobs, initial_entropy, temperature)
-        + (num_sequences, num_tokens)
+        (ids, valid, advantages, lambda_, n_conflict, old_logprobs, ref_logprobs, sampling_logprobs)
+        + (initial_entropy, temperature, num_sequences, num_tokens)
     )
     config = GTPOConfig.from_dict(json.loads(config_json))
     kernels = kernels_for(get_backend(backend), compute_dtype)

@@ -118,6 +118,7 @@ def fused_linear_gtpo_loss(
     config: Optional[GTPOConfig] = None,
     old_logprobs: Optional[torch.Tensor] = None,
     ref_logprobs: Optional[torch.Tensor] = None,
+    sampling_logprobs: Optional[torch.Tensor] = None,
     initial_entropy: Optional[float] = None,
     conflict: Optional[Conflict] = None,
     num_sequences=None,
@@ -132,7 +133,7 @@ def fused_linear_gtpo_loss(
             ``completion_ids[i, t]`` (shifted by the caller, as for `gtpo_loss`).
         lm_head_weight: ``[V, H]``; frozen (``requires_grad=False``, e.g. LoRA) skips ``d_weight``.
         lm_head_bias: optional ``[V]``.
-        completion_ids, completion_mask, advantages, group_size, config, old_logprobs, ref_logprobs,
+        completion_ids, completion_mask, advantages, group_size, config, old_logprobs, ref_logprobs, sampling_logprobs,
         initial_entropy, conflict, num_sequences, num_tokens, temperature, backend: as for `gtpo_loss`.
             The memory budget is ``config.max_chunk_bytes`` (float32 bytes of one chunk's logits; default
             256 MiB on the CPU, 2 GiB on a GPU, constants: the same inputs give bitwise the same gradients).
@@ -151,6 +152,7 @@ def fused_linear_gtpo_loss(
         conflict=conflict,
         old_logprobs=old_logprobs,
         ref_logprobs=ref_logprobs,
+        sampling_logprobs=sampling_logprobs,
         initial_entropy=initial_entropy,
         temperature=temperature,
         num_sequences=num_sequences,

@@ -27,6 +27,7 @@ def gtpo_loss(
     config: Optional[GTPOConfig] = None,
     old_logprobs: Optional[torch.Tensor] = None,
     ref_logprobs: Optional[torch.Tensor] = None,
+    sampling_logprobs: Optional[torch.Tensor] = None,
     initial_entropy: Optional[float] = None,
     conflict: Optional[Conflict] = None,
     num_sequences=None,
@@ -52,6 +53,8 @@ def gtpo_loss(
         old_logprobs: ``[N, L]`` log-probs of the sampling policy, for off-policy updates
             (``num_iterations > 1``); without them the ratio is ``exp(logp - logp.detach())``.
         ref_logprobs: ``[N, L]`` reference-model log-probs, for the KL term and metric.
+        sampling_logprobs: ``[N, L]`` the sampler's own log-probs of the tokens (vLLM's), for
+            ``config.sampling_correction`` (NaN where the sampler reported none).
         initial_entropy: the policy's mean token entropy at the first step, for the entropy gate.
         conflict: ``(lambda_ [N, L], n_conflict [N])`` from `conflict_weights` on whole groups, sliced like
             these rows: for calls that hold part of a group. Ignored when the config does not use
@@ -79,6 +82,7 @@ def gtpo_loss(
         conflict=conflict,
         old_logprobs=old_logprobs,
         ref_logprobs=ref_logprobs,
+        sampling_logprobs=sampling_logprobs,
         initial_entropy=initial_entropy,
         temperature=temperature,
         num_sequences=num_sequences,

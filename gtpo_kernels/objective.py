@@ -90,6 +90,36 @@ def _shaping(masked: _Masked, rows: LossRows, config: GTPOConfig):
     return completion_entropy, keep, token_advantage.expand(mask.shape)
 
 
+def sampling_weights(masked: _Masked, rows: LossRows, config: GTPOConfig) -> Optional[torch.Tensor]:
+    """``[N, L]`` (or ``[N, 1]`` per completion) detached weights of the policy term that correct for a sampler
+    whose probabilities differ from the trainer's (``config.sampling_correction``), or ``None`` without it.
+
+    ``w = exp(old - sampling)`` per token, or ``exp`` of its sum over the completion's unmasked tokens, with
+    ``old`` the old log-probs (the current ones, detached, on-policy); truncated to the bounds, or 0 outside
+    them. A NaN sampler log-prob (none reported) contributes a difference of 0."""
+    mode = config.sampling_correction
+    if mode is None:
+        return None
+    old = masked.logp.detach() if rows.old_logprobs is None else masked.given(rows, rows.old_logprobs)
+    sampled = rows.sampling_logprobs.detach().to(masked.dtype)
+    diff = torch.where(rows.valid & ~torch.isnan(sampled), old - sampled, masked.zero)
+    if mode.startswith("sequence"):
+        diff = diff.sum(dim=1, keepdim=True)
+    weight = torch.exp(diff)
+    low, high = config.sampling_ratio_min, config.sampling_ratio_max
+    if mode.endswith("_truncate"):
+        if low is not None or high is not None:
+            weight = torch.clamp(weight, min=low, max=high)
+    else:
+        outside = torch.zeros_like(weight, dtype=torch.bool)
+        if low is not None:
+            outside = outside | (weight < low)
+        if high is not None:
+            outside = outside | (weight > high)
+        weight = torch.where(outside, masked.zero, weight)
+    return weight
+
+
 def token_advantages(token_entropy: torch.Tensor, rows: LossRows, config: GTPOConfig):
     """Everything GTPO does to the advantages, folded into one per-token advantage, for trainers whose policy
     loss takes per-token advantages and knows nothing of GTPO (verl).
@@ -203,6 +233,9 @@ def loss_gradients(token_logprobs: torch.Tensor, token_entropy: torch.Tensor, ro
     else:
         slope = first_slope
     c = torch.where(slope, c, zero)
+    weight = sampling_weights(masked, rows, config)
+    if weight is not None:
+        c = c * weight
     if rows.ref_logprobs is not None and config.kl_beta:
         d = masked.given(rows, rows.ref_logprobs) - logp
         if config.kl_ratio_weighted:
@@ -258,6 +291,10 @@ def loss_from_token_stats(
         per_token = -unclipped
         was_clipped = clipped_low = clipped_high = None
 
+    weight = sampling_weights(masked, rows, config)
+    if weight is not None:  # the sampler's correction weighs the policy term only, not the penalty or the KL
+        per_token = per_token * weight
+
     penalty = config.entropy_mode == "penalty" and config.entropy_coef > 0
     if penalty:
         per_token = per_token + config.entropy_coef * entropy
@@ -282,7 +319,10 @@ def loss_from_token_stats(
 
     non_empty = lengths > 0
     n_non_empty = non_empty.sum()
-    has_signal = ((token_advantage != 0) & valid).any(dim=1)
+    carries = (token_advantage != 0) & valid
+    if weight is not None:
+        carries = carries & (weight != 0)
+    has_signal = carries.any(dim=1)
     if signal_beyond_advantages(config, rows.ref_logprobs is not None):
         has_signal = torch.ones_like(has_signal)
     count = dict(dtype=torch.float64, device=device)

@@ -89,6 +89,7 @@ def reference_gtpo_loss(
     config: Optional[GTPOConfig] = None,
     old_logprobs: Optional[torch.Tensor] = None,
     ref_logprobs: Optional[torch.Tensor] = None,
+    sampling_logprobs: Optional[torch.Tensor] = None,
     initial_entropy: Optional[float] = None,
     conflict: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
     num_sequences: Optional[int] = None,
@@ -113,11 +114,26 @@ def reference_gtpo_loss(
         config=config,
         old_logprobs=old_logprobs,
         ref_logprobs=ref_logprobs,
+        sampling_logprobs=sampling_logprobs,
         initial_entropy=initial_entropy,
         conflict=conflict,
         num_sequences=num_sequences,
         num_tokens=num_tokens,
     )
+
+
+def reference_sampling_weights(old: List[float], sampled: List[float], config: GTPOConfig) -> List[float]:
+    """One completion's weights of the policy term, token by token, for ``config.sampling_correction``:
+    ``exp(old - sampled)`` per token or ``exp(sum)`` for every token of the completion, truncated to or
+    zeroed outside ``[sampling_ratio_min, sampling_ratio_max]``; a NaN sampler log-prob counts as ``old``."""
+    diffs = [0.0 if math.isnan(s) else o - s for o, s in zip(old, sampled)]
+    mode = config.sampling_correction
+    weights = [math.exp(sum(diffs))] * len(diffs) if mode.startswith("sequence") else [math.exp(d) for d in diffs]
+    low = -math.inf if config.sampling_ratio_min is None else config.sampling_ratio_min
+    high = math.inf if config.sampling_ratio_max is None else config.sampling_ratio_max
+    if mode.endswith("_truncate"):
+        return [min(max(w, low), high) for w in weights]
+    return [w if low <= w <= high else 0.0 for w in weights]
 
 
 def reference_loss_from_token_stats(
@@ -131,6 +147,7 @@ def reference_loss_from_token_stats(
     config: GTPOConfig,
     old_logprobs: Optional[torch.Tensor] = None,
     ref_logprobs: Optional[torch.Tensor] = None,
+    sampling_logprobs: Optional[torch.Tensor] = None,
     initial_entropy: Optional[float] = None,
     conflict: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
     num_sequences: Optional[int] = None,
@@ -199,6 +216,11 @@ def reference_loss_from_token_stats(
         else:
             terms = -first * token_adv
             row_clip_low[i] = row_clip_high[i] = 0.0
+        weight = None
+        if config.sampling_correction is not None:
+            sampled = [float(x) for x in sampling_logprobs[i, at]]
+            weight = reference_sampling_weights([float(x) for x in old], sampled, config)
+            terms = terms * torch.tensor(weight, dtype=dtype, device=device)
         if config.entropy_mode == "penalty":
             terms = terms + gamma * h
         if ref_logprobs is not None:
@@ -218,8 +240,9 @@ def reference_loss_from_token_stats(
         row_losses.append(row_loss)
         row_entropies.append(h_bar)
         kept.append(delta == 1.0)
+        carries = [float(a_t) != 0 and (weight is None or weight[k] != 0) for k, a_t in enumerate(token_adv)]
         signal.append(
-            bool((token_adv != 0).any())
+            any(carries)
             or (config.entropy_mode == "penalty" and gamma > 0)
             or (config.kl_beta > 0 and ref_logprobs is not None)
         )

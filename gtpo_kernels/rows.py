@@ -34,6 +34,8 @@ class LossRows:
         conflict: ``(lambda_ [N, L], n_conflict [N])`` from whole groups, or ``None`` (not used by the config,
             or not computed yet: `with_conflict_weights`).
         old_logprobs, ref_logprobs: ``[N, L]`` or ``None``.
+        sampling_logprobs: ``[N, L]`` the sampler's own log-probs of the tokens (vLLM's), for
+            ``config.sampling_correction``, or ``None``.
         initial_entropy: the policy's first-step mean token entropy (the entropy gate), or ``None``.
         temperature: the sampling temperature.
         num_sequences, num_tokens: the whole optimisation batch's completions and unmasked tokens, or ``None``
@@ -48,6 +50,7 @@ class LossRows:
     conflict: Optional[Conflict] = None
     old_logprobs: Optional[torch.Tensor] = None
     ref_logprobs: Optional[torch.Tensor] = None
+    sampling_logprobs: Optional[torch.Tensor] = None
     initial_entropy: Optional[float] = None
     temperature: float = 1.0
     num_sequences: Optional[Count] = None
@@ -80,6 +83,7 @@ class LossRows:
             conflict=None if self.conflict is None else (self.conflict[0][rows], self.conflict[1][rows]),
             old_logprobs=pick(self.old_logprobs),
             ref_logprobs=pick(self.ref_logprobs),
+            sampling_logprobs=pick(self.sampling_logprobs),
             num_sequences=self.valid.shape[0] if self.num_sequences is None else self.num_sequences,
             num_tokens=self.valid.sum() if self.num_tokens is None else self.num_tokens,
             group_size=None,
@@ -96,6 +100,7 @@ class LossRows:
             self.n_conflict,
             self.old_logprobs,
             self.ref_logprobs,
+            self.sampling_logprobs,
             self.initial_entropy,
             self.temperature,
             self.num_sequences,
@@ -105,9 +110,9 @@ class LossRows:
     @classmethod
     def from_op_args(cls, args: tuple) -> LossRows:
         """The inverse of `op_args`."""
-        ids, valid, advantages, lambda_, n_conflict, old, ref, initial_entropy, temperature, sequences, tokens = args
+        ids, valid, advantages, lambda_, n_conflict, old, ref, sampling, initial_entropy, temperature, *counts = args
         conflict = None if lambda_ is None else (lambda_, n_conflict)
-        return cls(ids, valid, advantages, conflict, old, ref, initial_entropy, temperature, sequences, tokens)
+        return cls(ids, valid, advantages, conflict, old, ref, sampling, initial_entropy, temperature, *counts)
 
 
 def checked_rows(
@@ -140,6 +145,16 @@ def checked_rows(
             "holds a slice of the batch (num_sequences given) set GTPOConfig(max_completion_length=...) "
             "to the generation cap, or each slice would divide by its own padded length and the "
             "slices would not add up to the whole batch's loss"
+        )
+    if config.sampling_correction is not None and given.sampling_logprobs is None:
+        raise ValueError(
+            f"config.sampling_correction = {config.sampling_correction!r} needs sampling_logprobs [N, L], the "
+            f"sampler's log-probs of the tokens (vLLM's); pass them or set sampling_correction=None"
+        )
+    if config.sampling_correction is None and given.sampling_logprobs is not None:
+        raise ValueError(
+            "sampling_logprobs were given but config.sampling_correction is None, so nothing would read them: "
+            "set sampling_correction (e.g. 'token_truncate') or leave sampling_logprobs out"
         )
     if config.kl_beta and given.ref_logprobs is None:
         raise ValueError(

@@ -362,6 +362,7 @@ def check_loss_inputs(logits, given, group_size, checks: DeferredChecks):
         advantages=advantages,
         old_logprobs=given.old_logprobs,
         ref_logprobs=given.ref_logprobs,
+        sampling_logprobs=given.sampling_logprobs,
     )
     valid = check_mask(given.valid, shape, checks)
     check_float("advantages", advantages, (n_rows,), "[N]")
@@ -379,6 +380,8 @@ def check_loss_inputs(logits, given, group_size, checks: DeferredChecks):
         check_float("old_logprobs", given.old_logprobs, shape, "[N, L]")
     if given.ref_logprobs is not None:
         check_float("ref_logprobs", given.ref_logprobs, shape, "[N, L]")
+    if given.sampling_logprobs is not None:  # NaN allowed: a token the sampler gave no log-prob for
+        check_float("sampling_logprobs", given.sampling_logprobs, shape, "[N, L]")
     return valid, check_initial_entropy(given.initial_entropy)
 
 

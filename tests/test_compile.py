@@ -103,6 +103,7 @@ def test_opcheck_fused_linear(backend):
             n_conflict,
             None,  # old log-probs
             None,  # reference log-probs
+            None,  # the sampler's log-probs
             None,  # initial entropy
             0.7,  # temperature
             None,  # num_sequences

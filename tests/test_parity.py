@@ -43,7 +43,27 @@ CONFIGS = {
     "cap+weighted_kl": GTPOConfig(
         preset="paper", clip_eps_low=0.2, clip_eps_high=0.28, ratio_cap=1.25, kl_beta=0.05, kl_ratio_weighted=True
     ),
+    # The sampler's correction (TRL's vLLM importance sampling), each mode; bounds that bite on these draws.
+    "sampler:token_truncate": GTPOConfig(
+        preset="paper", sampling_correction="token_truncate", sampling_ratio_min=0.8, sampling_ratio_max=1.3
+    ),
+    "sampler:token_mask+kl": GTPOConfig(
+        preset="grpo", sampling_correction="token_mask", sampling_ratio_min=0.7, kl_beta=0.05
+    ),
+    "sampler:sequence_truncate": GTPOConfig(
+        preset="official", sampling_correction="sequence_truncate", sampling_ratio_max=2.0
+    ),
+    "sampler:sequence_mask+penalty": GTPOConfig(
+        preset="paper", entropy_mode="penalty", sampling_correction="sequence_mask", sampling_ratio_max=1.5
+    ),
 }
+
+
+def sampler_logprobs(logp64: torch.Tensor) -> torch.Tensor:
+    """A sampler's log-probs near the trainer's (vLLM's differ by rounding and kernels), some not reported."""
+    g = torch.Generator().manual_seed(77)
+    sampled = logp64 + 0.25 * torch.randn(logp64.shape, generator=g, dtype=torch.float64)
+    return sampled.masked_fill(torch.rand(logp64.shape, generator=g) < 0.1, float("nan")).float()
 
 
 def compare(
@@ -71,6 +91,8 @@ def compare(
     if config.kl_beta:
         g = torch.Generator().manual_seed(321)
         kwargs["ref_logprobs"] = (logp64 + 0.5 * torch.randn(logp64.shape, generator=g, dtype=torch.float64)).float()
+    if config.sampling_correction:
+        kwargs["sampling_logprobs"] = sampler_logprobs(logp64)
 
     dev = device_for(backend)
     x = logits.detach().clone().to(dev).requires_grad_()
