@@ -493,16 +493,130 @@ def test_settings_the_loss_would_ignore_are_refused(tiny_model_dir, tmp_path, tr
         make_trainer(tiny_model_dir, tmp_path, trl_args=trl_args, gtpo_config=GTPOConfig(**gtpo))
 
 
-def test_vllm_importance_sampling_is_refused_with_vllm():
-    """(No vLLM here: the rule on a stand-in for GRPOConfig.) The correction is TRL's default."""
-    import types
+class StandInVLLM:
+    """vLLM's generation (not installable here) as TRL's trainer calls it: for each prompt, fixed completions and
+    the sampler's log-probs of their tokens, the trainer model's own (at TRL's temperature) off by noise, as vLLM's
+    kernels and rounding make them, one of them unreported (None)."""
 
-    from gtpo_kernels.integrations.trl_settings import SETTINGS
+    def __init__(self, model, temperature, **kwargs):
+        self.model, self.temperature = model, temperature
 
-    rule = SETTINGS["vllm_importance_sampling_correction"].refuse
-    assert rule(True, types.SimpleNamespace(use_vllm=True), GTPOConfig()) is not None
-    assert rule(True, types.SimpleNamespace(use_vllm=False), GTPOConfig()) is None
-    assert rule(False, types.SimpleNamespace(use_vllm=True), GTPOConfig()) is None
+    def sync_weights(self):
+        pass
+
+    @torch.no_grad()
+    def generate(self, prompts, images, num_generations, profiler):
+        g = torch.Generator().manual_seed(len(prompts))
+        vocab = self.model.config.vocab_size
+        completions, logprobs = [], []
+        for prompt in prompts[::num_generations]:  # the prompts come G times each; vLLM samples G of each once
+            for _ in range(num_generations):
+                ids = torch.randint(4, vocab, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
+                sequence = torch.tensor([list(prompt) + ids])
+                logits = self.model(input_ids=sequence).logits[0, len(prompt) - 1 : -1].float() / self.temperature
+                own = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None]).squeeze(-1)
+                sampled = (own + 0.3 * torch.randn(own.shape, generator=g)).tolist()
+                if len(completions) == 2:
+                    sampled[0] = None
+                completions.append(ids)
+                logprobs.append([[lp] for lp in sampled])
+        return prompts, completions, logprobs, None
+
+
+def vllm_batch(trainer):
+    """The batch TRL's scoring step makes from a (stand-in) vLLM generation: its old log-probs, the sampler's
+    log-probs and TRL's importance-sampling ratio among the fields."""
+    trainer.model.train()
+    prompts = [{"prompt": p} for p in ["1+2?", "3+4?", "5+6?", "7+8?"] for _ in range(G)]
+    return trainer._generate_and_score_completions(prompts)
+
+
+@pytest.mark.parametrize(
+    "trl_args",
+    [
+        {},  # TRL's defaults with vLLM: sequence_mask, clip_max 3
+        {"vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_clip_max": 1.2},
+        {"vllm_importance_sampling_mode": "token_mask", "vllm_importance_sampling_clip_min": 0.8},
+        {"vllm_importance_sampling_mode": "sequence_truncate", "vllm_importance_sampling_clip_max": 1.1},
+        {
+            "loss_type": "grpo",
+            "vllm_importance_sampling_mode": "sequence_mask",
+            "vllm_importance_sampling_clip_max": 1.3,
+        },
+    ],
+    ids=["defaults", "token_truncate", "token_mask", "sequence_truncate", "grpo-sequence_mask"],
+)
+def test_vllm_importance_sampling_trains_as_grpo_trainer(tiny_model_dir, tmp_path, monkeypatch, trl_args):
+    """``GRPOConfig(use_vllm=True)`` with TRL's defaults builds, and ``from_grpo_config(args)`` trains as
+    GRPOTrainer does on the batch vLLM's path produces (loss and gradient), in each of TRL's four modes."""
+    from trl.trainer import grpo_trainer
+
+    from gtpo_kernels.integrations.trl_settings import from_grpo_config
+
+    monkeypatch.setattr(grpo_trainer, "VLLMGeneration", StandInVLLM)
+    settings = {"use_vllm": True, **trl_args}
+    theirs = make_trainer(tiny_model_dir, tmp_path / "grpo", cls=trl.GRPOTrainer, trl_args=settings)
+    ours = make_trainer(tiny_model_dir, tmp_path / "gtpo", gtpo_config=from_grpo_config(theirs.args), trl_args=settings)
+    assert ours.gtpo_config.sampling_correction == theirs.args.vllm_importance_sampling_mode
+    batch_a, batch_b = vllm_batch(ours), vllm_batch(theirs)
+    ratio = batch_b["importance_sampling_ratio"]
+    assert bool(((ratio - 1).abs() > 1e-3).any()), "the correction must change something on this batch"
+    loss_a, grads_a = loss_and_grads(ours, batch_a)
+    loss_b, grads_b = loss_and_grads(theirs, batch_b)
+    torch.testing.assert_close(loss_a, loss_b, rtol=1e-5, atol=1e-7)
+    assert_same_grads(grads_a, grads_b, rtol=1e-4)
+
+
+def test_vllm_importance_sampling_applies_under_a_gtpo_preset(tiny_model_dir, tmp_path, monkeypatch):
+    """The paper preset with vLLM: TRL's correction is taken into the GTPO config, and the loss equals
+    gtpo_loss on the model's logits with the sampler's log-probs (the conflict weights and the entropy shift
+    as the preset has them); without the correction it differs."""
+    from trl.trainer import grpo_trainer
+
+    monkeypatch.setattr(grpo_trainer, "VLLMGeneration", StandInVLLM)
+    trainer = make_trainer(
+        tiny_model_dir, tmp_path, gtpo_config=GTPOConfig(entropy_threshold=None), trl_args={"use_vllm": True}
+    )
+    config = trainer.gtpo_config
+    assert (config.preset, config.sampling_correction, config.sampling_ratio_max) == ("paper", "sequence_mask", 3.0)
+    batch = vllm_batch(trainer)
+    loss, _ = loss_and_grads(trainer, batch)
+    with torch.no_grad():
+        common = dict(
+            group_size=G,
+            temperature=0.7,
+            initial_entropy=trainer._gtpo_initial_entropy,
+            old_logprobs=batch["old_per_token_logps"],
+        )
+        logits = completion_logits(trainer.model, batch)
+        ids, mask, adv = batch["completion_ids"], batch["completion_mask"], batch["advantages"]
+        expected = gtpo_loss(
+            logits, ids, mask, adv, config=config, sampling_logprobs=batch["sampling_per_token_logps"], **common
+        )
+        uncorrected = gtpo_loss(logits, ids, mask, adv, config=config.replace(sampling_correction=None), **common)
+    torch.testing.assert_close(loss, expected.loss, rtol=1e-5, atol=1e-7)
+    assert abs(float(loss) - float(uncorrected.loss)) > 1e-4
+
+
+def test_a_sampling_correction_without_vllm_or_against_trls_is_refused(tiny_model_dir, tmp_path, monkeypatch):
+    from trl.trainer import grpo_trainer
+
+    with pytest.raises(
+        ValueError,
+        match=r"vllm_importance_sampling_correction=True\): GTPOConfig\(sampling_correction='token_mask'\) needs",
+    ):
+        make_trainer(tiny_model_dir, tmp_path, gtpo_config=GTPOConfig(sampling_correction="token_mask"))
+    monkeypatch.setattr(grpo_trainer, "VLLMGeneration", StandInVLLM)
+    with pytest.raises(
+        ValueError,
+        match=r"correction is sampling_correction='sequence_mask' and GTPOConfig\(sampling_correction='token_mask'\)",
+    ):
+        make_trainer(
+            tiny_model_dir,
+            tmp_path,
+            gtpo_config=GTPOConfig(sampling_correction="token_mask"),
+            trl_args={"use_vllm": True},
+        )
 
 
 @pytest.mark.parametrize("all_negative", [False, True])

@@ -46,7 +46,7 @@ from ..fused_linear import fused_linear_gtpo_loss, fused_linear_token_logprobs_a
 from ..hf import decoder_of, head_logit_transform
 from ..result import GTPOMetrics
 from ..rows import LossRows
-from .trl_settings import check_settings
+from .trl_settings import check_settings, vllm_sampling_knobs
 
 try:
     from trl import GRPOTrainer
@@ -176,6 +176,10 @@ class GTPOTrainer(GRPOTrainer):
                 f"value"
             )
         check_settings(self.args, config)  # every GRPOConfig field the GTPO loss would ignore (trl_settings.py)
+        if config.sampling_correction is None and vllm_sampling_knobs(self.args):
+            # vLLM's probabilities differ from the trainer's: TRL's correction (on by default with vLLM) applies
+            # to the GTPO loss's policy term, whatever the preset.
+            config = config.replace(**vllm_sampling_knobs(self.args))
         if getattr(self, "aux_loss_enabled", False):
             # TRL adds the router's load-balancing loss from the model's own forward; the GTPO loss runs the
             # decoder alone (no logits), which leaves that loss out: refuse rather than train without it.
@@ -322,6 +326,7 @@ class GTPOTrainer(GRPOTrainer):
             conflict=conflict,
             old_logprobs=inputs.get("old_per_token_logps"),
             ref_logprobs=inputs.get("ref_per_token_logps"),
+            sampling_logprobs=inputs.get("sampling_per_token_logps") if self.gtpo_config.sampling_correction else None,
             initial_entropy=self._gtpo_initial_entropy,
             num_sequences=num_sequences,
             num_tokens=num_tokens,

@@ -112,9 +112,37 @@ def _delta(value, args, config):
     return None
 
 
+def vllm_sampling_knobs(args) -> dict:
+    """The `GTPOConfig` knobs of TRL's vLLM importance-sampling correction under ``args`` (``{}`` when it is off:
+    without vLLM, or with ``vllm_importance_sampling_correction=False``)."""
+    if not (getattr(args, "use_vllm", False) and getattr(args, "vllm_importance_sampling_correction", False)):
+        return {}
+    return dict(
+        sampling_correction=args.vllm_importance_sampling_mode,
+        sampling_ratio_min=args.vllm_importance_sampling_clip_min,
+        sampling_ratio_max=args.vllm_importance_sampling_clip_max,
+    )
+
+
 def _vllm_is(value, args, config):
-    if value and getattr(args, "use_vllm", False):
-        return "the vLLM importance-sampling correction is not applied to the GTPO loss: set it to False"
+    wanted = vllm_sampling_knobs(args)
+    if not wanted:
+        if config.sampling_correction is not None:
+            return (
+                f"GTPOConfig(sampling_correction={config.sampling_correction!r}) needs the sampler's log-probs, "
+                f"which TRL has only with use_vllm=True and vllm_importance_sampling_correction=True: set both, or "
+                f"sampling_correction=None"
+            )
+        return None
+    if config.sampling_correction is None:  # GTPOTrainer applies TRL's correction
+        return None
+    differ = [(knob, getattr(config, knob), value) for knob, value in wanted.items() if getattr(config, knob) != value]
+    if differ:
+        knob, mine, trls = differ[0]
+        return (
+            f"with use_vllm=True TRL's correction is {knob}={trls!r} and GTPOConfig({knob}={mine!r}) contradicts it: "
+            f"set the same in both, or leave GTPOConfig.sampling_correction None to take TRL's"
+        )
     return None
 
 
@@ -189,9 +217,15 @@ SETTINGS: Dict[str, Setting] = {
             "vllm_tensor_parallel_size",
         )
     },
-    "vllm_importance_sampling_correction": Setting(REFUSED, "True with use_vllm is refused", _vllm_is),
+    "vllm_importance_sampling_correction": Setting(
+        HONOURED,
+        "with use_vllm, GTPOConfig.sampling_correction: each token's policy term weighted by TRL's ratio of the "
+        "trainer's to vLLM's probability (set from the fields below unless the GTPO config sets its own, which "
+        "must agree)",
+        _vllm_is,
+    ),
     **{
-        name: Setting(IRRELEVANT, "used only by vllm_importance_sampling_correction (refused)")
+        name: Setting(HONOURED, "the mode and bounds of GTPOConfig.sampling_correction (sampling_ratio_min/max)")
         for name in (
             "vllm_importance_sampling_mode",
             "vllm_importance_sampling_clip_max",
@@ -320,6 +354,7 @@ def from_grpo_config(args, **overrides):
         kl_ratio_weighted=bool(args.use_bias_correction_kl),
         normalize_advantages_by_std=scale == "group",
         max_completion_length=args.max_completion_length if reduction == "dr_grpo" else None,
+        **vllm_sampling_knobs(args),
     )
     knobs.update(overrides)
     return GTPOConfig(**knobs)
