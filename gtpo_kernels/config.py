@@ -21,6 +21,9 @@ ENTROPY_MODES = ("advantage_shift", "penalty")
 # How the sampler's log-probs correct the policy term (TRL's vllm_importance_sampling_mode): the ratio of the
 # trainer's to the sampler's probability per token or per completion, truncated at the bounds or zeroed outside.
 SAMPLING_CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+# The policy term's function of the ratio (TRL's loss types): PPO's clipped surrogate, CISPO's clipped detached
+# weight on the log-prob, SAPO's soft gate.
+RATIO_FUNCTIONS = ("clip", "cispo", "sapo")
 
 
 # Default of the knobs a preset fills: "not given by the user". A string, not a sentinel object, so that
@@ -110,6 +113,15 @@ class GTPOConfig:
         kl_ratio_weighted: weight the KL term by the importance ratio ``rho`` (with its gradient), which makes
             its gradient the unbiased reverse-KL gradient off-policy (DeepSeek-V3.2; TRL's
             ``use_bias_correction_kl``). On-policy ``rho = 1`` in value but the gradient still changes.
+        ratio_function: the policy term as a function of the ratio ``rho`` and the per-token advantage ``a``:
+            ``"clip"``, ``-min(min(rho, delta) a, clip(rho) a)`` (PPO's, with the clip range and ``ratio_cap``);
+            ``"cispo"``, ``-sg(min(rho, cispo_ratio_max)) a logp`` (MiniMax-M1; TRL's ``loss_type='cispo'``,
+            whose cap is its ``epsilon_high``); ``"sapo"``, ``-sigmoid(tau (rho - 1)) 4 / tau a`` with ``tau`` =
+            ``sapo_temperature_pos`` where ``a > 0``, else ``sapo_temperature_neg`` (TRL's ``'sapo'``). The clip
+            range and ``ratio_cap`` are PPO's: with ``"cispo"`` or ``"sapo"`` the clip metrics are 0 and a
+            ``ratio_cap`` is refused.
+        cispo_ratio_max: CISPO's cap on the detached ratio (``None``: uncapped).
+        sapo_temperature_pos, sapo_temperature_neg: SAPO's gate temperatures (> 0; TRL's defaults 1 and 1.05).
         sampling_correction: the correction for a sampler whose probabilities differ from the trainer's (vLLM,
             SGLang), from the sampler's per-token log-probs (``sampling_logprobs``, a per-row input): each
             token's policy term is multiplied by the detached weight ``w = exp(old - sampling)`` per token
@@ -155,6 +167,10 @@ class GTPOConfig:
     kl_beta: float = 0.0
     ratio_cap: Optional[float] = None
     kl_ratio_weighted: bool = False
+    ratio_function: str = "clip"
+    cispo_ratio_max: Optional[float] = 5.0
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
     sampling_correction: Optional[str] = None
     sampling_ratio_min: Optional[float] = None
     sampling_ratio_max: Optional[float] = 3.0
@@ -227,6 +243,17 @@ class GTPOConfig:
             raise bad("kl_beta", "must be a finite number >= 0")
         if self.ratio_cap is not None and not (is_number(self.ratio_cap) and self.ratio_cap > 1):
             raise bad("ratio_cap", "must be a number > 1 (the cap on the unclipped ratio), or None for no cap")
+        if self.ratio_function not in RATIO_FUNCTIONS:
+            raise bad("ratio_function", f"must be one of {RATIO_FUNCTIONS}")
+        if self.ratio_function != "clip" and self.ratio_cap is not None:
+            why = f"is PPO's two-sided clipping, which ratio_function={self.ratio_function!r} has no place for"
+            raise bad("ratio_cap", why + "; leave it None")
+        if self.cispo_ratio_max is not None and not (is_number(self.cispo_ratio_max) and self.cispo_ratio_max > 0):
+            raise bad("cispo_ratio_max", "must be a number > 0, or None for no cap")
+        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+            value = getattr(self, name)
+            if not (is_number(value) and math.isfinite(value) and value > 0):
+                raise bad(name, "must be a finite number > 0")
         if self.sampling_correction is not None and self.sampling_correction not in SAMPLING_CORRECTIONS:
             raise bad("sampling_correction", f"must be one of {SAMPLING_CORRECTIONS}, or None for no correction")
         for name in ("sampling_ratio_min", "sampling_ratio_max"):
@@ -257,7 +284,10 @@ class GTPOConfig:
     # may hold a config's floats as symbols, which math.isfinite does not take.
     @property
     def clipping(self) -> bool:
-        """Whether any side of the ratio is clipped."""
+        """Whether any side of the ratio is clipped (PPO's surrogate only: the other ratio functions have no clip
+        range)."""
+        if self.ratio_function != "clip":
+            return False
         return any(eps is not None and eps < math.inf for eps in (self.clip_eps_low, self.clip_eps_high))
 
     @property

@@ -219,6 +219,9 @@ def loss_gradients(token_logprobs: torch.Tensor, token_entropy: torch.Tensor, ro
     ratio = (
         torch.ones_like(logp) if rows.old_logprobs is None else torch.exp(logp - masked.given(rows, rows.old_logprobs))
     )
+    if config.ratio_function != "clip":
+        c = _other_ratio_function_gradient(ratio, token_advantage, config)
+        return _finish_gradients(c, ratio, masked, rows, config, weights)
     c = -token_advantage * ratio
     first = ratio
     if config.ratio_cap is not None:
@@ -233,6 +236,27 @@ def loss_gradients(token_logprobs: torch.Tensor, token_entropy: torch.Tensor, ro
     else:
         slope = first_slope
     c = torch.where(slope, c, zero)
+    return _finish_gradients(c, ratio, masked, rows, config, weights)
+
+
+def _other_ratio_function_gradient(ratio, token_advantage, config: GTPOConfig):
+    """d policy term / d logp for CISPO (``-sg(w) a``) and SAPO (``-4 a sigma'(x) rho``, ``x = tau (rho - 1)``)."""
+    if config.ratio_function == "cispo":
+        cap = config.cispo_ratio_max
+        return -token_advantage * (ratio if cap is None else torch.clamp(ratio, max=cap))
+    gate = torch.sigmoid(_sapo_temperature(token_advantage, config) * (ratio - 1))
+    return -4 * token_advantage * gate * (1 - gate) * ratio
+
+
+def _sapo_temperature(token_advantage, config: GTPOConfig):
+    return torch.where(token_advantage > 0, config.sapo_temperature_pos, config.sapo_temperature_neg).to(
+        token_advantage.dtype
+    )
+
+
+def _finish_gradients(c, ratio, masked: _Masked, rows: LossRows, config: GTPOConfig, weights):
+    """The policy term's gradient ``c`` weighted by the sampler's correction, plus the KL's and the penalty's."""
+    logp = masked.logp
     weight = sampling_weights(masked, rows, config)
     if weight is not None:
         c = c * weight
@@ -281,7 +305,14 @@ def loss_from_token_stats(
     ratio = torch.exp(logp - old)
     capped = ratio if config.ratio_cap is None else torch.clamp(ratio, max=config.ratio_cap)
     unclipped = capped * token_advantage
-    if config.clipping:
+    was_clipped = clipped_low = clipped_high = None
+    if config.ratio_function == "cispo":  # the clipped ratio is a detached weight on the log-prob
+        cap = config.cispo_ratio_max
+        per_token = -(ratio if cap is None else torch.clamp(ratio, max=cap)).detach() * token_advantage * logp
+    elif config.ratio_function == "sapo":  # a soft gate instead of the clip
+        tau = _sapo_temperature(token_advantage, config)
+        per_token = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * token_advantage
+    elif config.clipping:
         low, high = config.clip_bounds
         clipped = torch.clamp(ratio, low, high) * token_advantage
         per_token = -torch.minimum(unclipped, clipped)
@@ -289,7 +320,6 @@ def loss_from_token_stats(
         was_clipped = clipped_low | clipped_high
     else:
         per_token = -unclipped
-        was_clipped = clipped_low = clipped_high = None
 
     weight = sampling_weights(masked, rows, config)
     if weight is not None:  # the sampler's correction weighs the policy term only, not the penalty or the KL

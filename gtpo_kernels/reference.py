@@ -206,7 +206,20 @@ def reference_loss_from_token_stats(
         token_adv = lam * shaped
         ratio = torch.exp(lp - old)
         first = ratio if config.ratio_cap is None else torch.clamp(ratio, max=config.ratio_cap)
-        if config.clipping:
+        if config.ratio_function == "cispo":
+            cap = math.inf if config.cispo_ratio_max is None else config.cispo_ratio_max
+            capped = torch.tensor([min(float(r), cap) for r in ratio.detach()], dtype=dtype, device=device)
+            terms = -capped * token_adv * lp
+            row_clip_low[i] = row_clip_high[i] = 0.0
+        elif config.ratio_function == "sapo":
+            temps = torch.tensor(
+                [config.sapo_temperature_pos if float(a_t) > 0 else config.sapo_temperature_neg for a_t in token_adv],
+                dtype=dtype,
+                device=device,
+            )
+            terms = -4 / temps * torch.sigmoid(temps * (ratio - 1)) * token_adv
+            row_clip_low[i] = row_clip_high[i] = 0.0
+        elif config.clipping:
             terms = -torch.minimum(first * token_adv, ratio.clamp(low, high) * token_adv)
             r = ratio.detach()
             row_low, row_high = int(((r < low) & (token_adv < 0)).sum()), int(((r > high) & (token_adv > 0)).sum())

@@ -31,6 +31,10 @@ CPU_BACKENDS = ["torch", "cpu"]
             "cap+weighted_kl",
             GTPOConfig(preset="grpo", ratio_cap=1.1, kl_beta=0.1, kl_ratio_weighted=True),
         ),  # cap inside the clip
+        ("cispo+kl", GTPOConfig(ratio_function="cispo", cispo_ratio_max=1.2, kl_beta=0.1)),
+        ("sapo+weighted_kl", GTPOConfig(ratio_function="sapo", kl_beta=0.1, kl_ratio_weighted=True)),
+        ("sampler:token_mask", GTPOConfig(sampling_correction="token_mask", sampling_ratio_min=0.8)),
+        ("sampler:sequence_truncate+sapo", GTPOConfig(ratio_function="sapo", sampling_correction="sequence_truncate")),
     ],
 )
 def test_loss_gradients_equal_autograd(name, config):
@@ -45,6 +49,8 @@ def test_loss_gradients_equal_autograd(name, config):
         num_sequences=10,
         num_tokens=40,
     )
+    if config.sampling_correction:
+        kw["sampling_logprobs"] = logp + 0.3 * torch.randn(6, 6, generator=g, dtype=torch.float64)
     conflict = conflict_weights(ids, mask, adv, 3) if config.use_conflict_weights else None
     rows = LossRows(ids, mask, adv, conflict=conflict, **kw)
     lp, h = logp.clone().requires_grad_(), entropy.clone().requires_grad_()

@@ -56,6 +56,17 @@ CONFIGS = {
     "sampler:sequence_mask+penalty": GTPOConfig(
         preset="paper", entropy_mode="penalty", sampling_correction="sequence_mask", sampling_ratio_max=1.5
     ),
+    # TRL's CISPO and SAPO ratio functions, off-policy (compare() passes old log-probs), with a GTPO preset
+    "cispo": GTPOConfig(preset="paper", ratio_function="cispo", cispo_ratio_max=1.2),
+    "cispo+kl+sampler": GTPOConfig(
+        preset="grpo",
+        ratio_function="cispo",
+        kl_beta=0.05,
+        sampling_correction="token_truncate",
+        loss_reduction="token_mean",
+    ),
+    "sapo": GTPOConfig(preset="official", ratio_function="sapo", sapo_temperature_pos=0.8, sapo_temperature_neg=1.3),
+    "sapo+weighted_kl": GTPOConfig(preset="grpo", ratio_function="sapo", kl_beta=0.05, kl_ratio_weighted=True),
 }
 
 

@@ -453,7 +453,7 @@ def test_every_grpo_config_field_is_classified():
             {"loss_type": "dr_grpo"},
             {},
             r"loss_type='dr_grpo'\): contradicts "
-            r"GTPOConfig\(loss_reduction='sequence_mean'\) \(preset 'paper'\)",
+            r"GTPOConfig\(loss_reduction='sequence_mean', ratio_function='clip'\) \(preset 'paper'\)",
         ),
         ({"loss_type": "grpo"}, {}, None),  # TRL's 'grpo' normalisation is the paper preset's sequence_mean
         ({"loss_type": "bnpo"}, {"preset": "grpo"}, r"loss_type='bnpo'\): 'bnpo' is not a GTPO reduction"),
@@ -461,7 +461,7 @@ def test_every_grpo_config_field_is_classified():
             {"loss_type": "grpo"},
             {"preset": "official"},
             r"loss_type='grpo'\): contradicts "
-            r"GTPOConfig\(loss_reduction='sum'\) \(preset 'official'\)",
+            r"GTPOConfig\(loss_reduction='sum', ratio_function='clip'\) \(preset 'official'\)",
         ),
         ({"epsilon": 0.3}, {}, r"epsilon=0.3\): contradicts GTPOConfig\(clip_eps_low=None\) \(preset 'paper'\)"),
         (
@@ -543,8 +543,14 @@ def vllm_batch(trainer):
             "vllm_importance_sampling_mode": "sequence_mask",
             "vllm_importance_sampling_clip_max": 1.3,
         },
+        {
+            "loss_type": "sapo",
+            "vllm_importance_sampling_mode": "token_truncate",
+            "vllm_importance_sampling_clip_max": 1.2,
+        },
+        {"loss_type": "cispo", "epsilon_high": 1.1, "vllm_importance_sampling_mode": "sequence_truncate"},
     ],
-    ids=["defaults", "token_truncate", "token_mask", "sequence_truncate", "grpo-sequence_mask"],
+    ids=["defaults", "token_truncate", "token_mask", "sequence_truncate", "grpo-sequence_mask", "sapo", "cispo"],
 )
 def test_vllm_importance_sampling_trains_as_grpo_trainer(tiny_model_dir, tmp_path, monkeypatch, trl_args):
     """``GRPOConfig(use_vllm=True)`` with TRL's defaults builds, and ``from_grpo_config(args)`` trains as
@@ -693,8 +699,21 @@ def test_delta_and_bias_corrected_kl_equal_grpo_trainer(tiny_model_dir, tmp_path
         {"loss_type": "grpo", "epsilon": 0.1, "epsilon_high": 0.3},
         {"loss_type": "dr_grpo", "beta": 0.04, "use_bias_correction_kl": True},
         {"loss_type": "dapo", "delta": 1.25, "beta": 0.04, "use_bias_correction_kl": False, "scale_rewards": "none"},
+        {"loss_type": "cispo", "epsilon_high": 1.1},  # the cap bites on this batch
+        {"loss_type": "cispo", "epsilon_high": 1.3, "beta": 0.04, "use_bias_correction_kl": True},
+        {"loss_type": "sapo"},
+        {"loss_type": "sapo", "sapo_temperature_pos": 0.5, "sapo_temperature_neg": 2.0, "beta": 0.04},
     ],
-    ids=["defaults", "grpo-asymmetric-clip", "dr_grpo-bias-corrected-kl", "dapo-delta-kl-unscaled"],
+    ids=[
+        "defaults",
+        "grpo-asymmetric-clip",
+        "dr_grpo-bias-corrected-kl",
+        "dapo-delta-kl-unscaled",
+        "cispo",
+        "cispo-kl",
+        "sapo",
+        "sapo-temperatures-kl",
+    ],
 )
 def test_from_grpo_config_trains_as_grpo_trainer(tiny_model_dir, tmp_path, trl_args):
     """`from_grpo_config(args)`: GTPOTrainer with the GTPOConfig derived from TRL's settings equals GRPOTrainer
@@ -717,7 +736,7 @@ def test_from_grpo_config_refuses_what_it_cannot_express():
 
     for settings, match in (
         ({"loss_type": "bnpo"}, "loss_type='bnpo'"),
-        ({"loss_type": "cispo"}, "loss_type='cispo'"),
+        ({"loss_type": "luspo", "importance_sampling_level": "sequence"}, "loss_type='luspo'"),
         ({"scale_rewards": "batch"}, "scale_rewards='batch'"),
     ):
         args = trl.GRPOConfig(output_dir="unused", report_to="none", use_cpu=True, **settings)

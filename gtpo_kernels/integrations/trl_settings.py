@@ -16,14 +16,14 @@ from typing import Callable, Dict, NamedTuple, Optional
 
 HONOURED, IRRELEVANT, REFUSED = "honoured", "irrelevant to the loss", "refused"
 
-# TRL's loss_type -> the GTPO reduction that computes the same normalisation (None: not expressible).
-LOSS_TYPE_REDUCTION = {
-    "grpo": "sequence_mean",
-    "dapo": "token_mean",
-    "dr_grpo": "dr_grpo",
+# TRL's loss_type -> (the GTPO reduction, the ratio function) that compute the same loss (None: not expressible).
+LOSS_TYPES = {
+    "grpo": ("sequence_mean", "clip"),
+    "dapo": ("token_mean", "clip"),
+    "dr_grpo": ("dr_grpo", "clip"),
+    "cispo": ("token_mean", "cispo"),
+    "sapo": ("sequence_mean", "sapo"),
     "bnpo": None,
-    "cispo": None,
-    "sapo": None,
     "luspo": None,
     "vespo": None,
 }
@@ -65,15 +65,27 @@ def _clip_side(side: str):
 def _loss_type(value, args, config):
     if value == "dapo":  # TRL's default: not a choice the user made
         return None
-    reduction = LOSS_TYPE_REDUCTION.get(value)
-    if reduction is None:
+    mine = LOSS_TYPES.get(value)
+    if mine is None:
         return f"{value!r} is not a GTPO reduction (the loss is GTPOConfig.loss_reduction={config.loss_reduction!r})"
-    if reduction != config.loss_reduction:
+    reduction, ratio_function = mine
+    if (reduction, ratio_function) != (config.loss_reduction, config.ratio_function):
         return (
-            f"contradicts GTPOConfig(loss_reduction={config.loss_reduction!r}) (preset {config.preset!r}): set "
-            f"GTPOConfig(loss_reduction={reduction!r}) for TRL's {value!r} normalisation"
+            f"contradicts GTPOConfig(loss_reduction={config.loss_reduction!r}, ratio_function="
+            f"{config.ratio_function!r}) (preset {config.preset!r}): set GTPOConfig(loss_reduction={reduction!r}, "
+            f"ratio_function={ratio_function!r}) for TRL's {value!r}"
         )
     return None
+
+
+def _sapo_temperature(side: str):
+    def refuse(value, args, config):
+        mine = getattr(config, f"sapo_temperature_{side}")
+        if config.ratio_function != "sapo" or math.isclose(value, mine):
+            return None
+        return f"contradicts GTPOConfig(sapo_temperature_{side}={mine!r}): set the same in both"
+
+    return refuse
 
 
 def _scale_mode(value) -> str:
@@ -104,6 +116,8 @@ def _bias_correction(value, args, config):
 
 
 def _delta(value, args, config):
+    if config.ratio_function != "clip" and getattr(args, "loss_type", None) in ("cispo", "sapo"):
+        return None  # TRL applies delta to its clip losses only; so does the config (ratio_cap is refused there)
     if value != config.ratio_cap:
         return (
             f"contradicts GTPOConfig(ratio_cap={config.ratio_cap!r}), the loss's two-sided clipping: set "
@@ -246,8 +260,9 @@ SETTINGS: Dict[str, Setting] = {
     # the loss
     "loss_type": Setting(
         HONOURED,
-        "the reduction is GTPOConfig.loss_reduction; a value given is refused unless it "
-        "names the same one ('grpo': sequence_mean, 'dapo': token_mean, 'dr_grpo')",
+        "GTPOConfig.loss_reduction and ratio_function; a value given is refused unless the config computes the "
+        "same ('grpo': sequence_mean, 'dapo': token_mean, 'dr_grpo', each with the clip; 'cispo': token_mean "
+        "with ratio_function='cispo'; 'sapo': sequence_mean with 'sapo')",
         _loss_type,
     ),
     "epsilon": Setting(
@@ -293,11 +308,15 @@ SETTINGS: Dict[str, Setting] = {
         name: Setting(IRRELEVANT, "used only by use_adaptive_entropy (refused)")
         for name in ("entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target")
     },
+    "sapo_temperature_pos": Setting(
+        HONOURED, "with loss_type='sapo', GTPOConfig.sapo_temperature_pos (must agree)", _sapo_temperature("pos")
+    ),
+    "sapo_temperature_neg": Setting(
+        HONOURED, "with loss_type='sapo', GTPOConfig.sapo_temperature_neg (must agree)", _sapo_temperature("neg")
+    ),
     **{
-        name: Setting(IRRELEVANT, "used only by loss_type='sapo' / 'vespo' (refused)")
+        name: Setting(IRRELEVANT, "used only by loss_type='vespo' (refused)")
         for name in (
-            "sapo_temperature_neg",
-            "sapo_temperature_pos",
             "vespo_k_pos",
             "vespo_lambda_pos",
             "vespo_k_neg",
@@ -325,18 +344,17 @@ SETTINGS: Dict[str, Setting] = {
 def from_grpo_config(args, **overrides):
     """The `GTPOConfig` of the ``grpo`` preset that computes what TRL's ``GRPOTrainer`` computes with ``args``:
     ``GTPOTrainer(..., args=args, gtpo_config=from_grpo_config(args))`` trains as ``GRPOTrainer`` does (tested
-    against it). ``loss_type`` ('grpo', 'dapo', 'dr_grpo'), ``epsilon``/``epsilon_high``, ``delta``, ``beta``,
-    ``use_bias_correction_kl`` and ``scale_rewards`` ('group' or 'none') drive it; what the GTPO loss cannot
-    express ('bnpo', 'cispo', 'sapo', 'luspo', 'vespo', ``scale_rewards='batch'``, the entropy bonus, ...) is
-    refused in one line naming the field. ``overrides`` are further `GTPOConfig` knobs."""
+    against it). ``loss_type`` ('grpo', 'dapo', 'dr_grpo', 'cispo', 'sapo'), ``epsilon``/``epsilon_high``,
+    ``delta``, ``beta``, ``use_bias_correction_kl``, ``sapo_temperature_*``, ``scale_rewards`` ('group' or 'none')
+    and, with vLLM, its importance-sampling correction drive it; what the GTPO loss cannot express ('bnpo',
+    'luspo', 'vespo', ``scale_rewards='batch'``, the entropy bonus, ...) is refused in one line naming the field.
+    ``overrides`` are further `GTPOConfig` knobs."""
     from ..config import GTPOConfig
 
-    reduction = LOSS_TYPE_REDUCTION.get(args.loss_type)
-    if reduction is None:
-        raise ValueError(
-            f"GRPOConfig(loss_type={args.loss_type!r}) has no GTPO counterpart; the GTPO loss reduces as "
-            f"'grpo' (sequence_mean), 'dapo' (token_mean) or 'dr_grpo' does"
-        )
+    if LOSS_TYPES.get(args.loss_type) is None:
+        known = sorted(k for k, v in LOSS_TYPES.items() if v is not None)
+        raise ValueError(f"GRPOConfig(loss_type={args.loss_type!r}) has no GTPO counterpart; these do: {known}")
+    reduction, ratio_function = LOSS_TYPES[args.loss_type]
     scale = _scale_mode(args.scale_rewards)
     if scale not in ("group", "none"):
         raise ValueError(
@@ -349,10 +367,14 @@ def from_grpo_config(args, **overrides):
         loss_reduction=reduction,
         clip_eps_low=args.epsilon,
         clip_eps_high=high,
-        ratio_cap=args.delta,
+        ratio_cap=args.delta if ratio_function == "clip" else None,  # TRL applies delta to the clip losses only
         kl_beta=float(args.beta),
         kl_ratio_weighted=bool(args.use_bias_correction_kl),
         normalize_advantages_by_std=scale == "group",
+        ratio_function=ratio_function,
+        cispo_ratio_max=high,  # TRL's CISPO caps the detached ratio at its epsilon_high
+        sapo_temperature_pos=args.sapo_temperature_pos,
+        sapo_temperature_neg=args.sapo_temperature_neg,
         max_completion_length=args.max_completion_length if reduction == "dr_grpo" else None,
         **vllm_sampling_knobs(args),
     )

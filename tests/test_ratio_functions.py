@@ -1,0 +1,66 @@
+"""TRL's CISPO and SAPO policy terms (``GTPOConfig.ratio_function``) on one token worked by hand, on every backend:
+the loss value and its gradient with respect to the token's log-prob. (Against the float64 oracle on random
+batches: tests/test_parity.py; the closed-form gradient: tests/test_compile.py; against GRPOTrainer:
+tests/test_trl.py.)"""
+
+import math
+
+import pytest
+import torch
+
+from gtpo_kernels import GTPOConfig, gtpo_loss
+from gtpo_kernels.backends import registered
+
+from .helpers import device_for
+
+V = 4
+LOGP = -math.log(V)  # uniform logits
+
+
+def one_token(backend, advantage, ratio, **knobs):
+    """``(loss, d loss / d logp)`` of one token whose ratio to the old policy is ``ratio`` (token mean, no shaping)."""
+    dev = device_for(backend)
+    config = GTPOConfig(preset="grpo", normalize_advantages_by_std=False, loss_reduction="token_mean", **knobs)
+    logits = torch.zeros(1, 1, V, device=dev, requires_grad=True)
+    out = gtpo_loss(
+        logits,
+        torch.tensor([[2]], device=dev),
+        torch.ones(1, 1, device=dev),
+        torch.tensor([advantage], device=dev),
+        config=config,
+        old_logprobs=torch.tensor([[LOGP - math.log(ratio)]], device=dev),
+        backend=backend,
+    )
+    out.loss.backward()
+    # d loss / d z_y = c (1 - p_y) at the target with p_y = 1/V: c = grad / (1 - 1/V)
+    return float(out.loss), float(logits.grad[0, 0, 2]) / (1 - 1 / V)
+
+
+@pytest.mark.parametrize("backend", list(registered()))
+def test_cispo_by_hand(backend):
+    # rho = 2 capped at 1.5: loss -1.5 * a * logp, gradient -1.5 * a (the capped token still learns)
+    loss, c = one_token(backend, 1.0, 2.0, ratio_function="cispo", cispo_ratio_max=1.5)
+    assert loss == pytest.approx(-1.5 * LOGP, rel=1e-6) and c == pytest.approx(-1.5, rel=1e-5)
+    loss, c = one_token(backend, -0.5, 0.8, ratio_function="cispo", cispo_ratio_max=1.5)  # below the cap: rho
+    assert loss == pytest.approx(0.8 * 0.5 * LOGP, rel=1e-6) and c == pytest.approx(0.4, rel=1e-5)
+
+
+@pytest.mark.parametrize("backend", list(registered()))
+def test_sapo_by_hand(backend):
+    sigmoid = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+    # a > 0, tau = 0.5, rho = 2: loss -sigma(0.5) * 4 / 0.5, gradient -4 sigma(0.5)(1 - sigma(0.5)) * 2
+    loss, c = one_token(backend, 1.0, 2.0, ratio_function="sapo", sapo_temperature_pos=0.5)
+    s = sigmoid(0.5)
+    assert loss == pytest.approx(-s * 8, rel=1e-6) and c == pytest.approx(-4 * s * (1 - s) * 2, rel=1e-5)
+    # a < 0 takes the negative temperature: tau = 2, rho = 1 (on the old policy): the gradient is -a, as PPO's
+    loss, c = one_token(backend, -1.0, 1.0, ratio_function="sapo", sapo_temperature_neg=2.0)
+    assert loss == pytest.approx(0.5 * 4 / 2, rel=1e-6) and c == pytest.approx(1.0, rel=1e-5)
+
+
+def test_ppo_settings_are_refused_with_other_ratio_functions():
+    with pytest.raises(ValueError, match="ratio_cap is PPO's two-sided clipping"):
+        GTPOConfig(ratio_function="sapo", ratio_cap=1.5)
+    with pytest.raises(ValueError, match="sapo_temperature_neg must be a finite number > 0"):
+        GTPOConfig(ratio_function="sapo", sapo_temperature_neg=0.0)
+    with pytest.raises(ValueError, match="ratio_function must be one of"):
+        GTPOConfig(ratio_function="vespo")
