@@ -21,6 +21,8 @@ ENTROPY_MODES = ("advantage_shift", "penalty")
 # How the sampler's log-probs correct the policy term (TRL's vllm_importance_sampling_mode): the ratio of the
 # trainer's to the sampler's probability per token or per completion, truncated at the bounds or zeroed outside.
 SAMPLING_CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+# Where the importance ratio is taken: per token (PPO's), or per completion (GSPO: the geometric mean of its tokens').
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 # The policy term's function of the ratio (TRL's loss types): PPO's clipped surrogate, CISPO's clipped detached
 # weight on the log-prob, SAPO's soft gate.
 RATIO_FUNCTIONS = ("clip", "cispo", "sapo")
@@ -113,6 +115,9 @@ class GTPOConfig:
         kl_ratio_weighted: weight the KL term by the importance ratio ``rho`` (with its gradient), which makes
             its gradient the unbiased reverse-KL gradient off-policy (DeepSeek-V3.2; TRL's
             ``use_bias_correction_kl``). On-policy ``rho = 1`` in value but the gradient still changes.
+        entropy_bonus: TRL's entropy bonus (its ``entropy_coef``, not GTPO's ``entropy_coef``): the loss gets
+            ``- entropy_bonus * sum(H) / num_tokens`` over the unmasked tokens (the whole batch's token mean,
+            with its gradient), whatever the reduction. 0: off.
         ratio_function: the policy term as a function of the ratio ``rho`` and the per-token advantage ``a``:
             ``"clip"``, ``-min(min(rho, delta) a, clip(rho) a)`` (PPO's, with the clip range and ``ratio_cap``);
             ``"cispo"``, ``-sg(min(rho, cispo_ratio_max)) a logp`` (MiniMax-M1; TRL's ``loss_type='cispo'``,
@@ -120,6 +125,10 @@ class GTPOConfig:
             ``sapo_temperature_pos`` where ``a > 0``, else ``sapo_temperature_neg`` (TRL's ``'sapo'``). The clip
             range and ``ratio_cap`` are PPO's: with ``"cispo"`` or ``"sapo"`` the clip metrics are 0 and a
             ``ratio_cap`` is refused.
+        importance_sampling_level: ``"token"`` (``rho = exp(logp - old)`` per token) or ``"sequence"`` (GSPO; TRL's
+            ``importance_sampling_level='sequence'``): one ratio per completion, ``exp`` of the mean of
+            ``logp - old`` over its unmasked tokens, with its gradient, in the policy term of every ratio function
+            and in the ratio-weighted KL.
         cispo_ratio_max: CISPO's cap on the detached ratio (``None``: uncapped).
         sapo_temperature_pos, sapo_temperature_neg: SAPO's gate temperatures (> 0; TRL's defaults 1 and 1.05).
         sampling_correction: the correction for a sampler whose probabilities differ from the trainer's (vLLM,
@@ -132,6 +141,9 @@ class GTPOConfig:
             entropy penalty are not weighted (TRL's ``vllm_importance_sampling_correction``). ``None``: off.
         sampling_ratio_min, sampling_ratio_max: the bounds of ``w`` (``None``: open); TRL's
             ``vllm_importance_sampling_clip_min`` / ``_max`` (defaults ``None`` and 3).
+        off_policy_mask_threshold: DeepSeek-V3.2's off-policy sequence masking (TRL's ``off_policy_mask_threshold``):
+            a completion whose shaped advantage is negative and whose mean ``sampling - logp`` over its tokens (the
+            sampler's log-probs, else the old ones) exceeds this gets no policy term. ``None``: off.
         max_completion_length: the generation cap. When set, ``dr_grpo`` divides by
             ``num_sequences * max_completion_length`` (TRL's and Liger's convention), so the loss does
             not depend on how much padding a batch happens to carry.
@@ -167,13 +179,16 @@ class GTPOConfig:
     kl_beta: float = 0.0
     ratio_cap: Optional[float] = None
     kl_ratio_weighted: bool = False
+    entropy_bonus: float = 0.0
     ratio_function: str = "clip"
+    importance_sampling_level: str = "token"
     cispo_ratio_max: Optional[float] = 5.0
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
     sampling_correction: Optional[str] = None
     sampling_ratio_min: Optional[float] = None
     sampling_ratio_max: Optional[float] = 3.0
+    off_policy_mask_threshold: Optional[float] = None
     max_completion_length: Optional[int] = None
     max_chunk_bytes: Optional[int] = None
     inplace_backward: bool = False
@@ -243,6 +258,10 @@ class GTPOConfig:
             raise bad("kl_beta", "must be a finite number >= 0")
         if self.ratio_cap is not None and not (is_number(self.ratio_cap) and self.ratio_cap > 1):
             raise bad("ratio_cap", "must be a number > 1 (the cap on the unclipped ratio), or None for no cap")
+        if not (is_number(self.entropy_bonus) and math.isfinite(self.entropy_bonus) and self.entropy_bonus >= 0):
+            raise bad("entropy_bonus", "must be a finite number >= 0")
+        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            raise bad("importance_sampling_level", f"must be one of {IMPORTANCE_SAMPLING_LEVELS}")
         if self.ratio_function not in RATIO_FUNCTIONS:
             raise bad("ratio_function", f"must be one of {RATIO_FUNCTIONS}")
         if self.ratio_function != "clip" and self.ratio_cap is not None:
@@ -263,6 +282,9 @@ class GTPOConfig:
         low, high = self.sampling_ratio_min, self.sampling_ratio_max
         if low is not None and high is not None and low > high:
             raise bad("sampling_ratio_min", f"must not exceed sampling_ratio_max ({high!r})")
+        threshold = self.off_policy_mask_threshold
+        if threshold is not None and not (is_number(threshold) and math.isfinite(threshold) and threshold >= 0):
+            raise bad("off_policy_mask_threshold", "must be a finite number >= 0 (a mean KL), or None")
         for name in ("max_completion_length", "max_chunk_bytes"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):

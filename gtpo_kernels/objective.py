@@ -38,9 +38,10 @@ class _K3(torch.autograd.Function):
 
 
 def signal_beyond_advantages(config: GTPOConfig, has_reference: bool) -> bool:
-    """Whether a term other than the advantages (the entropy penalty, the KL) gives every non-empty completion
-    a gradient, whatever the filter and the advantages."""
-    return (config.entropy_mode == "penalty" and config.entropy_coef > 0) or bool(config.kl_beta and has_reference)
+    """Whether a term other than the advantages (the entropy penalty or bonus, the KL) gives every non-empty
+    completion a gradient, whatever the filter and the advantages."""
+    penalty = config.entropy_mode == "penalty" and config.entropy_coef > 0
+    return penalty or config.entropy_bonus > 0 or bool(config.kl_beta and has_reference)
 
 
 def entropy_filter_on(config: GTPOConfig, initial_entropy: Optional[float]) -> bool:
@@ -64,7 +65,17 @@ class _Masked:
         self.lengths = self.mask.sum(dim=1)
         self.logp = torch.where(valid, token_logprobs, self.zero)
         self.entropy = torch.where(valid, token_entropy.to(self.dtype), self.zero)
-        self.completion_entropy, self.keep, self.token_advantage = _shaping(self, rows, config)
+        self.completion_entropy, self.keep, self.shaped, self.token_advantage = _shaping(self, rows, config)
+
+    def ratio(self, rows: LossRows, config: GTPOConfig) -> torch.Tensor:
+        """``[N, L]``: the importance ratio of each token against the old log-probs (with the gradient of ``logp``;
+        ``exp(logp - logp.detach())`` without them), or of its completion (``importance_sampling_level``)."""
+        old = self.logp.detach() if rows.old_logprobs is None else self.given(rows, rows.old_logprobs)
+        log_ratio = self.logp - old
+        if config.importance_sampling_level == "sequence":
+            row_mean = (log_ratio * self.mask).sum(dim=1, keepdim=True) / self.lengths.clamp(min=1)[:, None]
+            log_ratio = row_mean.expand(self.mask.shape)
+        return torch.exp(log_ratio)
 
     def given(self, rows: LossRows, tensor: torch.Tensor) -> torch.Tensor:
         """A per-token input (old or reference log-probs) in the statistics' dtype, 0 where masked."""
@@ -72,8 +83,8 @@ class _Masked:
 
 
 def _shaping(masked: _Masked, rows: LossRows, config: GTPOConfig):
-    """``(Hbar [N], keep [N], per-token advantage [N, L])``: the entropy filter and shaping. Hbar is detached:
-    it selects and shifts, it is not optimised."""
+    """``(Hbar [N], keep [N], shaped advantage [N], per-token advantage [N, L])``: the entropy filter and shaping.
+    Hbar is detached: it selects and shifts, it is not optimised."""
     mask = masked.mask
     completion_entropy = (masked.entropy.detach() * mask).sum(dim=1) / masked.lengths.clamp(min=1)
     if entropy_filter_on(config, rows.initial_entropy):
@@ -87,7 +98,36 @@ def _shaping(masked: _Masked, rows: LossRows, config: GTPOConfig):
         shaped = keep * advantages
     lambda_ = rows.lambda_
     token_advantage = shaped[:, None] if lambda_ is None else lambda_.to(mask.dtype) * shaped[:, None]
-    return completion_entropy, keep, token_advantage.expand(mask.shape)
+    return completion_entropy, keep, shaped, token_advantage.expand(mask.shape)
+
+
+def policy_weights(masked: _Masked, rows: LossRows, config: GTPOConfig) -> Optional[torch.Tensor]:
+    """The detached weights of the policy term: the sampler's correction (`sampling_weights`) times the off-policy
+    sequence mask (`off_policy_mask`); ``None`` without either."""
+    weight = sampling_weights(masked, rows, config)
+    keep = off_policy_mask(masked, rows, config)
+    if keep is None:
+        return weight
+    return keep if weight is None else weight * keep
+
+
+def off_policy_mask(masked: _Masked, rows: LossRows, config: GTPOConfig) -> Optional[torch.Tensor]:
+    """``[N, 1]``: 0 for a completion pushed down (shaped advantage < 0) whose mean ``sampling - logp`` over its
+    unmasked tokens exceeds ``config.off_policy_mask_threshold`` (DeepSeek-V3.2's off-policy sequence masking;
+    TRL's ``off_policy_mask_threshold``), else 1; ``None`` without a threshold. ``sampling``: the sampler's
+    log-probs, else the old ones, else the current ones (then nothing is masked); NaN ones count as 0."""
+    threshold = config.off_policy_mask_threshold
+    if threshold is None:
+        return None
+    logp = masked.logp.detach()
+    behaviour = rows.sampling_logprobs if rows.sampling_logprobs is not None else rows.old_logprobs
+    if behaviour is None:
+        behaviour = logp
+    behaviour = behaviour.detach().to(masked.dtype)
+    diff = torch.where(rows.valid & ~torch.isnan(behaviour), behaviour - logp, masked.zero)
+    mean_kl = diff.sum(dim=1) / masked.lengths.clamp(min=1)
+    dropped = (masked.shaped < 0) & (mean_kl > threshold)
+    return (~dropped).to(masked.dtype)[:, None]
 
 
 def sampling_weights(masked: _Masked, rows: LossRows, config: GTPOConfig) -> Optional[torch.Tensor]:
@@ -182,7 +222,7 @@ def _row_fraction(flags, valid, lengths):
 def _token_weights(rows: LossRows, lengths: torch.Tensor, config: GTPOConfig):
     """``[N, L]``: d loss / d per-token loss, the reduction's factor for each unmasked token (0 where masked)."""
     dtype = lengths.dtype
-    valid, n_conflict, num_tokens = rows.valid, rows.n_conflict, rows.num_tokens
+    valid, n_conflict = rows.valid, rows.n_conflict
     n_rows, n_positions = valid.shape
     sequences = n_rows if rows.num_sequences is None else rows.num_sequences
     if config.loss_reduction in ("sequence_mean", "sum"):
@@ -190,13 +230,7 @@ def _token_weights(rows: LossRows, lengths: torch.Tensor, config: GTPOConfig):
         if config.loss_reduction == "sequence_mean":
             row = row / sequences
     elif config.loss_reduction == "token_mean":
-        tokens = lengths.sum() if num_tokens is None else num_tokens
-        tokens = (
-            tokens.to(dtype)
-            if isinstance(tokens, torch.Tensor)
-            else torch.tensor(float(tokens), dtype=dtype, device=lengths.device)
-        )
-        row = torch.ones_like(lengths) / tokens.clamp(min=1)
+        row = torch.ones_like(lengths) / _batch_tokens(rows, lengths)
     else:  # dr_grpo
         row = torch.ones_like(lengths) / (sequences * (config.max_completion_length or n_positions))
     if config.divide_by_conflict_count and n_conflict is not None:
@@ -209,16 +243,14 @@ def loss_gradients(token_logprobs: torch.Tensor, token_entropy: torch.Tensor, ro
     ``token_entropy``, in closed form (no autograd graph; what the fused path needs per chunk). Same
     arguments; tested against autograd of `loss_from_token_stats`."""
     masked = _Masked(token_logprobs, token_entropy, rows, config)
-    logp, token_advantage, zero = masked.logp, masked.token_advantage, masked.zero
+    token_advantage, zero = masked.token_advantage, masked.zero
     valid = rows.valid
     weights = _token_weights(rows, masked.lengths, config)
 
     # Policy term -min(min(rho, delta) a, clip(rho) a): its gradient is -a rho on the branch the min takes (ties
     # go to the first, as torch.minimum does) where that branch is not flat: the first below the cap, the
     # clipped one inside [1 - eps_low, 1 + eps_high] (torch.clamp passes the gradient at the bounds).
-    ratio = (
-        torch.ones_like(logp) if rows.old_logprobs is None else torch.exp(logp - masked.given(rows, rows.old_logprobs))
-    )
+    ratio = masked.ratio(rows, config)
     if config.ratio_function != "clip":
         c = _other_ratio_function_gradient(ratio, token_advantage, config)
         return _finish_gradients(c, ratio, masked, rows, config, weights)
@@ -257,21 +289,49 @@ def _sapo_temperature(token_advantage, config: GTPOConfig):
 def _finish_gradients(c, ratio, masked: _Masked, rows: LossRows, config: GTPOConfig, weights):
     """The policy term's gradient ``c`` weighted by the sampler's correction, plus the KL's and the penalty's."""
     logp = masked.logp
-    weight = sampling_weights(masked, rows, config)
+    weight = policy_weights(masked, rows, config)
     if weight is not None:
         c = c * weight
+    c = c * weights
+    # One ratio per completion (GSPO) depends on each of its tokens' log-probs through their mean: the policy
+    # term's gradient with respect to the ratio is spread over the completion (CISPO's weight is detached).
+    sequence = config.importance_sampling_level == "sequence"
+    if sequence and config.ratio_function != "cispo":
+        c = _row_share(c, masked)
     if rows.ref_logprobs is not None and config.kl_beta:
         d = masked.given(rows, rows.ref_logprobs) - logp
         if config.kl_ratio_weighted:
-            # rho k3(d): d/d logp = rho (k3(d) - expm1(d)) = -rho d.
-            c = c - config.kl_beta * ratio * d
+            # rho k3(d): d/d logp = rho (k3(d) - expm1(d)) = -rho d per token; with one ratio per completion the
+            # rho factor's part is spread over the completion instead.
+            if sequence:
+                k3 = torch.expm1(d) - d
+                c = c + config.kl_beta * (_row_share(weights * ratio * k3, masked) - weights * ratio * torch.expm1(d))
+            else:
+                c = c - config.kl_beta * weights * ratio * d
         else:
             # k3(d) = expm1(d) - d with d = ref - logp: d k3 / d logp = -expm1(d).
-            c = c - config.kl_beta * torch.expm1(d)
+            c = c - config.kl_beta * weights * torch.expm1(d)
     e = torch.zeros_like(c)
     if config.entropy_mode == "penalty" and config.entropy_coef > 0:
         e = e + config.entropy_coef
-    return c * weights, e * weights
+    e = e * weights
+    if config.entropy_bonus > 0:  # a token mean of its own, whatever the reduction
+        e = e - config.entropy_bonus * masked.mask / _batch_tokens(rows, masked.lengths)
+    return torch.where(rows.valid, c, masked.zero), e
+
+
+def _row_share(per_token: torch.Tensor, masked: _Masked) -> torch.Tensor:
+    """``[N, L]``: each row's sum of ``per_token`` divided by its unmasked tokens, on each of them: the gradient
+    with respect to each token's log-prob of a term that depends on them through their mean."""
+    return (per_token * masked.mask).sum(dim=1, keepdim=True) / masked.lengths.clamp(min=1)[:, None] * masked.mask
+
+
+def _batch_tokens(rows: LossRows, lengths: torch.Tensor) -> torch.Tensor:
+    """The whole batch's unmasked tokens (``rows.num_tokens``, else this call's), at least 1, in ``lengths``' dtype."""
+    tokens = lengths.sum() if rows.num_tokens is None else rows.num_tokens
+    if not isinstance(tokens, torch.Tensor):
+        tokens = torch.tensor(float(tokens), dtype=lengths.dtype, device=lengths.device)
+    return tokens.to(lengths.dtype).clamp(min=1)
 
 
 def loss_from_token_stats(
@@ -301,8 +361,7 @@ def loss_from_token_stats(
     call_tokens = mask.sum()
 
     # Importance ratio; on-policy it is 1 in value and carries the gradient of logp.
-    old = logp.detach() if rows.old_logprobs is None else masked.given(rows, rows.old_logprobs)
-    ratio = torch.exp(logp - old)
+    ratio = masked.ratio(rows, config)
     capped = ratio if config.ratio_cap is None else torch.clamp(ratio, max=config.ratio_cap)
     unclipped = capped * token_advantage
     was_clipped = clipped_low = clipped_high = None
@@ -321,7 +380,7 @@ def loss_from_token_stats(
     else:
         per_token = -unclipped
 
-    weight = sampling_weights(masked, rows, config)
+    weight = policy_weights(masked, rows, config)
     if weight is not None:  # the sampler's correction weighs the policy term only, not the penalty or the KL
         per_token = per_token * weight
 
@@ -341,6 +400,8 @@ def loss_from_token_stats(
     # The reduction is the same per-token weights the closed-form gradient uses (one definition of both).
     weights = _token_weights(rows, lengths, config)
     loss = (torch.where(valid, per_token, zero) * weights).sum()
+    if config.entropy_bonus > 0:
+        loss = loss - config.entropy_bonus * (entropy * mask).sum() / _batch_tokens(rows, lengths)
 
     def token_fraction(flags: Optional[torch.Tensor]) -> torch.Tensor:
         if flags is None:

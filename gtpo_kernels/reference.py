@@ -205,6 +205,8 @@ def reference_loss_from_token_stats(
         lam = lambda_[i, at].to(dtype)
         token_adv = lam * shaped
         ratio = torch.exp(lp - old)
+        if config.importance_sampling_level == "sequence":  # GSPO: one ratio per completion, the tokens' mean
+            ratio = torch.exp((lp - old).sum() / n) * torch.ones_like(lp)
         first = ratio if config.ratio_cap is None else torch.clamp(ratio, max=config.ratio_cap)
         if config.ratio_function == "cispo":
             cap = math.inf if config.cispo_ratio_max is None else config.cispo_ratio_max
@@ -234,6 +236,14 @@ def reference_loss_from_token_stats(
             sampled = [float(x) for x in sampling_logprobs[i, at]]
             weight = reference_sampling_weights([float(x) for x in old], sampled, config)
             terms = terms * torch.tensor(weight, dtype=dtype, device=device)
+        if config.off_policy_mask_threshold is not None:
+            behaviour = sampling_logprobs if sampling_logprobs is not None else old_logprobs
+            current = [float(x) for x in lp.detach()]
+            seen = current if behaviour is None else [float(x) for x in behaviour[i, at]]
+            mean_kl = sum(0.0 if math.isnan(b) else b - c for b, c in zip(seen, current)) / n
+            if shaped < 0 and mean_kl > config.off_policy_mask_threshold:
+                terms = terms * 0.0
+                weight = [0.0] * n
         if config.entropy_mode == "penalty":
             terms = terms + gamma * h
         if ref_logprobs is not None:
@@ -257,6 +267,7 @@ def reference_loss_from_token_stats(
         signal.append(
             any(carries)
             or (config.entropy_mode == "penalty" and gamma > 0)
+            or config.entropy_bonus > 0
             or (config.kl_beta > 0 and ref_logprobs is not None)
         )
         token_count += n
@@ -272,6 +283,9 @@ def reference_loss_from_token_stats(
         loss = sum(row_losses) / max(1, tokens)
     else:
         loss = sum(row_losses) / (sequences * (config.max_completion_length or length))
+    if config.entropy_bonus > 0:  # TRL's bonus: minus the token mean of every unmasked token's entropy
+        entropies = [entropy[i, t] for i in range(n_rows) for t in range(length) if bool(valid[i, t])]
+        loss = loss - config.entropy_bonus * sum(entropies) / max(1, tokens)
     if not isinstance(loss, torch.Tensor):  # no rows at all
         loss = logp.sum() * 0
     loss = loss.to(dtype)

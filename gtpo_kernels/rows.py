@@ -151,10 +151,12 @@ def checked_rows(
             f"config.sampling_correction = {config.sampling_correction!r} needs sampling_logprobs [N, L], the "
             f"sampler's log-probs of the tokens (vLLM's); pass them or set sampling_correction=None"
         )
-    if config.sampling_correction is None and given.sampling_logprobs is not None:
+    readers = config.sampling_correction is not None or config.off_policy_mask_threshold is not None
+    if not readers and given.sampling_logprobs is not None:
         raise ValueError(
-            "sampling_logprobs were given but config.sampling_correction is None, so nothing would read them: "
-            "set sampling_correction (e.g. 'token_truncate') or leave sampling_logprobs out"
+            "sampling_logprobs were given but neither config.sampling_correction nor off_policy_mask_threshold is "
+            "set, so nothing would read them: set one (e.g. sampling_correction='token_truncate') or leave "
+            "sampling_logprobs out"
         )
     if config.kl_beta and given.ref_logprobs is None:
         raise ValueError(

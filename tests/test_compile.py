@@ -35,6 +35,19 @@ CPU_BACKENDS = ["torch", "cpu"]
         ("sapo+weighted_kl", GTPOConfig(ratio_function="sapo", kl_beta=0.1, kl_ratio_weighted=True)),
         ("sampler:token_mask", GTPOConfig(sampling_correction="token_mask", sampling_ratio_min=0.8)),
         ("sampler:sequence_truncate+sapo", GTPOConfig(ratio_function="sapo", sampling_correction="sequence_truncate")),
+        ("bonus+penalty", GTPOConfig(entropy_bonus=0.1, entropy_mode="penalty")),
+        ("opsm+cispo", GTPOConfig(off_policy_mask_threshold=0.05, ratio_function="cispo")),
+        (
+            "gspo+weighted_kl",
+            GTPOConfig(preset="grpo", importance_sampling_level="sequence", kl_beta=0.1, kl_ratio_weighted=True),
+        ),
+        ("gspo+sapo+kl", GTPOConfig(importance_sampling_level="sequence", ratio_function="sapo", kl_beta=0.1)),
+        (
+            "gspo+cispo+sampler",
+            GTPOConfig(
+                importance_sampling_level="sequence", ratio_function="cispo", sampling_correction="token_truncate"
+            ),
+        ),
     ],
 )
 def test_loss_gradients_equal_autograd(name, config):

@@ -67,6 +67,21 @@ CONFIGS = {
     ),
     "sapo": GTPOConfig(preset="official", ratio_function="sapo", sapo_temperature_pos=0.8, sapo_temperature_neg=1.3),
     "sapo+weighted_kl": GTPOConfig(preset="grpo", ratio_function="sapo", kl_beta=0.05, kl_ratio_weighted=True),
+    # Off-policy sequence masking against the sampler's log-probs, or the old ones
+    "opsm": GTPOConfig(preset="paper", off_policy_mask_threshold=0.05),
+    "opsm+sampler": GTPOConfig(
+        preset="grpo", off_policy_mask_threshold=0.02, sampling_correction="sequence_truncate", ratio_function="sapo"
+    ),
+    # GSPO's sequence-level ratio with the clip (and its ratio-weighted KL), and with CISPO
+    "gspo+weighted_kl": GTPOConfig(
+        preset="grpo", importance_sampling_level="sequence", kl_beta=0.05, kl_ratio_weighted=True
+    ),
+    "gspo+cispo": GTPOConfig(preset="paper", importance_sampling_level="sequence", ratio_function="cispo"),
+    # TRL's entropy bonus beside GTPO's own entropy terms
+    "bonus": GTPOConfig(preset="paper", entropy_bonus=0.05),
+    "bonus+penalty+dr_grpo": GTPOConfig(
+        preset="grpo", entropy_bonus=0.1, entropy_mode="penalty", entropy_coef=0.02, loss_reduction="dr_grpo"
+    ),
 }
 
 

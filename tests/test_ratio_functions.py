@@ -1,4 +1,5 @@
-"""TRL's CISPO and SAPO policy terms (``GTPOConfig.ratio_function``) on one token worked by hand, on every backend:
+"""TRL's CISPO and SAPO policy terms (``GTPOConfig.ratio_function``) and its entropy bonus on one token worked by
+hand, on every backend:
 the loss value and its gradient with respect to the token's log-prob. (Against the float64 oracle on random
 batches: tests/test_parity.py; the closed-form gradient: tests/test_compile.py; against GRPOTrainer:
 tests/test_trl.py.)"""
@@ -64,3 +65,52 @@ def test_ppo_settings_are_refused_with_other_ratio_functions():
         GTPOConfig(ratio_function="sapo", sapo_temperature_neg=0.0)
     with pytest.raises(ValueError, match="ratio_function must be one of"):
         GTPOConfig(ratio_function="vespo")
+
+
+@pytest.mark.parametrize("backend", list(registered()))
+def test_entropy_bonus_by_hand(backend):
+    """Uniform logits over V: H = log V on each token, whose gradient is 0 there; the bonus is -b log V whatever
+    the reduction, beside the policy term (-a: on-policy, token mean)."""
+    dev = device_for(backend)
+    for reduction in ("token_mean", "sequence_mean", "sum"):
+        config = GTPOConfig(
+            preset="grpo", normalize_advantages_by_std=False, loss_reduction=reduction, entropy_bonus=0.3
+        )
+        out = gtpo_loss(
+            torch.zeros(2, 3, V, device=dev),
+            torch.zeros(2, 3, dtype=torch.long, device=dev),
+            torch.tensor([[1, 1, 1], [1, 0, 0]], device=dev),
+            torch.tensor([0.5, 0.5], device=dev),
+            config=config,
+            backend=backend,
+            num_tokens=8,  # the whole batch's: 4 here
+        )
+        policy = {"token_mean": -0.5 * 4 / 8, "sequence_mean": -0.5, "sum": -1.0}[reduction]
+        assert float(out.loss) == pytest.approx(policy - 0.3 * 4 * math.log(V) / 8, rel=1e-6), reduction
+
+
+@pytest.mark.parametrize("backend", list(registered()))
+def test_off_policy_mask_by_hand(backend):
+    """Three one-token completions with uniform logits (logp = -log V), sampler log-probs 0.3 above the trainer's
+    for the first two and 0.05 above for the third, threshold 0.1: the one pushed down (A < 0) and off-policy
+    is dropped, the one pushed up stays, the one pushed down but close to the sampler stays."""
+    dev = device_for(backend)
+    config = GTPOConfig(
+        preset="grpo", normalize_advantages_by_std=False, loss_reduction="sum", off_policy_mask_threshold=0.1
+    )
+    sampled = torch.tensor([[LOGP + 0.3], [LOGP + 0.3], [LOGP + 0.05]], device=dev)
+    logits = torch.zeros(3, 1, V, device=dev, requires_grad=True)
+    out = gtpo_loss(
+        logits,
+        torch.zeros(3, 1, dtype=torch.long, device=dev),
+        torch.ones(3, 1, device=dev),
+        torch.tensor([-1.0, 1.0, -1.0], device=dev),
+        config=config,
+        sampling_logprobs=sampled,
+        backend=backend,
+    )
+    out.loss.backward()
+    assert float(out.loss) == pytest.approx(0 - 1.0 + 1.0, abs=1e-6)  # -a per kept token, on-policy
+    target_grad = logits.grad[:, 0, 0] / (1 - 1 / V)
+    assert target_grad.tolist() == pytest.approx([0.0, -1.0, 1.0], abs=1e-5)
+    assert float(out.metrics.signal_fraction) == pytest.approx(2 / 3)

@@ -139,7 +139,7 @@ def test_the_weights_change_the_loss_and_slices_add_up():
     "knobs, given, message",
     [
         (dict(sampling_correction="token_mask"), {}, "needs sampling_logprobs"),
-        ({}, {"sampling_logprobs": torch.zeros(2, 3)}, "sampling_correction is None"),
+        ({}, {"sampling_logprobs": torch.zeros(2, 3)}, "nothing would read them"),
         (dict(sampling_correction="token_mask"), {"sampling_logprobs": torch.zeros(2, 4)}, r"shape \[N, L\]"),
         (dict(sampling_correction="token_mask"), {"sampling_logprobs": torch.zeros(2, 3, dtype=torch.long)}, "float"),
     ],

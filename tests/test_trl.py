@@ -445,7 +445,12 @@ def test_every_grpo_config_field_is_classified():
             r"GTPOConfig\(kl_ratio_weighted=False\)",
         ),
         ({"beta": 0.1}, {"kl_beta": 0.1, "kl_ratio_weighted": True}, None),
-        ({"entropy_coef": 0.1}, {}, r"entropy_coef=0.1\): TRL's entropy bonus"),
+        ({"entropy_coef": 0.1}, {}, None),  # TRL's bonus, taken into the GTPO config
+        (
+            {"entropy_coef": 0.1},
+            {"entropy_bonus": 0.2},
+            r"entropy_coef=0.1\): contradicts GTPOConfig\(entropy_bonus=0.2\)",
+        ),
         ({"use_adaptive_entropy": True}, {}, r"use_adaptive_entropy=True\)"),
         ({"delta": 1.5}, {}, r"delta=1.5\): contradicts GTPOConfig\(ratio_cap=None\)"),
         ({"delta": 1.5}, {"ratio_cap": 1.5}, None),
@@ -549,8 +554,18 @@ def vllm_batch(trainer):
             "vllm_importance_sampling_clip_max": 1.2,
         },
         {"loss_type": "cispo", "epsilon_high": 1.1, "vllm_importance_sampling_mode": "sequence_truncate"},
+        {"off_policy_mask_threshold": 0.01},  # against vLLM's log-probs
     ],
-    ids=["defaults", "token_truncate", "token_mask", "sequence_truncate", "grpo-sequence_mask", "sapo", "cispo"],
+    ids=[
+        "defaults",
+        "token_truncate",
+        "token_mask",
+        "sequence_truncate",
+        "grpo-sequence_mask",
+        "sapo",
+        "cispo",
+        "off-policy-mask",
+    ],
 )
 def test_vllm_importance_sampling_trains_as_grpo_trainer(tiny_model_dir, tmp_path, monkeypatch, trl_args):
     """``GRPOConfig(use_vllm=True)`` with TRL's defaults builds, and ``from_grpo_config(args)`` trains as
@@ -703,6 +718,12 @@ def test_delta_and_bias_corrected_kl_equal_grpo_trainer(tiny_model_dir, tmp_path
         {"loss_type": "cispo", "epsilon_high": 1.3, "beta": 0.04, "use_bias_correction_kl": True},
         {"loss_type": "sapo"},
         {"loss_type": "sapo", "sapo_temperature_pos": 0.5, "sapo_temperature_neg": 2.0, "beta": 0.04},
+        {"entropy_coef": 0.05},  # TRL's static entropy bonus, on its default dapo
+        {"loss_type": "grpo", "entropy_coef": 0.1, "beta": 0.04},
+        {"off_policy_mask_threshold": 0.02},  # against the old log-probs (no vLLM)
+        {"loss_type": "grpo", "importance_sampling_level": "sequence"},  # GSPO
+        {"loss_type": "grpo", "importance_sampling_level": "sequence", "beta": 0.04, "use_bias_correction_kl": True},
+        {"loss_type": "sapo", "importance_sampling_level": "sequence"},
     ],
     ids=[
         "defaults",
@@ -713,6 +734,12 @@ def test_delta_and_bias_corrected_kl_equal_grpo_trainer(tiny_model_dir, tmp_path
         "cispo-kl",
         "sapo",
         "sapo-temperatures-kl",
+        "entropy-bonus",
+        "grpo-entropy-bonus-kl",
+        "off-policy-mask",
+        "gspo",
+        "gspo-bias-corrected-kl",
+        "sapo-gspo",
     ],
 )
 def test_from_grpo_config_trains_as_grpo_trainer(tiny_model_dir, tmp_path, trl_args):

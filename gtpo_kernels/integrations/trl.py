@@ -46,7 +46,7 @@ from ..fused_linear import fused_linear_gtpo_loss, fused_linear_token_logprobs_a
 from ..hf import decoder_of, head_logit_transform
 from ..result import GTPOMetrics
 from ..rows import LossRows
-from .trl_settings import check_settings, vllm_sampling_knobs
+from .trl_settings import check_settings, entropy_bonus_knobs, vllm_sampling_knobs
 
 try:
     from trl import GRPOTrainer
@@ -180,6 +180,12 @@ class GTPOTrainer(GRPOTrainer):
             # vLLM's probabilities differ from the trainer's: TRL's correction (on by default with vLLM) applies
             # to the GTPO loss's policy term, whatever the preset.
             config = config.replace(**vllm_sampling_knobs(self.args))
+        if config.entropy_bonus == 0 and entropy_bonus_knobs(self.args):
+            config = config.replace(**entropy_bonus_knobs(self.args))  # TRL's bonus, with any preset
+        if self.args.importance_sampling_level == "sequence":  # GSPO's ratio, with any preset
+            config = config.replace(importance_sampling_level="sequence")
+        if config.off_policy_mask_threshold is None and self.args.off_policy_mask_threshold is not None:
+            config = config.replace(off_policy_mask_threshold=self.args.off_policy_mask_threshold)
         if getattr(self, "aux_loss_enabled", False):
             # TRL adds the router's load-balancing loss from the model's own forward; the GTPO loss runs the
             # decoder alone (no logits), which leaves that loss out: refuse rather than train without it.
@@ -326,7 +332,7 @@ class GTPOTrainer(GRPOTrainer):
             conflict=conflict,
             old_logprobs=inputs.get("old_per_token_logps"),
             ref_logprobs=inputs.get("ref_per_token_logps"),
-            sampling_logprobs=inputs.get("sampling_per_token_logps") if self.gtpo_config.sampling_correction else None,
+            sampling_logprobs=inputs.get("sampling_per_token_logps") if _reads_sampler(self.gtpo_config) else None,
             initial_entropy=self._gtpo_initial_entropy,
             num_sequences=num_sequences,
             num_tokens=num_tokens,
@@ -400,6 +406,11 @@ class GTPOTrainer(GRPOTrainer):
     def log(self, logs, *args, **kwargs):
         self._flush_gtpo_metrics("train" if self.model.training else "eval")  # the mode TRL's log reports
         return super().log(logs, *args, **kwargs)
+
+
+def _reads_sampler(config: GTPOConfig) -> bool:
+    """Whether the loss reads the sampler's log-probs (vLLM's), which TRL's batch has with vLLM."""
+    return config.sampling_correction is not None or config.off_policy_mask_threshold is not None
 
 
 def _loss_mask(inputs: dict) -> torch.Tensor:

@@ -78,6 +78,29 @@ def _loss_type(value, args, config):
     return None
 
 
+def entropy_bonus_knobs(args) -> dict:
+    """TRL's static entropy bonus as `GTPOConfig` knobs (``{}`` without one; the adaptive one is refused)."""
+    coef = float(getattr(args, "entropy_coef", 0.0) or 0.0)
+    return {} if coef == 0 or getattr(args, "use_adaptive_entropy", False) else {"entropy_bonus": coef}
+
+
+def _entropy_bonus(value, args, config):
+    wanted = entropy_bonus_knobs(args).get("entropy_bonus", 0.0)
+    if config.entropy_bonus not in (0.0, wanted):
+        return (
+            f"contradicts GTPOConfig(entropy_bonus={config.entropy_bonus!r}), TRL's entropy bonus in the GTPO loss: "
+            f"set the same in both, or leave entropy_bonus 0 to take TRL's"
+        )
+    return None
+
+
+def _off_policy_mask(value, args, config):
+    mine = config.off_policy_mask_threshold
+    if value is not None and mine is not None and not math.isclose(value, mine):
+        return f"contradicts GTPOConfig(off_policy_mask_threshold={mine!r}): set the same in both, or leave it None"
+    return None
+
+
 def _sapo_temperature(side: str):
     def refuse(value, args, config):
         mine = getattr(config, f"sapo_temperature_{side}")
@@ -284,10 +307,15 @@ SETTINGS: Dict[str, Setting] = {
     ),
     "num_iterations": Setting(HONOURED, "TRL keeps the old log-probs; the loss takes the ratio against them"),
     "importance_sampling_level": Setting(
-        REFUSED, "'sequence' is refused", _unless("token", "sequence-level importance sampling is not in the GTPO loss")
+        HONOURED,
+        "GTPOConfig.importance_sampling_level ('sequence': GSPO; taken from here unless the GTPO config sets "
+        "'sequence' itself)",
     ),
     "off_policy_mask_threshold": Setting(
-        REFUSED, "refused when set", _unless(None, "off-policy sequence masking is not in the GTPO loss")
+        HONOURED,
+        "GTPOConfig.off_policy_mask_threshold (taken from here unless the GTPO config sets its own, which must "
+        "agree), against vLLM's log-probs with vLLM, else the old ones",
+        _off_policy_mask,
     ),
     "top_entropy_quantile": Setting(
         REFUSED,
@@ -297,9 +325,10 @@ SETTINGS: Dict[str, Setting] = {
         ),
     ),
     "entropy_coef": Setting(
-        REFUSED,
-        "refused when non-zero",
-        _unless(0.0, "TRL's entropy bonus is not in the GTPO loss (its entropy term is GTPOConfig.entropy_coef)"),
+        HONOURED,
+        "TRL's entropy bonus is GTPOConfig.entropy_bonus (taken from here unless the GTPO config sets its own, "
+        "which must agree; not GTPO's own entropy_coef)",
+        _entropy_bonus,
     ),
     "use_adaptive_entropy": Setting(
         REFUSED, "refused when True", _unless(False, "TRL's adaptive entropy bonus is not in the GTPO loss")
@@ -346,8 +375,9 @@ def from_grpo_config(args, **overrides):
     ``GTPOTrainer(..., args=args, gtpo_config=from_grpo_config(args))`` trains as ``GRPOTrainer`` does (tested
     against it). ``loss_type`` ('grpo', 'dapo', 'dr_grpo', 'cispo', 'sapo'), ``epsilon``/``epsilon_high``,
     ``delta``, ``beta``, ``use_bias_correction_kl``, ``sapo_temperature_*``, ``scale_rewards`` ('group' or 'none')
-    and, with vLLM, its importance-sampling correction drive it; what the GTPO loss cannot express ('bnpo',
-    'luspo', 'vespo', ``scale_rewards='batch'``, the entropy bonus, ...) is refused in one line naming the field.
+    TRL's static entropy bonus (``entropy_coef``) and, with vLLM, its importance-sampling correction drive it; what
+    the GTPO loss cannot express ('bnpo', 'luspo', 'vespo', ``scale_rewards='batch'``, the adaptive entropy
+    bonus, ...) is refused in one line naming the field.
     ``overrides`` are further `GTPOConfig` knobs."""
     from ..config import GTPOConfig
 
@@ -377,6 +407,9 @@ def from_grpo_config(args, **overrides):
         sapo_temperature_neg=args.sapo_temperature_neg,
         max_completion_length=args.max_completion_length if reduction == "dr_grpo" else None,
         **vllm_sampling_knobs(args),
+        **entropy_bonus_knobs(args),
+        off_policy_mask_threshold=args.off_policy_mask_threshold,
+        importance_sampling_level=args.importance_sampling_level,
     )
     knobs.update(overrides)
     return GTPOConfig(**knobs)
