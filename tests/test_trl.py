@@ -482,7 +482,6 @@ def test_every_grpo_config_field_is_classified():
             r"scale_rewards='none'\): contradicts "
             r"GTPOConfig\(normalize_advantages_by_std=True\)",
         ),
-        ({"cast_lm_head_to_fp32": True}, {}, r"cast_lm_head_to_fp32=True\)"),
         ({"beta": 0.1, "use_bias_correction_kl": False}, {"kl_beta": 0.1}, None),
         ({"loss_type": "grpo", "epsilon": 0.2}, {"preset": "grpo"}, None),
         ({"epsilon": 0.3, "epsilon_high": 0.3}, {"clip_eps_low": 0.3, "clip_eps_high": 0.3}, None),
@@ -756,6 +755,25 @@ def test_from_grpo_config_trains_as_grpo_trainer(tiny_model_dir, tmp_path, trl_a
     loss_b, grads_b = loss_and_grads(theirs, dict(inputs))
     torch.testing.assert_close(loss_a, loss_b, rtol=1e-5, atol=1e-7)
     assert_same_grads(grads_a, grads_b, rtol=1e-4)
+
+
+def test_a_float32_head_under_bf16_autocast_trains_as_grpo_trainer(tiny_model_dir, tmp_path):
+    """``cast_lm_head_to_fp32=True`` under bf16 mixed precision: the fused head's GEMMs and statistics run in float32
+    as TRL's head does, so the loss and gradient equal GRPOTrainer's (a bf16 head would differ by ~1e-2)."""
+    from gtpo_kernels.integrations.trl_settings import from_grpo_config
+
+    settings = {"loss_type": "grpo", "bf16": True, "cast_lm_head_to_fp32": True}
+    inputs = {k: v for k, v in fixed_inputs(100).items() if not k.startswith("gtpo_")}
+    theirs = make_trainer(tiny_model_dir, tmp_path / "grpo", cls=trl.GRPOTrainer, trl_args=settings)
+    ours = make_trainer(tiny_model_dir, tmp_path / "gtpo", gtpo_config=from_grpo_config(theirs.args), trl_args=settings)
+    assert ours.model.lm_head.weight.dtype == torch.float32
+    inputs = with_old_and_ref_logprobs(theirs, inputs, seed=7, ref=False)
+    with ours.accelerator.autocast():
+        assert torch.is_autocast_enabled("cpu")  # the decoder runs in bf16, the head must not
+    loss_a, grads_a = loss_and_grads(ours, dict(inputs))
+    loss_b, grads_b = loss_and_grads(theirs, dict(inputs))
+    torch.testing.assert_close(loss_a, loss_b, rtol=1e-5, atol=1e-7)
+    assert_same_grads(grads_a, grads_b, rtol=2e-2)  # bf16 decoder gradients: their rounding
 
 
 def test_from_grpo_config_refuses_what_it_cannot_express():

@@ -114,7 +114,14 @@ def add_gtpo_head(model, trainer: GTPOTrainer) -> None:
         length = gtpo_stats if gtpo_stats is not None else gtpo_loss["completion_ids"].shape[1]
         hidden = hidden_all[:, -length - 1 : -1]
         weight, bias, gather = _lm_head(self)
-        with gather:
+        head_precision = nullcontext()
+        if trainer.args.cast_lm_head_to_fp32:
+            # TRL's float32 head (its weights are float32 already): the GEMMs and the softmax in float32 whatever
+            # the autocast, the hidden states cast on the way in (their gradient flows back in their dtype).
+            hidden, weight = hidden.float(), weight.float()
+            bias = None if bias is None else bias.float()
+            head_precision = torch.autocast(hidden.device.type, enabled=False)
+        with gather, head_precision:
             if gtpo_stats is not None:
                 completion_ids = input_ids[:, -length:]
                 mask = kwargs["attention_mask"][:, -length:] if kwargs.get("attention_mask") is not None else None

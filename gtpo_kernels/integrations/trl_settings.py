@@ -183,15 +183,6 @@ def _vllm_is(value, args, config):
     return None
 
 
-def _cast_head(value, args, config):
-    if value:
-        return (
-            "the fused GTPO loss computes the head's matmul from the final hidden states under the trainer's "
-            "autocast, not in float32: leave it False"
-        )
-    return None
-
-
 def _sampling(name):
     return Setting(IRRELEVANT, f"sampling ({name}); the loss scores under softmax(logits / temperature), as TRL does")
 
@@ -207,7 +198,9 @@ SETTINGS: Dict[str, Setting] = {
         "a MoE router load-balancing loss TRL would add is refused at "
         "construction (the GTPO loss runs the decoder alone): set 0.0",
     ),
-    "cast_lm_head_to_fp32": Setting(REFUSED, "True is refused", _cast_head),
+    "cast_lm_head_to_fp32": Setting(
+        HONOURED, "the fused loss's head GEMMs and statistics in float32 (TRL casts the head's weights)"
+    ),
     # generation and groups
     "num_generations": Setting(HONOURED, "G: the group of the advantages and of the conflict weights"),
     "num_generations_eval": Setting(HONOURED, _TRL + " (evaluation)"),
