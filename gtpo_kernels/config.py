@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, FrozenSet, Optional, Tuple
 
 PRESETS = ("paper", "official", "grpo")
-REDUCTIONS = ("sequence_mean", "sum", "token_mean", "dr_grpo")
+REDUCTIONS = ("sequence_mean", "sum", "token_mean", "dr_grpo", "sequence_sum")
 ENTROPY_MODES = ("advantage_shift", "penalty")
 # How the sampler's log-probs correct the policy term (TRL's vllm_importance_sampling_mode): the ratio of the
 # trainer's to the sampler's probability per token or per completion, truncated at the bounds or zeroed outside.
@@ -102,7 +102,9 @@ class GTPOConfig:
             (the official code's behaviour).
         loss_reduction: ``"sequence_mean"`` (mean over completions of the per-completion token mean),
             ``"sum"`` (sum over completions), ``"token_mean"`` (sum over tokens / number of tokens)
-            or ``"dr_grpo"`` (sum over tokens / (N * max_completion_length), or (N * L) without it).
+            ``"dr_grpo"`` (sum over tokens / (N * max_completion_length), or (N * L) without it) or
+            ``"sequence_sum"`` (mean over completions of the per-completion token sum: LUSPO's length scaling;
+            TRL's ``loss_type='luspo'``).
         clip_eps_low, clip_eps_high: PPO clipping range ``[1 - eps_low, 1 + eps_high]``. ``None`` (or
             ``inf``) leaves that side open; both ``None`` switches clipping off, in every preset. A side
             not given takes the preset's value, or, for presets without clipping, the given side's

@@ -231,6 +231,8 @@ def _token_weights(rows: LossRows, lengths: torch.Tensor, config: GTPOConfig):
             row = row / sequences
     elif config.loss_reduction == "token_mean":
         row = torch.ones_like(lengths) / _batch_tokens(rows, lengths)
+    elif config.loss_reduction == "sequence_sum":
+        row = torch.ones_like(lengths) / sequences
     else:  # dr_grpo
         row = torch.ones_like(lengths) / (sequences * (config.max_completion_length or n_positions))
     if config.divide_by_conflict_count and n_conflict is not None:

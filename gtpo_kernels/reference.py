@@ -281,6 +281,8 @@ def reference_loss_from_token_stats(
             loss = loss / sequences
     elif config.loss_reduction == "token_mean":
         loss = sum(row_losses) / max(1, tokens)
+    elif config.loss_reduction == "sequence_sum":
+        loss = sum(row_losses) / sequences
     else:
         loss = sum(row_losses) / (sequences * (config.max_completion_length or length))
     if config.entropy_bonus > 0:  # TRL's bonus: minus the token mean of every unmasked token's entropy

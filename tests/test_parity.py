@@ -77,6 +77,8 @@ CONFIGS = {
         preset="grpo", importance_sampling_level="sequence", kl_beta=0.05, kl_ratio_weighted=True
     ),
     "gspo+cispo": GTPOConfig(preset="paper", importance_sampling_level="sequence", ratio_function="cispo"),
+    # LUSPO's reduction: the mean over completions of their token sums
+    "sequence_sum": GTPOConfig(preset="paper", loss_reduction="sequence_sum", kl_beta=0.05),
     # TRL's entropy bonus beside GTPO's own entropy terms
     "bonus": GTPOConfig(preset="paper", entropy_bonus=0.05),
     "bonus+penalty+dr_grpo": GTPOConfig(

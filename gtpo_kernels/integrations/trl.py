@@ -203,8 +203,12 @@ class GTPOTrainer(GRPOTrainer):
             )
         # Advantages as the GTPO config defines them (mean-centred for the paper and official presets).
         self.scale_rewards = "group" if config.normalize_advantages_by_std else "none"
+        # TRL's 'bnpo' divides each micro-batch by its own tokens (a local normaliser, by its definition not
+        # exact across micro-batches); every other token mean by its optimiser step's.
+        self._gtpo_local_tokens = self.args.loss_type == "bnpo"
         if (
             config.loss_reduction == "token_mean"
+            and not self._gtpo_local_tokens
             and self.args.steps_per_generation % self.args.gradient_accumulation_steps
         ):
             raise ValueError(
@@ -312,8 +316,12 @@ class GTPOTrainer(GRPOTrainer):
     def whole_batch_counts(self, inputs: dict, mode: str):
         """``(num_sequences, num_tokens)`` of the optimisation step a loss call belongs to, per process (DDP
         averages the processes): the rows of ``current_gradient_accumulation_steps`` slices like this one, and
-        the window's tokens that `attach_window_counts` gave every row. In evaluation, the call's own batch."""
+        the window's tokens that `attach_window_counts` gave every row (for TRL's 'bnpo', the call's own tokens).
+        In evaluation, the call's own batch."""
         rows = inputs["completion_ids"].shape[0]
+        if self._gtpo_local_tokens:  # BNPO: this call's tokens, times the accumulation steps it is averaged over
+            steps = self.current_gradient_accumulation_steps if mode == "train" else 1
+            return rows * steps, _loss_mask(inputs).sum().to(torch.float64) * steps
         if mode == "train":
             num_sequences = rows * self.current_gradient_accumulation_steps
             if "gtpo_window_tokens" in inputs:

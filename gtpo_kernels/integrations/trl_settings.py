@@ -23,8 +23,8 @@ LOSS_TYPES = {
     "dr_grpo": ("dr_grpo", "clip"),
     "cispo": ("token_mean", "cispo"),
     "sapo": ("sequence_mean", "sapo"),
-    "bnpo": None,
-    "luspo": None,
+    "bnpo": ("token_mean", "clip"),  # each micro-batch divided by its own tokens (GTPOTrainer passes them)
+    "luspo": ("sequence_sum", "clip"),
     "vespo": None,
 }
 
@@ -277,8 +277,9 @@ SETTINGS: Dict[str, Setting] = {
     "loss_type": Setting(
         HONOURED,
         "GTPOConfig.loss_reduction and ratio_function; a value given is refused unless the config computes the "
-        "same ('grpo': sequence_mean, 'dapo': token_mean, 'dr_grpo', each with the clip; 'cispo': token_mean "
-        "with ratio_function='cispo'; 'sapo': sequence_mean with 'sapo')",
+        "same ('grpo': sequence_mean, 'dapo': token_mean, 'dr_grpo', 'luspo': sequence_sum, each with the clip; "
+        "'bnpo': token_mean over each micro-batch's own tokens; 'cispo': token_mean with ratio_function='cispo'; "
+        "'sapo': sequence_mean with 'sapo')",
         _loss_type,
     ),
     "epsilon": Setting(
@@ -320,7 +321,8 @@ SETTINGS: Dict[str, Setting] = {
     "entropy_coef": Setting(
         HONOURED,
         "TRL's entropy bonus is GTPOConfig.entropy_bonus (taken from here unless the GTPO config sets its own, "
-        "which must agree; not GTPO's own entropy_coef)",
+        "which must agree; not GTPO's own entropy_coef): the optimiser step's token mean, where TRL takes each "
+        "micro-batch's (the same when they hold as many tokens)",
         _entropy_bonus,
     ),
     "use_adaptive_entropy": Setting(
