@@ -461,6 +461,10 @@ def test_cli_errors_are_one_line(tmp_path):
         (["--stepz", "3"], "unrecognized arguments: --stepz 3"),
         (["--steps", "0"], "--steps must be a positive integer"),
         (["--algo", "foo"], "--algo must be 'gtpo' or 'grpo' (got 'foo')"),
+        (["--ratio-function", "ppo"], "--ratio-function must be 'clip', 'cispo' or 'sapo' (got 'ppo')"),
+        (["--importance-sampling-level", "row"], "--importance-sampling-level must be 'token' or 'sequence'"),
+        (["--entropy-bonus", "-1"], "--entropy-bonus must be a number >= 0"),
+        (["--off-policy-mask-threshold", "-0.5"], "--off-policy-mask-threshold must be a number >= 0"),
         (["--config", "CONFIG"], "--learning-rate must be a positive number"),
         (["--dataset", "missing.jsonl"], "dataset 'missing.jsonl' is neither"),
         (["--model", "./nowhere"], "is not a local folder"),
@@ -644,3 +648,38 @@ def test_only_the_time_cap_finishes_a_stopped_run():
     assert not stopped.finishes and stopped.reason is StopReason.SIGNAL
     assert stopped.message == "SIGTERM received during the final evaluation"
     assert requests.exit_status == 143
+
+
+def test_trls_loss_terms_reach_the_loss_and_train(tiny_model_dir, tmp_path):
+    """--ratio-function, --importance-sampling-level, --entropy-bonus and --off-policy-mask-threshold set the run's
+    loss (off-policy with two updates per rollout, so that the ratio and the mask matter), and the run trains."""
+    config = tiny_config(
+        tiny_model_dir,
+        tmp_path,
+        steps=2,
+        eval_k=0,
+        num_iterations=2,
+        ratio_function="sapo",
+        importance_sampling_level="sequence",
+        entropy_bonus=0.01,
+        off_policy_mask_threshold=0.05,
+    )
+    loss = config.loss_config()
+    assert (
+        loss.ratio_function,
+        loss.importance_sampling_level,
+        loss.entropy_bonus,
+        loss.off_policy_mask_threshold,
+    ) == (
+        "sapo",
+        "sequence",
+        0.01,
+        0.05,
+    )
+    default = TrainConfig().loss_config()  # the default run's loss is unchanged: PPO's clip, per token, no extras
+    assert (default.ratio_function, default.importance_sampling_level, default.entropy_bonus) == ("clip", "token", 0.0)
+    assert default.off_policy_mask_threshold is None
+    summary = train_module.run(config)
+    assert summary["steps"] == 2
+    rows = [r for r in train_rows(tmp_path) if r["kind"] == "train"]
+    assert all(math.isfinite(r["loss"]) for r in rows) and sum(r["updates"] for r in rows) > 0

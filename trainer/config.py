@@ -27,6 +27,10 @@ class TrainConfig:
     entropy_coef: Optional[float] = None  # override the preset's entropy coefficient gamma (0: no shaping)
     entropy_filter: Optional[bool] = None  # override the preset: --no-entropy-filter switches the filter off
     conflict_weights: Optional[bool] = None  # override the preset: --no-conflict-weights sets every lambda to 1
+    ratio_function: str = "clip"  # the policy term: "clip" (PPO), "cispo" or "sapo" (docs/method.md)
+    importance_sampling_level: str = "token"  # "token", or "sequence" for one ratio per completion (GSPO)
+    entropy_bonus: float = 0.0  # minus this times the token-mean entropy (TRL's entropy_coef; not GTPO's gamma)
+    off_policy_mask_threshold: Optional[float] = None  # drop pushed-down completions this far off the old policy
     dataset: str = "arithmetic"  # "arithmetic" (built-in generator), "gsm8k" (needs network), or a .jsonl/.parquet path
     worked_examples: int = 2  # worked examples before each question: 2 (one adding, one subtracting), 1 (adding), 0
     answer_in_block: bool = True  # correctness reads the <answer> block only (else: the last number anywhere)
@@ -113,6 +117,20 @@ class TrainConfig:
             isinstance(self.entropy_coef, (int, float)) and math.isfinite(self.entropy_coef) and self.entropy_coef >= 0
         ):
             raise bad("entropy_coef", "must be a number >= 0")
+        if self.ratio_function not in ("clip", "cispo", "sapo"):
+            raise bad("ratio_function", "must be 'clip', 'cispo' or 'sapo'")
+        if self.importance_sampling_level not in ("token", "sequence"):
+            raise bad("importance_sampling_level", "must be 'token' or 'sequence'")
+        if (
+            not (isinstance(self.entropy_bonus, (int, float)) and math.isfinite(self.entropy_bonus))
+            or self.entropy_bonus < 0
+        ):
+            raise bad("entropy_bonus", "must be a number >= 0")
+        threshold = self.off_policy_mask_threshold
+        if threshold is not None and not (
+            isinstance(threshold, (int, float)) and math.isfinite(threshold) and threshold >= 0
+        ):
+            raise bad("off_policy_mask_threshold", "must be a number >= 0 (a mean KL per token)")
         if self.device not in ("auto", "cpu", "cuda"):
             raise bad("device", "must be 'auto', 'cpu' or 'cuda'")
         if self.precision not in ("auto", "bf16", "fp32"):
@@ -141,6 +159,10 @@ class TrainConfig:
         return GTPOConfig(
             preset=self.loss_preset,
             max_completion_length=max_completion_length,
+            ratio_function=self.ratio_function,
+            importance_sampling_level=self.importance_sampling_level,
+            entropy_bonus=float(self.entropy_bonus),
+            off_policy_mask_threshold=self.off_policy_mask_threshold,
             warn_no_signal=False,
             max_chunk_bytes=None if self.loss_chunk_mib is None else self.loss_chunk_mib * 2**20,
             **overrides,
