@@ -451,7 +451,9 @@ def test_every_grpo_config_field_is_classified():
             {"entropy_bonus": 0.2},
             r"entropy_coef=0.1\): contradicts GTPOConfig\(entropy_bonus=0.2\)",
         ),
-        ({"use_adaptive_entropy": True}, {}, r"use_adaptive_entropy=True\)"),
+        ({}, {"entropy_bonus": 0.2}, None),  # a bonus of the GTPO config's own beside TRL's default (none)
+        ({"use_adaptive_entropy": True}, {}, None),  # TRL's controller drives the bonus
+        ({"use_adaptive_entropy": True}, {"entropy_bonus": 0.1}, r"use_adaptive_entropy=True\): TRL's adaptive"),
         ({"delta": 1.5}, {}, r"delta=1.5\): contradicts GTPOConfig\(ratio_cap=None\)"),
         ({"delta": 1.5}, {"ratio_cap": 1.5}, None),
         (
@@ -767,6 +769,39 @@ def test_from_grpo_config_trains_as_grpo_trainer(tiny_model_dir, tmp_path, trl_a
     loss_b, grads_b = loss_and_grads(theirs, dict(inputs))
     torch.testing.assert_close(loss_a, loss_b, rtol=1e-5, atol=1e-7)
     assert_same_grads(grads_a, grads_b, rtol=1e-4)
+
+
+@pytest.mark.parametrize("entropy", ["below target", "above target"])
+def test_the_adaptive_entropy_bonus_trains_as_grpo_trainer(tiny_model_dir, tmp_path, entropy):
+    """TRL's adaptive controller (use_adaptive_entropy): from the same controller state, the same loss and gradient
+    as GRPOTrainer (the bonus applied when the last entropy was below the target, not above), and the same state
+    after the step (coefficient moved up or down, the window's entropy)."""
+    from gtpo_kernels.integrations.trl_settings import from_grpo_config
+
+    settings = {
+        "use_adaptive_entropy": True,
+        "entropy_coef": 0.2,
+        "entropy_target": 0.5 if entropy == "below target" else 50.0,
+        "entropy_coef_delta": 0.05,
+    }
+    inputs = {k: v for k, v in fixed_inputs(100).items() if not k.startswith("gtpo_")}
+    theirs = make_trainer(tiny_model_dir, tmp_path / "grpo", cls=trl.GRPOTrainer, trl_args=settings)
+    ours = make_trainer(tiny_model_dir, tmp_path / "gtpo", gtpo_config=from_grpo_config(theirs.args), trl_args=settings)
+    assert ours.gtpo_config.entropy_bonus == 0  # the controller sets it, call by call
+    inputs = with_old_and_ref_logprobs(theirs, inputs, seed=8, ref=False)
+    for trainer in (ours, theirs):
+        trainer._last_world_entropy = 0.1  # below either target: the bonus applies on this step
+    loss_a, grads_a = loss_and_grads(ours, dict(inputs))
+    loss_b, grads_b = loss_and_grads(theirs, dict(inputs))
+    torch.testing.assert_close(loss_a, loss_b, rtol=1e-5, atol=1e-7)
+    assert_same_grads(grads_a, grads_b, rtol=1e-4)
+    assert ours.entropy_coef == pytest.approx(theirs.entropy_coef) and ours.entropy_coef != 0.2
+    assert ours._last_world_entropy == pytest.approx(theirs._last_world_entropy, rel=1e-5)
+    assert ours._metrics["train"]["entropy_coef"] == pytest.approx(theirs._metrics["train"]["entropy_coef"])
+    # The next step's gate: off after an entropy above the target, in both
+    loss_a, _ = loss_and_grads(ours, dict(inputs))
+    loss_b, _ = loss_and_grads(theirs, dict(inputs))
+    torch.testing.assert_close(loss_a, loss_b, rtol=1e-5, atol=1e-7)
 
 
 def test_a_float32_head_under_bf16_autocast_trains_as_grpo_trainer(tiny_model_dir, tmp_path):

@@ -339,11 +339,17 @@ class GTPOTrainer(GRPOTrainer):
         conflict = None
         if self.gtpo_config.use_conflict_weights:
             conflict = (inputs["gtpo_lambda"], inputs["gtpo_n_conflict"])
+        config = self.gtpo_config
+        if self.use_adaptive_entropy:
+            # TRL's controller (its state, self.entropy_coef and self._last_world_entropy, is TRL's, saved in its
+            # checkpoints): the coefficient and gate of the end of the previous optimiser step.
+            applied = self.entropy_coef if self._last_world_entropy <= self.args.entropy_target else 0.0
+            config = config.replace(entropy_bonus=float(applied))
         loss_inputs = dict(
             completion_ids=completion_ids,
             completion_mask=mask,
             advantages=inputs["advantages"].reshape(-1),
-            config=self.gtpo_config,
+            config=config,
             conflict=conflict,
             old_logprobs=inputs.get("old_per_token_logps"),
             ref_logprobs=inputs.get("ref_per_token_logps"),
@@ -361,7 +367,31 @@ class GTPOTrainer(GRPOTrainer):
         if self.gtpo_config.loss_reduction == "sum":
             loss = loss * self.accelerator.num_processes  # DDP averages the processes; a sum is over all of them
         self._log_gtpo_metrics(out.metrics, mode)
+        if self.use_adaptive_entropy and mode == "train":
+            self._update_entropy_controller(out.metrics)
+        elif config.entropy_bonus and mode == "train" and self.accelerator.sync_gradients:
+            self._metrics["train"]["entropy_coef"].append(config.entropy_bonus)  # as TRL logs its static one
         return loss
+
+    def _update_entropy_controller(self, metrics: GTPOMetrics) -> None:
+        """TRL's adaptive entropy bonus: the window's token-weighted entropy (this call's sums added to the
+        window's), and at the optimiser step's boundary, over every process, the coefficient moved by
+        ``entropy_coef_delta`` towards keeping the entropy above ``entropy_target``."""
+        stats = torch.stack([metrics.entropy.detach().double() * metrics.num_tokens, metrics.num_tokens.double()])
+        stats = stats.to(self.accelerator.device)
+        self._entropy_window_stats = stats if self._entropy_window_stats is None else self._entropy_window_stats + stats
+        if not self.accelerator.sync_gradients:
+            return
+        window = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+        world_entropy = float(window[0] / window[1].clamp(min=1.0))
+        args = self.args
+        if world_entropy <= args.entropy_target:
+            self.entropy_coef = min(self.entropy_coef + args.entropy_coef_delta, args.entropy_coef_max)
+        else:
+            self.entropy_coef = max(self.entropy_coef - args.entropy_coef_delta, args.entropy_coef_min)
+        self._last_world_entropy = world_entropy
+        self._entropy_window_stats = None
+        self._metrics["train"]["entropy_coef"].append(self.entropy_coef)
 
     def _log_gtpo_metrics(self, metrics: GTPOMetrics, mode: str) -> None:
         """Adds this call's metric sums to the mode's pending ones, on the device (read in `log`)."""

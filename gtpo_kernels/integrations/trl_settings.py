@@ -86,7 +86,7 @@ def entropy_bonus_knobs(args) -> dict:
 
 def _entropy_bonus(value, args, config):
     wanted = entropy_bonus_knobs(args).get("entropy_bonus", 0.0)
-    if config.entropy_bonus not in (0.0, wanted):
+    if wanted and config.entropy_bonus not in (0.0, wanted):
         return (
             f"contradicts GTPOConfig(entropy_bonus={config.entropy_bonus!r}), TRL's entropy bonus in the GTPO loss: "
             f"set the same in both, or leave entropy_bonus 0 to take TRL's"
@@ -98,6 +98,15 @@ def _off_policy_mask(value, args, config):
     mine = config.off_policy_mask_threshold
     if value is not None and mine is not None and not math.isclose(value, mine):
         return f"contradicts GTPOConfig(off_policy_mask_threshold={mine!r}): set the same in both, or leave it None"
+    return None
+
+
+def _adaptive_entropy(value, args, config):
+    if value and config.entropy_bonus != 0:
+        return (
+            f"TRL's adaptive controller sets the entropy bonus, and GTPOConfig(entropy_bonus={config.entropy_bonus!r}) "
+            f"sets one too: leave entropy_bonus 0"
+        )
     return None
 
 
@@ -326,10 +335,13 @@ SETTINGS: Dict[str, Setting] = {
         _entropy_bonus,
     ),
     "use_adaptive_entropy": Setting(
-        REFUSED, "refused when True", _unless(False, "TRL's adaptive entropy bonus is not in the GTPO loss")
+        HONOURED,
+        "TRL's controller drives GTPOConfig.entropy_bonus call by call (its state is TRL's, in TRL's checkpoints); "
+        "a GTPO config with a bonus of its own is refused beside it",
+        _adaptive_entropy,
     ),
     **{
-        name: Setting(IRRELEVANT, "used only by use_adaptive_entropy (refused)")
+        name: Setting(HONOURED, "the adaptive entropy controller's, as TRL uses them")
         for name in ("entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target")
     },
     "sapo_temperature_pos": Setting(
