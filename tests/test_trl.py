@@ -379,10 +379,12 @@ def test_token_mean_windows_across_generation_batches_are_refused(tiny_model_dir
         )
 
 
-def test_moe_router_loss_is_refused_not_dropped(tiny_model_dir, tmp_path):
-    """TRL adds a MoE model's router load-balancing loss; the GTPO loss runs the decoder alone, so a MoE policy
-    with a non-zero coefficient is refused at construction (it was trained without it, silently), and
-    router_aux_loss_coef=0.0 is the documented way to train it anyway."""
+def test_moe_router_loss_is_added_as_grpo_trainer_adds_it(tiny_model_dir, tmp_path):
+    """A Mixture-of-Experts policy: the decoder pass returns its router logits and the router load-balancing loss is
+    added as TRL adds it (it was refused before): from_grpo_config equals GRPOTrainer in loss and gradient, the
+    router's own weights included, and TRL's aux_loss metric; with router_aux_loss_coef=0.0 the loss is without it."""
+    from gtpo_kernels.integrations.trl_settings import from_grpo_config
+
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
     config = transformers.Qwen3MoeConfig(
         vocab_size=len(tokenizer),
@@ -397,19 +399,30 @@ def test_moe_router_loss_is_refused_not_dropped(tiny_model_dir, tmp_path):
         max_position_embeddings=512,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        router_aux_loss_coef=0.01,
+        router_aux_loss_coef=0.5,
     )
     moe_dir = tmp_path / "moe"
     transformers.Qwen3MoeForCausalLM(config).save_pretrained(moe_dir)
     tokenizer.save_pretrained(moe_dir)
-    with pytest.raises(
-        ValueError,
-        match=r"router load-balancing loss \(router_aux_loss_coef=0.01\).*"
-        r"router_aux_loss_coef=0.0",
-    ):
-        make_trainer(str(moe_dir), tmp_path)
-    trainer = make_trainer(str(moe_dir), tmp_path, trl_args={"router_aux_loss_coef": 0.0})
-    assert not trainer.aux_loss_enabled
+    inputs = {k: v for k, v in fixed_inputs(len(tokenizer)).items() if not k.startswith("gtpo_")}
+    theirs = make_trainer(str(moe_dir), tmp_path / "grpo", cls=trl.GRPOTrainer)
+    ours = make_trainer(str(moe_dir), tmp_path / "gtpo", gtpo_config=from_grpo_config(theirs.args))
+    assert ours.aux_loss_enabled and ours.router_aux_loss_coef == 0.5
+    inputs = with_old_and_ref_logprobs(theirs, inputs, seed=9, ref=False)
+    loss_a, grads_a = loss_and_grads(ours, dict(inputs))
+    loss_b, grads_b = loss_and_grads(theirs, dict(inputs))
+    torch.testing.assert_close(loss_a, loss_b, rtol=1e-5, atol=1e-7)
+    assert_same_grads(grads_a, grads_b, rtol=1e-4)
+    assert ours._metrics["train"]["aux_loss"] == pytest.approx(theirs._metrics["train"]["aux_loss"], rel=1e-5)
+    without = make_trainer(
+        str(moe_dir),
+        tmp_path / "off",
+        gtpo_config=from_grpo_config(theirs.args),
+        trl_args={"router_aux_loss_coef": 0.0},
+    )
+    assert not without.aux_loss_enabled
+    loss_c, _ = loss_and_grads(without, dict(inputs))
+    assert float(loss_a - loss_c) == pytest.approx(0.5 * ours._metrics["train"]["aux_loss"][0], rel=1e-4)
 
 
 def test_every_grpo_config_field_is_classified():

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import types
 from contextlib import nullcontext
 from typing import Optional
@@ -86,12 +87,29 @@ def _lm_head(model):
     return weight, bias, gather
 
 
+def router_load_balancing_loss(model, decoded, attention_mask) -> torch.Tensor:
+    """A Mixture-of-Experts causal LM's router load-balancing loss from its decoder's router logits, by the
+    architecture's own ``load_balancing_loss_func`` (what its forward adds with ``output_router_logits``)."""
+    module = sys.modules[type(model).__module__]
+    balance = getattr(module, "load_balancing_loss_func", None)
+    if balance is None or getattr(decoded, "router_logits", None) is None:
+        raise ValueError(
+            f"GTPOTrainer: {type(model).__name__} has no router load-balancing loss this trainer can compute (no "
+            f"load_balancing_loss_func or router logits): set GRPOConfig(router_aux_loss_coef=0.0)"
+        )
+    config = getattr(model.config, "get_text_config", lambda: model.config)()
+    experts = getattr(model, "num_experts", None) or config.num_experts
+    top_k = getattr(model, "num_experts_per_tok", None) or config.num_experts_per_tok
+    return balance(decoded.router_logits, experts, top_k, attention_mask)
+
+
 def add_gtpo_head(model, trainer: GTPOTrainer) -> None:
     """Adds two modes to ``model.forward`` (whatever TRL's own patches do otherwise):
 
     ``model(input_ids, attention_mask, gtpo_stats=L)``: per-token log-probs and entropies of the last ``L``
     tokens (no grad), as ``(logp [B, L], H [B, L])``;
-    ``model(input_ids, attention_mask, gtpo_loss=dict(...))``: the `GTPOLossOutput` of the last ``L`` tokens.
+    ``model(input_ids, attention_mask, gtpo_loss=dict(...))``: ``(GTPOLossOutput of the last L tokens, the router
+    load-balancing loss of a Mixture-of-Experts model when TRL adds one, else None)``.
     Both run the decoder, then the fused kernels on its final hidden states; never the logits. A model that
     soft-caps or scales its logits (Gemma 2/3, Cohere, Granite, ...) takes the logits path instead: its logits,
     transformed, in chunks of rows that are rebuilt in backward (`chunked_logits`), so memory stays bounded."""
@@ -109,7 +127,11 @@ def add_gtpo_head(model, trainer: GTPOTrainer) -> None:
         if gtpo_stats is None and gtpo_loss is None:
             return previous_forward(*args, **kwargs)
         kwargs["use_cache"] = False
-        hidden_all = decoder_of(self)(*args, **kwargs).last_hidden_state
+        router_loss = gtpo_loss is not None and trainer.aux_loss_enabled
+        if router_loss:
+            kwargs["output_router_logits"] = True  # the decoder returns them; the load-balancing loss is below
+        decoded = decoder_of(self)(*args, **kwargs)
+        hidden_all = decoded.last_hidden_state
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         length = gtpo_stats if gtpo_stats is not None else gtpo_loss["completion_ids"].shape[1]
         hidden = hidden_all[:, -length - 1 : -1]
@@ -148,8 +170,11 @@ def add_gtpo_head(model, trainer: GTPOTrainer) -> None:
             if transform is not None:
                 config = inputs.pop("config")
                 given = LossRows(ids, mask, advantages, **inputs)
-                return transformed_logits_gtpo_loss(hidden, (weight, bias, transform[1]), given, config)
-            return fused_linear_gtpo_loss(hidden, weight, ids, mask, advantages, lm_head_bias=bias, **inputs)
+                out = transformed_logits_gtpo_loss(hidden, (weight, bias, transform[1]), given, config)
+            else:
+                out = fused_linear_gtpo_loss(hidden, weight, ids, mask, advantages, lm_head_bias=bias, **inputs)
+        aux = router_load_balancing_loss(self, decoded, kwargs.get("attention_mask")) if router_loss else None
+        return out, aux
 
     model.forward = types.MethodType(forward, model)
 
@@ -193,14 +218,6 @@ class GTPOTrainer(GRPOTrainer):
             config = config.replace(importance_sampling_level="sequence")
         if config.off_policy_mask_threshold is None and self.args.off_policy_mask_threshold is not None:
             config = config.replace(off_policy_mask_threshold=self.args.off_policy_mask_threshold)
-        if getattr(self, "aux_loss_enabled", False):
-            # TRL adds the router's load-balancing loss from the model's own forward; the GTPO loss runs the
-            # decoder alone (no logits), which leaves that loss out: refuse rather than train without it.
-            raise ValueError(
-                f"GTPOTrainer does not add a Mixture-of-Experts model's router load-balancing loss "
-                f"(router_aux_loss_coef={self.router_aux_loss_coef}); set "
-                f"GRPOConfig(router_aux_loss_coef=0.0) to train {type(self.model).__name__} without it"
-            )
         # Advantages as the GTPO config defines them (mean-centred for the paper and official presets).
         self.scale_rewards = "group" if config.normalize_advantages_by_std else "none"
         # TRL's 'bnpo' divides each micro-batch by its own tokens (a local normaliser, by its definition not
@@ -362,10 +379,14 @@ class GTPOTrainer(GRPOTrainer):
         input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         with self.accelerator.autocast():
-            out = model(input_ids=input_ids, attention_mask=attention_mask, gtpo_loss=loss_inputs)
+            out, router_loss = model(input_ids=input_ids, attention_mask=attention_mask, gtpo_loss=loss_inputs)
         loss = out.loss
         if self.gtpo_config.loss_reduction == "sum":
             loss = loss * self.accelerator.num_processes  # DDP averages the processes; a sum is over all of them
+        if router_loss is not None:  # as TRL adds it: per call, scaled for gradient accumulation
+            steps = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+            loss = loss + self.router_aux_loss_coef * router_loss / steps
+            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(router_loss).mean().item())
         self._log_gtpo_metrics(out.metrics, mode)
         if self.use_adaptive_entropy and mode == "train":
             self._update_entropy_controller(out.metrics)

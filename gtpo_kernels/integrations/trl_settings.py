@@ -203,9 +203,9 @@ SETTINGS: Dict[str, Setting] = {
     "trust_remote_code": Setting(HONOURED, _TRL + " (loading the model)"),
     "disable_dropout": Setting(HONOURED, _TRL + " (dropout off in the policy and reference)"),
     "router_aux_loss_coef": Setting(
-        REFUSED,
-        "a MoE router load-balancing loss TRL would add is refused at "
-        "construction (the GTPO loss runs the decoder alone): set 0.0",
+        HONOURED,
+        "a Mixture-of-Experts model's router load-balancing loss, from the decoder pass's router logits, added as "
+        "TRL adds it",
     ),
     "cast_lm_head_to_fp32": Setting(
         HONOURED, "the fused loss's head GEMMs and statistics in float32 (TRL casts the head's weights)"
