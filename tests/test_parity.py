@@ -43,46 +43,52 @@ CONFIGS = {
     "cap+weighted_kl": GTPOConfig(
         preset="paper", clip_eps_low=0.2, clip_eps_high=0.28, ratio_cap=1.25, kl_beta=0.05, kl_ratio_weighted=True
     ),
-    # The sampler's correction (TRL's vLLM importance sampling), each mode; bounds that bite on these draws.
-    "sampler:token_truncate": GTPOConfig(
-        preset="paper", sampling_correction="token_truncate", sampling_ratio_min=0.8, sampling_ratio_max=1.3
-    ),
-    "sampler:token_mask+kl": GTPOConfig(
-        preset="grpo", sampling_correction="token_mask", sampling_ratio_min=0.7, kl_beta=0.05
-    ),
-    "sampler:sequence_truncate": GTPOConfig(
-        preset="official", sampling_correction="sequence_truncate", sampling_ratio_max=2.0
-    ),
-    "sampler:sequence_mask+penalty": GTPOConfig(
-        preset="paper", entropy_mode="penalty", sampling_correction="sequence_mask", sampling_ratio_max=1.5
-    ),
-    # TRL's CISPO and SAPO ratio functions, off-policy (compare() passes old log-probs), with a GTPO preset
-    "cispo": GTPOConfig(preset="paper", ratio_function="cispo", cispo_ratio_max=1.2),
-    "cispo+kl+sampler": GTPOConfig(
-        preset="grpo",
-        ratio_function="cispo",
-        kl_beta=0.05,
+    # TRL's terms (docs/method.md), several to a config: the sampler's correction in each of its modes (bounds that
+    # bite on these draws), CISPO and SAPO, off-policy masking (against the sampler's or the old log-probs), GSPO's
+    # sequence-level ratio, LUSPO's sequence_sum and the entropy bonus, beside GTPO's presets and entropy terms.
+    # (Each term alone, by hand: tests/test_ratio_functions.py, tests/test_sampling_correction.py.)
+    "sampler:token_truncate+cispo": GTPOConfig(
+        preset="paper",
         sampling_correction="token_truncate",
-        loss_reduction="token_mean",
+        sampling_ratio_min=0.8,
+        sampling_ratio_max=1.3,
+        ratio_function="cispo",
+        cispo_ratio_max=1.2,
     ),
-    "sapo": GTPOConfig(preset="official", ratio_function="sapo", sapo_temperature_pos=0.8, sapo_temperature_neg=1.3),
-    "sapo+weighted_kl": GTPOConfig(preset="grpo", ratio_function="sapo", kl_beta=0.05, kl_ratio_weighted=True),
-    # Off-policy sequence masking against the sampler's log-probs, or the old ones
-    "opsm": GTPOConfig(preset="paper", off_policy_mask_threshold=0.05),
-    "opsm+sampler": GTPOConfig(
-        preset="grpo", off_policy_mask_threshold=0.02, sampling_correction="sequence_truncate", ratio_function="sapo"
+    "sampler:token_mask+kl+bonus": GTPOConfig(
+        preset="grpo", sampling_correction="token_mask", sampling_ratio_min=0.7, kl_beta=0.05, entropy_bonus=0.05
     ),
-    # GSPO's sequence-level ratio with the clip (and its ratio-weighted KL), and with CISPO
-    "gspo+weighted_kl": GTPOConfig(
-        preset="grpo", importance_sampling_level="sequence", kl_beta=0.05, kl_ratio_weighted=True
+    "sampler:sequence_truncate+sapo": GTPOConfig(
+        preset="official",
+        sampling_correction="sequence_truncate",
+        sampling_ratio_max=2.0,
+        ratio_function="sapo",
+        sapo_temperature_pos=0.8,
+        sapo_temperature_neg=1.3,
+    ),
+    "sampler:sequence_mask+penalty+opsm": GTPOConfig(
+        preset="paper",
+        entropy_mode="penalty",
+        sampling_correction="sequence_mask",
+        sampling_ratio_max=1.5,
+        off_policy_mask_threshold=0.02,
+    ),
+    "opsm+sequence_sum+kl": GTPOConfig(
+        preset="paper", off_policy_mask_threshold=0.05, loss_reduction="sequence_sum", kl_beta=0.05
+    ),
+    "gspo+sapo+weighted_kl": GTPOConfig(
+        preset="grpo", importance_sampling_level="sequence", ratio_function="sapo", kl_beta=0.05, kl_ratio_weighted=True
     ),
     "gspo+cispo": GTPOConfig(preset="paper", importance_sampling_level="sequence", ratio_function="cispo"),
-    # LUSPO's reduction: the mean over completions of their token sums
-    "sequence_sum": GTPOConfig(preset="paper", loss_reduction="sequence_sum", kl_beta=0.05),
-    # TRL's entropy bonus beside GTPO's own entropy terms
-    "bonus": GTPOConfig(preset="paper", entropy_bonus=0.05),
-    "bonus+penalty+dr_grpo": GTPOConfig(
-        preset="grpo", entropy_bonus=0.1, entropy_mode="penalty", entropy_coef=0.02, loss_reduction="dr_grpo"
+    "gspo+weighted_kl+bonus+penalty+dr_grpo": GTPOConfig(
+        preset="grpo",
+        importance_sampling_level="sequence",
+        kl_beta=0.05,
+        kl_ratio_weighted=True,
+        entropy_bonus=0.1,
+        entropy_mode="penalty",
+        entropy_coef=0.02,
+        loss_reduction="dr_grpo",
     ),
 }
 

@@ -206,3 +206,52 @@ def test_dr_grpo_slices_need_the_generation_cap(entry):
     run(entry, leaves, ids, mask, adv, old, ref, config)  # a whole batch: its own L is the batch's
     with pytest.raises(ValueError, match="dr_grpo.*max_completion_length"):
         run(entry, leaves, ids, mask, adv, old, ref, config, rows=torch.arange(4), num_sequences=ids.shape[0])
+
+
+@pytest.mark.parametrize("entry", ["logits", "fused"])
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        dict(sampling_correction="sequence_mask", sampling_ratio_max=1.5, off_policy_mask_threshold=0.02),
+        dict(importance_sampling_level="sequence", ratio_function="sapo", kl_ratio_weighted=True, entropy_bonus=0.1),
+        dict(ratio_function="cispo", cispo_ratio_max=1.1, sampling_correction="token_truncate", entropy_bonus=0.05),
+    ],
+    ids=["sampler+opsm", "gspo+sapo+bonus", "cispo+sampler+bonus"],
+)
+def test_trls_terms_add_up_across_slices(entry, knobs):
+    """The terms of TRL's loss types (docs/method.md) on a paper-preset batch cut through its groups: the slices'
+    losses and gradients add up to the whole batch's, in float64."""
+    hidden, weight, ids, mask, adv, old, ref = batch(seed=5)
+    sampled = old + 0.2 * torch.randn(old.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    config = GTPOConfig(preset="paper", entropy_threshold=None, kl_beta=0.05, **knobs)
+    reads = config.sampling_correction is not None or config.off_policy_mask_threshold is not None
+    sampled = sampled if reads else None
+    leaves = [hidden.clone().requires_grad_(), weight.clone().requires_grad_()]
+    whole = run(entry, leaves, ids, mask, adv, old, ref, config, group_size=G, sampling_logprobs=sampled)
+    whole.loss.backward()
+    expected = [leaf.grad.clone() for leaf in leaves]
+    lambda_, n_conflict = conflict_weights(ids, mask, adv, G, config.conflict_weight)
+    leaves = [hidden.clone().requires_grad_(), weight.clone().requires_grad_()]
+    total = 0.0
+    for rows in partition(ids.shape[0], 3, seed=1):
+        out = run(
+            entry,
+            leaves,
+            ids,
+            mask,
+            adv,
+            old,
+            ref,
+            config,
+            rows=rows,
+            conflict=(lambda_[rows], n_conflict[rows]),
+            sampling_logprobs=None if sampled is None else sampled[rows],
+            num_sequences=ids.shape[0],
+            num_tokens=int(mask.sum()),
+        )
+        out.loss.backward()
+        total = total + out.loss.detach()
+    assert whole.loss.abs() > 0
+    torch.testing.assert_close(total, whole.loss.detach(), rtol=1e-10, atol=1e-14)
+    for leaf, grad in zip(leaves, expected):
+        torch.testing.assert_close(leaf.grad, grad, rtol=1e-10, atol=1e-14)
