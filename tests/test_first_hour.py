@@ -121,3 +121,13 @@ def test_built_in_model_quantisation_is_measured():
     q8 = relative_rms_error(tensors["token_embd.weight"])
     # 16 levels per block of 32 weights: about 8 % RMS; 256 levels: 16x finer.
     assert 0.05 < q4 < 0.12 and 0.003 < q8 < 0.012 and 10 < q4 / q8 < 20, (q4, q8)
+
+
+def test_ci_runs_the_readmes_test_command():
+    """The README's install-and-run block ends with the test command, and .ci/run runs exactly that command."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("## Install and run", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    test_command = block.strip().splitlines()[-1]
+    assert test_command.startswith("python -m pytest"), test_command
+    ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line.startswith("python -m pytest")]
+    assert ci == [test_command], (ci, test_command)

@@ -288,7 +288,8 @@ SETTINGS: Dict[str, Setting] = {
         "GTPOConfig.loss_reduction and ratio_function; a value given is refused unless the config computes the "
         "same ('grpo': sequence_mean, 'dapo': token_mean, 'dr_grpo', 'luspo': sequence_sum, each with the clip; "
         "'bnpo': token_mean over each micro-batch's own tokens; 'cispo': token_mean with ratio_function='cispo'; "
-        "'sapo': sequence_mean with 'sapo')",
+        "'sapo': sequence_mean with 'sapo'); 'vespo' (its sequence-level gamma weights) is not implemented yet and "
+        "is refused",
         _loss_type,
     ),
     "epsilon": Setting(
@@ -322,7 +323,9 @@ SETTINGS: Dict[str, Setting] = {
     ),
     "top_entropy_quantile": Setting(
         REFUSED,
-        "refused below 1.0",
+        "refused below 1.0: TRL's threshold is a quantile of the current entropies of every process's tokens of "
+        "the micro-batch, which the fused loss computes in the same pass that needs the threshold (it would take a "
+        "collective inside the loss's pass); GTPO's own filter is per completion (GTPOConfig.entropy_threshold)",
         _unless(
             1.0, "the GTPO loss filters by completion entropy (GTPOConfig.entropy_threshold), not by token quantile"
         ),
