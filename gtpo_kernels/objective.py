@@ -283,9 +283,9 @@ def _other_ratio_function_gradient(ratio, token_advantage, config: GTPOConfig):
 
 
 def _sapo_temperature(token_advantage, config: GTPOConfig):
-    return torch.where(token_advantage > 0, config.sapo_temperature_pos, config.sapo_temperature_neg).to(
-        token_advantage.dtype
-    )
+    """SAPO's temperature of each token, in the statistics' dtype (a float32 1.05 would be 5e-8 off in float64)."""
+    positive = torch.full_like(token_advantage, config.sapo_temperature_pos)
+    return torch.where(token_advantage > 0, positive, torch.full_like(token_advantage, config.sapo_temperature_neg))
 
 
 def _finish_gradients(c, ratio, masked: _Masked, rows: LossRows, config: GTPOConfig, weights):

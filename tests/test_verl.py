@@ -168,6 +168,10 @@ CASES = [  # (preset, loss_mode, loss_agg_mode, extra algorithm.gtpo knobs)
     ("grpo", "gtpo", "seq-mean-token-mean", {}),
     ("paper", "gtpo", "token-mean", {"loss_reduction": "token_mean", "initial_entropy": 0.5}),
     ("official", "gtpo", "seq-mean-token-sum-norm", {"loss_reduction": "dr_grpo", "entropy_threshold": 1.0}),
+    # verl's own losses on GTPO's folded per-token advantages: PPO's clip (vanilla) and SAPO are GTPO with that
+    # ratio function
+    ("paper", "vanilla", "seq-mean-token-mean", {"initial_entropy": 0.5}),
+    ("paper", "sapo", "seq-mean-token-mean", {"initial_entropy": 0.5}),  # verl's SAPO takes no other
 ]
 
 
@@ -183,6 +187,10 @@ def test_verl_steps_equal_gtpo_loss(preset, loss_mode, agg, knobs, mini_batch):
     steps = _verl_step_losses(logits, ids, mask, rewards, old_shift, algorithm, actor, perm, mini_batch, micro_batch=2)
     config, initial = gv.gtpo_settings(algorithm)
     config = config.replace(clip_eps_low=CLIP_LOW, clip_eps_high=CLIP_HIGH, max_completion_length=length + 2)
+    if loss_mode == "sapo":  # verl's SAPO, its temperatures the actor's (tau_pos, tau_neg)
+        config = config.replace(
+            ratio_function="sapo", sapo_temperature_pos=actor.tau_pos, sapo_temperature_neg=actor.tau_neg
+        )
     if initial is None and config.entropy_gate:
         _, entropy = _stats(logits.detach(), ids)
         initial = float((entropy * mask).sum() / mask.sum())
@@ -357,11 +365,29 @@ def test_example_settings_pass_the_check_and_contradictions_are_refused():
         gv.check_verl_config(
             _verl_default_config(**dict(EXAMPLE_OVERRIDES, **{"actor_rollout_ref.actor.loss_agg_mode": "token-mean"}))
         )
-    with pytest.raises(ValueError, match="loss_mode=gtpo"):
+    for own in ("vanilla", "gspo", "cispo", "sapo"):  # verl's ratio losses take GTPO's per-token advantages
+        gv.check_verl_config(
+            _verl_default_config(**dict(EXAMPLE_OVERRIDES, **{"actor_rollout_ref.actor.policy_loss.loss_mode": own}))
+        )
+    with pytest.raises(ValueError, match="loss_mode='clip_cov' does not take"):
         gv.check_verl_config(
             _verl_default_config(
-                **dict(EXAMPLE_OVERRIDES, **{"actor_rollout_ref.actor.policy_loss.loss_mode": "vanilla"})
+                **dict(EXAMPLE_OVERRIDES, **{"actor_rollout_ref.actor.policy_loss.loss_mode": "clip_cov"})
             )
+        )
+    with pytest.raises(ValueError, match="reduces by token_mean, but .* with loss_mode='sapo' gives sequence_mean"):
+        token_mean = {
+            "algorithm.gtpo.loss_reduction": "token_mean",
+            "actor_rollout_ref.actor.loss_agg_mode": "token-mean",
+        }
+        gv.check_verl_config(
+            _verl_default_config(
+                **dict(EXAMPLE_OVERRIDES, **token_mean, **{"actor_rollout_ref.actor.policy_loss.loss_mode": "sapo"})
+            )
+        )
+    with pytest.raises(ValueError, match="sums per-completion means, which no loss_agg_mode"):
+        gv.check_verl_config(
+            _verl_default_config(**dict(official, **{"actor_rollout_ref.actor.policy_loss.loss_mode": "vanilla"}))
         )
     with pytest.raises(ValueError, match="use_kl_in_reward"):
         gv.check_verl_config(_verl_default_config(**dict(EXAMPLE_OVERRIDES, **{"algorithm.use_kl_in_reward": True})))

@@ -101,6 +101,15 @@ def gtpo_settings(algorithm) -> tuple[GTPOConfig, Optional[float]]:
     return config, initial_entropy
 
 
+# verl's own policy losses that take per-token advantages and reduce by loss_agg_mode: with the gtpo estimator,
+# which folds the conflict weights, the entropy filter and the shift into the advantages, each is GTPO with that
+# ratio function (docs/verl.md): PPO's clip (vanilla, with verl's dual clip), GSPO, CISPO and SAPO as verl defines
+# them.
+VERL_RATIO_LOSSES = ("vanilla", "gspo", "cispo", "sapo")
+# Those that reduce as they please whatever loss_agg_mode says (verl's SAPO: always the per-completion mean).
+VERL_FIXED_AGG_MODE = {"sapo": "seq-mean-token-mean"}
+
+
 def verl_reduction(loss_mode: str, loss_agg_mode: str) -> str:
     """The GTPO reduction the ``gtpo`` / ``gtpo_sum`` policy loss computes under this ``loss_agg_mode``."""
     if loss_mode == POLICY_LOSS_SUM:
@@ -129,13 +138,20 @@ def check_verl_config(config) -> None:
     gtpo, _ = gtpo_settings(algorithm)
     actor = config.actor_rollout_ref.actor
     loss_mode = _get(_get(actor, "policy_loss"), "loss_mode", "vanilla")
-    if loss_mode not in (POLICY_LOSS, POLICY_LOSS_SUM):
+    if loss_mode not in (POLICY_LOSS, POLICY_LOSS_SUM, *VERL_RATIO_LOSSES):
         raise ValueError(
-            f"algorithm.adv_estimator={ESTIMATOR} folds the conflict weights and the entropy filter "
-            f"into the advantages, which only the GTPO policy loss reduces as GTPO does: set "
-            f"actor_rollout_ref.actor.policy_loss.loss_mode={POLICY_LOSS} (got {loss_mode!r})"
+            f"algorithm.adv_estimator={ESTIMATOR} folds the conflict weights and the entropy filter into the "
+            f"advantages, which loss_mode={loss_mode!r} does not take as per-token advantages reduced by "
+            f"loss_agg_mode: set actor_rollout_ref.actor.policy_loss.loss_mode to {POLICY_LOSS} or one of "
+            f"{list(VERL_RATIO_LOSSES)}"
         )
-    reduction = verl_reduction(loss_mode, _get(actor, "loss_agg_mode"))
+    if loss_mode in VERL_RATIO_LOSSES and gtpo.loss_reduction == "sum":
+        raise ValueError(
+            f"algorithm.gtpo (preset {gtpo.preset!r}) sums per-completion means, which no loss_agg_mode of verl's "
+            f"loss_mode={loss_mode!r} gives: use loss_mode={POLICY_LOSS_SUM}, or algorithm.gtpo.loss_reduction="
+            f"sequence_mean"
+        )
+    reduction = verl_reduction(loss_mode, VERL_FIXED_AGG_MODE.get(loss_mode, _get(actor, "loss_agg_mode")))
     if reduction != gtpo.loss_reduction:
         wanted = {v: k for k, v in AGG_MODE_REDUCTION.items()}.get(gtpo.loss_reduction)
         fix = (
