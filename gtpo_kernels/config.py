@@ -25,7 +25,7 @@ SAMPLING_CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "se
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 # The policy term's function of the ratio (TRL's loss types): PPO's clipped surrogate, CISPO's clipped detached
 # weight on the log-prob, SAPO's soft gate.
-RATIO_FUNCTIONS = ("clip", "cispo", "sapo")
+RATIO_FUNCTIONS = ("clip", "cispo", "sapo", "vespo")
 
 
 # Default of the knobs a preset fills: "not given by the user". A string, not a sentinel object, so that
@@ -131,6 +131,11 @@ class GTPOConfig:
             ``importance_sampling_level='sequence'``): one ratio per completion, ``exp`` of the mean of
             ``logp - old`` over its unmasked tokens, with its gradient, in the policy term of every ratio function
             and in the ratio-weighted KL.
+        vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO's gamma weight
+            ``phi(w) = exp(lambda + k log w - lambda w)`` (``phi(1) = 1``) of the completion's ratio
+            ``w = exp(sum_t (logp - old))`` (the sampler's token weights' logs added, instead of multiplying the
+            term), detached, ``k, lambda`` by the sign of the completion's shaped advantage; the policy term is
+            ``-phi a logp`` (``ratio_function="vespo"``; TRL's ``loss_type='vespo'``, its defaults 2, 3, 3, 2).
         cispo_ratio_max: CISPO's cap on the detached ratio (``None``: uncapped).
         sapo_temperature_pos, sapo_temperature_neg: SAPO's gate temperatures (> 0; TRL's defaults 1 and 1.05).
         sampling_correction: the correction for a sampler whose probabilities differ from the trainer's (vLLM,
@@ -185,6 +190,10 @@ class GTPOConfig:
     ratio_function: str = "clip"
     importance_sampling_level: str = "token"
     cispo_ratio_max: Optional[float] = 5.0
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
     sampling_correction: Optional[str] = None
@@ -271,6 +280,16 @@ class GTPOConfig:
             raise bad("ratio_cap", why + "; leave it None")
         if self.cispo_ratio_max is not None and not (is_number(self.cispo_ratio_max) and self.cispo_ratio_max > 0):
             raise bad("cispo_ratio_max", "must be a number > 0, or None for no cap")
+        for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
+            value = getattr(self, name)
+            if not (is_number(value) and math.isfinite(value) and value >= 0):
+                raise bad(name, "must be a finite number >= 0")
+        if self.ratio_function == "vespo" and (self.sampling_correction or "").startswith("sequence"):
+            raise bad(
+                "sampling_correction",
+                "with ratio_function='vespo' must be a token mode: VESPO adds the sampler's token weights to its "
+                "own sequence ratio",
+            )
         for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
             value = getattr(self, name)
             if not (is_number(value) and math.isfinite(value) and value > 0):

@@ -102,13 +102,35 @@ def _shaping(masked: _Masked, rows: LossRows, config: GTPOConfig):
 
 
 def policy_weights(masked: _Masked, rows: LossRows, config: GTPOConfig) -> Optional[torch.Tensor]:
-    """The detached weights of the policy term: the sampler's correction (`sampling_weights`) times the off-policy
-    sequence mask (`off_policy_mask`); ``None`` without either."""
-    weight = sampling_weights(masked, rows, config)
+    """The detached weights of the policy term: the sampler's correction (`sampling_weights`; VESPO takes it into
+    its own weight instead) times the off-policy sequence mask (`off_policy_mask`); ``None`` without either."""
+    weight = None if config.ratio_function == "vespo" else sampling_weights(masked, rows, config)
     keep = off_policy_mask(masked, rows, config)
     if keep is None:
         return weight
     return keep if weight is None else weight * keep
+
+
+LOG_1E_8 = -18.420680743952367  # log(1e-8): VESPO's floor on its log-ratios (TRL's, from the original code)
+
+
+def vespo_weights(masked: _Masked, rows: LossRows, config: GTPOConfig) -> torch.Tensor:
+    """``[N, 1]``: VESPO's detached gamma weight ``phi(w) = exp(lambda + k log w - lambda w)`` of each completion's
+    ratio ``w`` (the sum of its tokens' ``logp - old``, clamped to [-20, 20] each, plus the logs of the sampler's
+    token weights), ``k, lambda`` by the sign of the completion's shaped advantage; 0 where it overflows."""
+    logp = masked.logp.detach()
+    old = logp if rows.old_logprobs is None else masked.given(rows, rows.old_logprobs)
+    log_w = (torch.clamp(logp - old, -20.0, 20.0) * masked.mask).sum(dim=1, keepdim=True)
+    sampler = sampling_weights(masked, rows, config)
+    if sampler is not None:  # token modes only (the config refuses sequence ones here)
+        log_w = log_w + (torch.clamp(torch.log(sampler), LOG_1E_8, 20.0) * masked.mask).sum(dim=1, keepdim=True)
+    log_w = torch.clamp(log_w, LOG_1E_8, 20.0)
+    nonneg = (masked.shaped >= 0)[:, None]
+    k = torch.where(nonneg, torch.full_like(log_w, config.vespo_k_pos), torch.full_like(log_w, config.vespo_k_neg))
+    lam = torch.where(
+        nonneg, torch.full_like(log_w, config.vespo_lambda_pos), torch.full_like(log_w, config.vespo_lambda_neg)
+    ).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def off_policy_mask(masked: _Masked, rows: LossRows, config: GTPOConfig) -> Optional[torch.Tensor]:
@@ -254,7 +276,7 @@ def loss_gradients(token_logprobs: torch.Tensor, token_entropy: torch.Tensor, ro
     # clipped one inside [1 - eps_low, 1 + eps_high] (torch.clamp passes the gradient at the bounds).
     ratio = masked.ratio(rows, config)
     if config.ratio_function != "clip":
-        c = _other_ratio_function_gradient(ratio, token_advantage, config)
+        c = _other_ratio_function_gradient(ratio, token_advantage, masked, rows, config)
         return _finish_gradients(c, ratio, masked, rows, config, weights)
     c = -token_advantage * ratio
     first = ratio
@@ -273,11 +295,14 @@ def loss_gradients(token_logprobs: torch.Tensor, token_entropy: torch.Tensor, ro
     return _finish_gradients(c, ratio, masked, rows, config, weights)
 
 
-def _other_ratio_function_gradient(ratio, token_advantage, config: GTPOConfig):
-    """d policy term / d logp for CISPO (``-sg(w) a``) and SAPO (``-4 a sigma'(x) rho``, ``x = tau (rho - 1)``)."""
+def _other_ratio_function_gradient(ratio, token_advantage, masked: _Masked, rows: LossRows, config: GTPOConfig):
+    """d policy term / d logp for CISPO (``-sg(w) a``), VESPO (``-phi a``) and SAPO (``-4 a sigma'(x) rho``,
+    ``x = tau (rho - 1)``)."""
     if config.ratio_function == "cispo":
         cap = config.cispo_ratio_max
         return -token_advantage * (ratio if cap is None else torch.clamp(ratio, max=cap))
+    if config.ratio_function == "vespo":
+        return -token_advantage * vespo_weights(masked, rows, config)
     gate = torch.sigmoid(_sapo_temperature(token_advantage, config) * (ratio - 1))
     return -4 * token_advantage * gate * (1 - gate) * ratio
 
@@ -298,7 +323,7 @@ def _finish_gradients(c, ratio, masked: _Masked, rows: LossRows, config: GTPOCon
     # One ratio per completion (GSPO) depends on each of its tokens' log-probs through their mean: the policy
     # term's gradient with respect to the ratio is spread over the completion (CISPO's weight is detached).
     sequence = config.importance_sampling_level == "sequence"
-    if sequence and config.ratio_function != "cispo":
+    if sequence and config.ratio_function not in ("cispo", "vespo"):
         c = _row_share(c, masked)
     if rows.ref_logprobs is not None and config.kl_beta:
         d = masked.given(rows, rows.ref_logprobs) - logp
@@ -370,6 +395,8 @@ def loss_from_token_stats(
     if config.ratio_function == "cispo":  # the clipped ratio is a detached weight on the log-prob
         cap = config.cispo_ratio_max
         per_token = -(ratio if cap is None else torch.clamp(ratio, max=cap)).detach() * token_advantage * logp
+    elif config.ratio_function == "vespo":  # a detached gamma weight of the completion's ratio on the log-prob
+        per_token = -vespo_weights(masked, rows, config) * token_advantage * logp
     elif config.ratio_function == "sapo":  # a soft gate instead of the clip
         tau = _sapo_temperature(token_advantage, config)
         per_token = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * token_advantage

@@ -213,6 +213,20 @@ def reference_loss_from_token_stats(
             capped = torch.tensor([min(float(r), cap) for r in ratio.detach()], dtype=dtype, device=device)
             terms = -capped * token_adv * lp
             row_clip_low[i] = row_clip_high[i] = 0.0
+        elif config.ratio_function == "vespo":
+            floor = math.log(1e-8)
+            log_w = sum(min(max(float(x) - float(o), -20.0), 20.0) for x, o in zip(lp.detach(), old))
+            if config.sampling_correction is not None:
+                sampler = reference_sampling_weights(
+                    [float(x) for x in old], [float(x) for x in sampling_logprobs[i, at]], config
+                )
+                log_w += sum(min(max(math.log(s) if s > 0 else -math.inf, floor), 20.0) for s in sampler)
+            log_w = min(max(log_w, floor), 20.0)
+            k_v = config.vespo_k_pos if shaped >= 0 else config.vespo_k_neg
+            lam_v = max(config.vespo_lambda_pos if shaped >= 0 else config.vespo_lambda_neg, 1e-4)
+            phi = math.exp(lam_v + k_v * log_w - lam_v * math.exp(log_w))
+            terms = -phi * token_adv * lp
+            row_clip_low[i] = row_clip_high[i] = 0.0
         elif config.ratio_function == "sapo":
             temps = torch.tensor(
                 [config.sapo_temperature_pos if float(a_t) > 0 else config.sapo_temperature_neg for a_t in token_adv],
@@ -232,7 +246,7 @@ def reference_loss_from_token_stats(
             terms = -first * token_adv
             row_clip_low[i] = row_clip_high[i] = 0.0
         weight = None
-        if config.sampling_correction is not None:
+        if config.sampling_correction is not None and config.ratio_function != "vespo":  # VESPO folds it into phi
             sampled = [float(x) for x in sampling_logprobs[i, at]]
             weight = reference_sampling_weights([float(x) for x in old], sampled, config)
             terms = terms * torch.tensor(weight, dtype=dtype, device=device)

@@ -37,6 +37,7 @@ CPU_BACKENDS = ["torch", "cpu"]
         ("sampler:sequence_truncate+sapo", GTPOConfig(ratio_function="sapo", sampling_correction="sequence_truncate")),
         ("bonus+penalty", GTPOConfig(entropy_bonus=0.1, entropy_mode="penalty")),
         ("opsm+cispo", GTPOConfig(off_policy_mask_threshold=0.05, ratio_function="cispo")),
+        ("vespo+sampler+kl", GTPOConfig(ratio_function="vespo", sampling_correction="token_truncate", kl_beta=0.1)),
         (
             "gspo+weighted_kl",
             GTPOConfig(preset="grpo", importance_sampling_level="sequence", kl_beta=0.1, kl_ratio_weighted=True),

@@ -80,6 +80,9 @@ CONFIGS = {
         preset="grpo", importance_sampling_level="sequence", ratio_function="sapo", kl_beta=0.05, kl_ratio_weighted=True
     ),
     "gspo+cispo": GTPOConfig(preset="paper", importance_sampling_level="sequence", ratio_function="cispo"),
+    "vespo+sampler:token_mask": GTPOConfig(
+        preset="official", ratio_function="vespo", sampling_correction="token_mask", sampling_ratio_min=0.8
+    ),
     "gspo+weighted_kl+bonus+penalty+dr_grpo": GTPOConfig(
         preset="grpo",
         importance_sampling_level="sequence",

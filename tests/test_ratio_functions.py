@@ -58,13 +58,27 @@ def test_sapo_by_hand(backend):
     assert loss == pytest.approx(0.5 * 4 / 2, rel=1e-6) and c == pytest.approx(1.0, rel=1e-5)
 
 
+@pytest.mark.parametrize("backend", list(registered()))
+def test_vespo_by_hand(backend):
+    # One token, w = rho = 2: phi = exp(lambda + k log 2 - 2 lambda) = 4 e^-3 (k 2, lambda 3 for a >= 0); the
+    # term is -phi a logp, its gradient -phi a. For a < 0 (k 3, lambda 2): phi = 8 e^-2.
+    loss, c = one_token(backend, 1.0, 2.0, ratio_function="vespo")
+    phi = 4 * math.exp(-3)
+    assert loss == pytest.approx(-phi * LOGP, rel=1e-6) and c == pytest.approx(-phi, rel=1e-5)
+    loss, c = one_token(backend, -0.5, 2.0, ratio_function="vespo")
+    phi = 8 * math.exp(-2)
+    assert loss == pytest.approx(0.5 * phi * LOGP, rel=1e-6) and c == pytest.approx(0.5 * phi, rel=1e-5)
+
+
 def test_ppo_settings_are_refused_with_other_ratio_functions():
     with pytest.raises(ValueError, match="ratio_cap is PPO's two-sided clipping"):
         GTPOConfig(ratio_function="sapo", ratio_cap=1.5)
     with pytest.raises(ValueError, match="sapo_temperature_neg must be a finite number > 0"):
         GTPOConfig(ratio_function="sapo", sapo_temperature_neg=0.0)
     with pytest.raises(ValueError, match="ratio_function must be one of"):
-        GTPOConfig(ratio_function="vespo")
+        GTPOConfig(ratio_function="gpg")
+    with pytest.raises(ValueError, match="with ratio_function='vespo' must be a token mode"):
+        GTPOConfig(ratio_function="vespo", sampling_correction="sequence_mask")
 
 
 @pytest.mark.parametrize("backend", list(registered()))

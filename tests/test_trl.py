@@ -476,7 +476,11 @@ def test_every_grpo_config_field_is_classified():
             r"GTPOConfig\(loss_reduction='sequence_mean', ratio_function='clip'\) \(preset 'paper'\)",
         ),
         ({"loss_type": "grpo"}, {}, None),  # TRL's 'grpo' normalisation is the paper preset's sequence_mean
-        ({"loss_type": "vespo"}, {"preset": "grpo"}, r"loss_type='vespo'\): 'vespo' is not a GTPO reduction"),
+        (
+            {"loss_type": "vespo"},
+            {"preset": "grpo"},
+            r"loss_type='vespo'\): contradicts GTPOConfig\(loss_reduction='sequence_mean', ratio_function='clip'\)",
+        ),
         (
             {"loss_type": "grpo"},
             {"preset": "official"},
@@ -569,6 +573,7 @@ def vllm_batch(trainer):
         },
         {"loss_type": "cispo", "epsilon_high": 1.1, "vllm_importance_sampling_mode": "sequence_truncate"},
         {"off_policy_mask_threshold": 0.01},  # against vLLM's log-probs
+        {"loss_type": "vespo", "vllm_importance_sampling_mode": "token_truncate"},  # the weights inside phi
     ],
     ids=[
         "defaults",
@@ -579,6 +584,7 @@ def vllm_batch(trainer):
         "sapo",
         "cispo",
         "off-policy-mask",
+        "vespo",
     ],
 )
 def test_vllm_importance_sampling_trains_as_grpo_trainer(tiny_model_dir, tmp_path, monkeypatch, trl_args):
@@ -741,6 +747,8 @@ def test_delta_and_bias_corrected_kl_equal_grpo_trainer(tiny_model_dir, tmp_path
         {"loss_type": "bnpo", "beta": 0.04, "use_bias_correction_kl": True},
         {"loss_type": "luspo", "importance_sampling_level": "sequence"},
         {"loss_type": "luspo", "beta": 0.04, "use_bias_correction_kl": False},
+        {"loss_type": "vespo"},
+        {"loss_type": "vespo", "vespo_k_pos": 1.0, "vespo_lambda_neg": 4.0, "beta": 0.04},
     ],
     ids=[
         "defaults",
@@ -760,6 +768,8 @@ def test_delta_and_bias_corrected_kl_equal_grpo_trainer(tiny_model_dir, tmp_path
         "bnpo-kl",
         "luspo-gspo",
         "luspo-kl",
+        "vespo",
+        "vespo-knobs-kl",
     ],
 )
 def test_from_grpo_config_trains_as_grpo_trainer(tiny_model_dir, tmp_path, trl_args):
@@ -839,10 +849,7 @@ def test_a_float32_head_under_bf16_autocast_trains_as_grpo_trainer(tiny_model_di
 def test_from_grpo_config_refuses_what_it_cannot_express():
     from gtpo_kernels.integrations.trl_settings import from_grpo_config
 
-    for settings, match in (
-        ({"loss_type": "vespo"}, "loss_type='vespo'"),
-        ({"scale_rewards": "batch"}, "scale_rewards='batch'"),
-    ):
+    for settings, match in (({"scale_rewards": "batch"}, "scale_rewards='batch'"),):
         args = trl.GRPOConfig(output_dir="unused", report_to="none", use_cpu=True, **settings)
         with pytest.raises(ValueError, match=match):
             from_grpo_config(args)

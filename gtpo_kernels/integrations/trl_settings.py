@@ -25,7 +25,7 @@ LOSS_TYPES = {
     "sapo": ("sequence_mean", "sapo"),
     "bnpo": ("token_mean", "clip"),  # each micro-batch divided by its own tokens (GTPOTrainer passes them)
     "luspo": ("sequence_sum", "clip"),
-    "vespo": None,
+    "vespo": ("token_mean", "vespo"),
 }
 
 
@@ -110,6 +110,16 @@ def _adaptive_entropy(value, args, config):
     return None
 
 
+def _vespo_knob(name: str):
+    def refuse(value, args, config):
+        mine = getattr(config, name)
+        if config.ratio_function != "vespo" or math.isclose(value, mine):
+            return None
+        return f"contradicts GTPOConfig({name}={mine!r}): set the same in both"
+
+    return refuse
+
+
 def _sapo_temperature(side: str):
     def refuse(value, args, config):
         mine = getattr(config, f"sapo_temperature_{side}")
@@ -148,7 +158,7 @@ def _bias_correction(value, args, config):
 
 
 def _delta(value, args, config):
-    if config.ratio_function != "clip" and getattr(args, "loss_type", None) in ("cispo", "sapo"):
+    if config.ratio_function != "clip" and getattr(args, "loss_type", None) in ("cispo", "sapo", "vespo"):
         return None  # TRL applies delta to its clip losses only; so does the config (ratio_cap is refused there)
     if value != config.ratio_cap:
         return (
@@ -288,8 +298,7 @@ SETTINGS: Dict[str, Setting] = {
         "GTPOConfig.loss_reduction and ratio_function; a value given is refused unless the config computes the "
         "same ('grpo': sequence_mean, 'dapo': token_mean, 'dr_grpo', 'luspo': sequence_sum, each with the clip; "
         "'bnpo': token_mean over each micro-batch's own tokens; 'cispo': token_mean with ratio_function='cispo'; "
-        "'sapo': sequence_mean with 'sapo'); 'vespo' (its sequence-level gamma weights) is not implemented yet and "
-        "is refused",
+        "'sapo': sequence_mean with 'sapo'; 'vespo': token_mean with 'vespo')",
         _loss_type,
     ),
     "epsilon": Setting(
@@ -354,13 +363,8 @@ SETTINGS: Dict[str, Setting] = {
         HONOURED, "with loss_type='sapo', GTPOConfig.sapo_temperature_neg (must agree)", _sapo_temperature("neg")
     ),
     **{
-        name: Setting(IRRELEVANT, "used only by loss_type='vespo' (refused)")
-        for name in (
-            "vespo_k_pos",
-            "vespo_lambda_pos",
-            "vespo_k_neg",
-            "vespo_lambda_neg",
-        )
+        name: Setting(HONOURED, f"with loss_type='vespo', GTPOConfig.{name} (must agree)", _vespo_knob(name))
+        for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
     },
     # the reference model
     "sync_ref_model": Setting(HONOURED, _TRL + " (reference model updates)"),
@@ -383,12 +387,12 @@ SETTINGS: Dict[str, Setting] = {
 def from_grpo_config(args, **overrides):
     """The `GTPOConfig` of the ``grpo`` preset that computes what TRL's ``GRPOTrainer`` computes with ``args``:
     ``GTPOTrainer(..., args=args, gtpo_config=from_grpo_config(args))`` trains as ``GRPOTrainer`` does (tested
-    against it). ``loss_type`` ('grpo', 'dapo', 'dr_grpo', 'cispo', 'sapo'), ``epsilon``/``epsilon_high``,
-    ``delta``, ``beta``, ``use_bias_correction_kl``, ``sapo_temperature_*``, ``scale_rewards`` ('group' or 'none')
-    TRL's static entropy bonus (``entropy_coef``) and, with vLLM, its importance-sampling correction drive it; what
-    the GTPO loss cannot express ('bnpo', 'luspo', 'vespo', ``scale_rewards='batch'``, the adaptive entropy
-    bonus, ...) is refused in one line naming the field.
-    ``overrides`` are further `GTPOConfig` knobs."""
+    against it). Every ``loss_type`` (its reduction and ratio function), ``epsilon``/``epsilon_high``, ``delta``,
+    ``beta``, ``use_bias_correction_kl``, the SAPO and VESPO knobs, ``importance_sampling_level``,
+    ``off_policy_mask_threshold``, ``scale_rewards`` ('group' or 'none'), TRL's static entropy bonus
+    (``entropy_coef``) and, with vLLM, its importance-sampling correction drive it; what the GTPO loss cannot
+    express (``scale_rewards='batch'``) is refused in one line naming the field. ``overrides`` are further
+    `GTPOConfig` knobs."""
     from ..config import GTPOConfig
 
     if LOSS_TYPES.get(args.loss_type) is None:
@@ -415,6 +419,9 @@ def from_grpo_config(args, **overrides):
         cispo_ratio_max=high,  # TRL's CISPO caps the detached ratio at its epsilon_high
         sapo_temperature_pos=args.sapo_temperature_pos,
         sapo_temperature_neg=args.sapo_temperature_neg,
+        **{
+            name: getattr(args, name) for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
+        },
         max_completion_length=args.max_completion_length if reduction == "dr_grpo" else None,
         **vllm_sampling_knobs(args),
         **entropy_bonus_knobs(args),
