@@ -493,7 +493,8 @@ def test_every_grpo_config_field_is_classified():
             {"preset": "grpo"},
             r"epsilon_high=0.28\): contradicts GTPOConfig\(clip_eps_high=0.2\)",
         ),
-        ({"scale_rewards": "batch"}, {"preset": "grpo"}, r"scale_rewards='batch'\)"),
+        ({"scale_rewards": "batch"}, {"preset": "grpo"}, None),  # the batch's std: TRL's, when the config normalises
+        ({"scale_rewards": "batch"}, {}, r"scale_rewards='batch'\): contradicts GTPOConfig\(normalize_advantages"),
         ({"scale_rewards": "group"}, {}, None),  # TRL's default: set from the preset, not a user's choice
         (
             {"scale_rewards": "none"},
@@ -574,6 +575,7 @@ def vllm_batch(trainer):
         {"loss_type": "cispo", "epsilon_high": 1.1, "vllm_importance_sampling_mode": "sequence_truncate"},
         {"off_policy_mask_threshold": 0.01},  # against vLLM's log-probs
         {"loss_type": "vespo", "vllm_importance_sampling_mode": "token_truncate"},  # the weights inside phi
+        {"scale_rewards": "batch"},  # TRL's batch-std advantages, made in its scoring step
     ],
     ids=[
         "defaults",
@@ -585,6 +587,7 @@ def vllm_batch(trainer):
         "cispo",
         "off-policy-mask",
         "vespo",
+        "batch-std",
     ],
 )
 def test_vllm_importance_sampling_trains_as_grpo_trainer(tiny_model_dir, tmp_path, monkeypatch, trl_args):
@@ -846,13 +849,22 @@ def test_a_float32_head_under_bf16_autocast_trains_as_grpo_trainer(tiny_model_di
     assert_same_grads(grads_a, grads_b, rtol=2e-2)  # bf16 decoder gradients: their rounding
 
 
-def test_from_grpo_config_refuses_what_it_cannot_express():
-    from gtpo_kernels.integrations.trl_settings import from_grpo_config
+def test_from_grpo_config_expresses_every_loss_type():
+    """Every loss_type the installed TRL knows has a GTPO counterpart (a new one in a TRL release fails here)."""
+    import dataclasses
+    import re
 
-    for settings, match in (({"scale_rewards": "batch"}, "scale_rewards='batch'"),):
-        args = trl.GRPOConfig(output_dir="unused", report_to="none", use_cpu=True, **settings)
-        with pytest.raises(ValueError, match=match):
-            from_grpo_config(args)
+    from gtpo_kernels.integrations.trl_settings import LOSS_TYPES, from_grpo_config
+
+    field = {f.name: f for f in dataclasses.fields(trl.GRPOConfig)}["loss_type"]
+    supported = field.metadata["help"].split("Supported values are", 1)[1].split(".", 1)[0]
+    known = set(re.findall(r"'(\w+)'", supported))  # the help text's list: 'grpo', 'dr_grpo', ... and 'vespo'
+    assert len(known) >= 8 and known <= set(LOSS_TYPES), sorted(known - set(LOSS_TYPES))
+    for loss_type in sorted(LOSS_TYPES):
+        args = trl.GRPOConfig(output_dir="unused", report_to="none", use_cpu=True, loss_type=loss_type)
+        reduction, ratio_function = LOSS_TYPES[loss_type]
+        config = from_grpo_config(args)
+        assert (config.loss_reduction, config.ratio_function) == (reduction, ratio_function)
 
 
 @pytest.mark.parametrize("family", ["gemma2-softcap", "granite-scaled"])

@@ -25,8 +25,9 @@ What it changes in ``GRPOTrainer`` (everything else, generation included, is TRL
   micro-batch).
 
 Advantages follow ``gtpo_config.normalize_advantages_by_std`` (TRL's ``scale_rewards`` is set to "group" or
-"none" to match); the loss follows ``gtpo_config`` (TRL's ``loss_type``, ``epsilon`` and ``beta`` do not drive
-it; ``beta`` must equal ``gtpo_config.kl_beta`` so that TRL loads the reference model when one is needed).
+"none" to match, or kept at "batch" when the config normalises); the loss follows ``gtpo_config``
+(``from_grpo_config(args)`` makes the one that computes what ``GRPOTrainer`` would; ``beta`` must equal
+``gtpo_config.kl_beta`` so that TRL loads the reference model when one is needed).
 """
 
 from __future__ import annotations
@@ -219,7 +220,8 @@ class GTPOTrainer(GRPOTrainer):
         if config.off_policy_mask_threshold is None and self.args.off_policy_mask_threshold is not None:
             config = config.replace(off_policy_mask_threshold=self.args.off_policy_mask_threshold)
         # Advantages as the GTPO config defines them (mean-centred for the paper and official presets).
-        self.scale_rewards = "group" if config.normalize_advantages_by_std else "none"
+        batch_std = str(self.args.scale_rewards) == "batch"  # TRL's batch-std scaling, when the config normalises
+        self.scale_rewards = ("batch" if batch_std else "group") if config.normalize_advantages_by_std else "none"
         # TRL's 'bnpo' divides each micro-batch by its own tokens (a local normaliser, by its definition not
         # exact across micro-batches); every other token mean by its optimiser step's.
         self._gtpo_local_tokens = self.args.loss_type == "bnpo"

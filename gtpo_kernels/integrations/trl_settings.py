@@ -139,11 +139,11 @@ def _scale_rewards(value, args, config):
     value = _scale_mode(value)
     if value == "group":  # TRL's default
         return None
-    wanted = "group" if config.normalize_advantages_by_std else "none"
-    if value == "batch" or value != wanted:
+    wanted = ("group", "batch") if config.normalize_advantages_by_std else ("none",)
+    if value not in wanted:
         return (
             f"contradicts GTPOConfig(normalize_advantages_by_std={config.normalize_advantages_by_std}) "
-            f"(preset {config.preset!r}), which sets the advantages ('{wanted}')"
+            f"(preset {config.preset!r}), which sets the advantages ({' or '.join(map(repr, wanted))})"
         )
     return None
 
@@ -287,8 +287,8 @@ SETTINGS: Dict[str, Setting] = {
     "multi_objective_aggregation": Setting(HONOURED, _TRL + " (the reward)"),
     "scale_rewards": Setting(
         HONOURED,
-        "set from GTPOConfig.normalize_advantages_by_std ('group' or 'none'); another "
-        "value given is refused when it contradicts it ('batch' always)",
+        "GTPOConfig.normalize_advantages_by_std: 'group' (TRL's default) or 'batch' (the batch's std, TRL's) when "
+        "it normalises, 'none' when it does not; a value that contradicts it is refused",
         _scale_rewards,
     ),
     "mask_truncated_completions": Setting(HONOURED, "TRL zeroes a truncated completion's mask before the loss"),
@@ -389,9 +389,8 @@ def from_grpo_config(args, **overrides):
     ``GTPOTrainer(..., args=args, gtpo_config=from_grpo_config(args))`` trains as ``GRPOTrainer`` does (tested
     against it). Every ``loss_type`` (its reduction and ratio function), ``epsilon``/``epsilon_high``, ``delta``,
     ``beta``, ``use_bias_correction_kl``, the SAPO and VESPO knobs, ``importance_sampling_level``,
-    ``off_policy_mask_threshold``, ``scale_rewards`` ('group' or 'none'), TRL's static entropy bonus
-    (``entropy_coef``) and, with vLLM, its importance-sampling correction drive it; what the GTPO loss cannot
-    express (``scale_rewards='batch'``) is refused in one line naming the field. ``overrides`` are further
+    ``off_policy_mask_threshold``, ``scale_rewards``, TRL's static entropy bonus
+    (``entropy_coef``) and, with vLLM, its importance-sampling correction drive it. ``overrides`` are further
     `GTPOConfig` knobs."""
     from ..config import GTPOConfig
 
@@ -400,10 +399,10 @@ def from_grpo_config(args, **overrides):
         raise ValueError(f"GRPOConfig(loss_type={args.loss_type!r}) has no GTPO counterpart; these do: {known}")
     reduction, ratio_function = LOSS_TYPES[args.loss_type]
     scale = _scale_mode(args.scale_rewards)
-    if scale not in ("group", "none"):
+    if scale not in ("group", "batch", "none"):
         raise ValueError(
-            f"GRPOConfig(scale_rewards={args.scale_rewards!r}) has no GTPO counterpart: the advantages "
-            f"are scaled per group ('group') or not at all ('none')"
+            f"GRPOConfig(scale_rewards={args.scale_rewards!r}) has no GTPO counterpart: the advantages are "
+            f"scaled by the group's std ('group'), the batch's ('batch') or not at all ('none')"
         )
     high = args.epsilon if args.epsilon_high is None else args.epsilon_high
     knobs = dict(
@@ -414,7 +413,7 @@ def from_grpo_config(args, **overrides):
         ratio_cap=args.delta if ratio_function == "clip" else None,  # TRL applies delta to the clip losses only
         kl_beta=float(args.beta),
         kl_ratio_weighted=bool(args.use_bias_correction_kl),
-        normalize_advantages_by_std=scale == "group",
+        normalize_advantages_by_std=scale != "none",
         ratio_function=ratio_function,
         cispo_ratio_max=high,  # TRL's CISPO caps the detached ratio at its epsilon_high
         sapo_temperature_pos=args.sapo_temperature_pos,
