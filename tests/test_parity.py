@@ -46,8 +46,9 @@ CONFIGS = {
     # TRL's terms (docs/method.md), several to a config: the sampler's correction in each of its modes (bounds that
     # bite on these draws), CISPO and SAPO, off-policy masking (against the sampler's or the old log-probs), GSPO's
     # sequence-level ratio, LUSPO's sequence_sum and the entropy bonus, beside GTPO's presets and entropy terms.
-    # (Each term alone, by hand: tests/test_ratio_functions.py, tests/test_sampling_correction.py.)
-    "sampler:token_truncate+cispo": GTPOConfig(
+    # (Each term alone, by hand: tests/test_ratio_functions.py, tests/test_sampling_correction.py.) They act after
+    # the kernels, so tests/test_cpu_backend.py's reruns for the lower instruction sets leave them out ("trl:").
+    "trl:sampler:token_truncate+cispo": GTPOConfig(
         preset="paper",
         sampling_correction="token_truncate",
         sampling_ratio_min=0.8,
@@ -55,10 +56,10 @@ CONFIGS = {
         ratio_function="cispo",
         cispo_ratio_max=1.2,
     ),
-    "sampler:token_mask+kl+bonus": GTPOConfig(
+    "trl:sampler:token_mask+kl+bonus": GTPOConfig(
         preset="grpo", sampling_correction="token_mask", sampling_ratio_min=0.7, kl_beta=0.05, entropy_bonus=0.05
     ),
-    "sampler:sequence_truncate+sapo": GTPOConfig(
+    "trl:sampler:sequence_truncate+sapo": GTPOConfig(
         preset="official",
         sampling_correction="sequence_truncate",
         sampling_ratio_max=2.0,
@@ -66,24 +67,24 @@ CONFIGS = {
         sapo_temperature_pos=0.8,
         sapo_temperature_neg=1.3,
     ),
-    "sampler:sequence_mask+penalty+opsm": GTPOConfig(
+    "trl:sampler:sequence_mask+penalty+opsm": GTPOConfig(
         preset="paper",
         entropy_mode="penalty",
         sampling_correction="sequence_mask",
         sampling_ratio_max=1.5,
         off_policy_mask_threshold=0.02,
     ),
-    "opsm+sequence_sum+kl": GTPOConfig(
+    "trl:opsm+sequence_sum+kl": GTPOConfig(
         preset="paper", off_policy_mask_threshold=0.05, loss_reduction="sequence_sum", kl_beta=0.05
     ),
-    "gspo+sapo+weighted_kl": GTPOConfig(
+    "trl:gspo+sapo+weighted_kl": GTPOConfig(
         preset="grpo", importance_sampling_level="sequence", ratio_function="sapo", kl_beta=0.05, kl_ratio_weighted=True
     ),
-    "gspo+cispo": GTPOConfig(preset="paper", importance_sampling_level="sequence", ratio_function="cispo"),
-    "vespo+sampler:token_mask": GTPOConfig(
+    "trl:gspo+cispo": GTPOConfig(preset="paper", importance_sampling_level="sequence", ratio_function="cispo"),
+    "trl:vespo+sampler:token_mask": GTPOConfig(
         preset="official", ratio_function="vespo", sampling_correction="token_mask", sampling_ratio_min=0.8
     ),
-    "gspo+weighted_kl+bonus+penalty+dr_grpo": GTPOConfig(
+    "trl:gspo+weighted_kl+bonus+penalty+dr_grpo": GTPOConfig(
         preset="grpo",
         importance_sampling_level="sequence",
         kl_beta=0.05,
