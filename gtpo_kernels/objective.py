@@ -67,11 +67,14 @@ class _Masked:
         self.entropy = torch.where(valid, token_entropy.to(self.dtype), self.zero)
         self.completion_entropy, self.keep, self.shaped, self.token_advantage = _shaping(self, rows, config)
 
+    def old(self, rows: LossRows) -> torch.Tensor:
+        """``[N, L]``: the old log-probs (0 where masked), or the current ones, detached, on-policy."""
+        return self.logp.detach() if rows.old_logprobs is None else self.given(rows, rows.old_logprobs)
+
     def ratio(self, rows: LossRows, config: GTPOConfig) -> torch.Tensor:
         """``[N, L]``: the importance ratio of each token against the old log-probs (with the gradient of ``logp``;
         ``exp(logp - logp.detach())`` without them), or of its completion (``importance_sampling_level``)."""
-        old = self.logp.detach() if rows.old_logprobs is None else self.given(rows, rows.old_logprobs)
-        log_ratio = self.logp - old
+        log_ratio = self.logp - self.old(rows)
         if config.importance_sampling_level == "sequence":
             row_mean = (log_ratio * self.mask).sum(dim=1, keepdim=True) / self.lengths.clamp(min=1)[:, None]
             log_ratio = row_mean.expand(self.mask.shape)
@@ -118,9 +121,7 @@ def vespo_weights(masked: _Masked, rows: LossRows, config: GTPOConfig) -> torch.
     """``[N, 1]``: VESPO's detached gamma weight ``phi(w) = exp(lambda + k log w - lambda w)`` of each completion's
     ratio ``w`` (the sum of its tokens' ``logp - old``, clamped to [-20, 20] each, plus the logs of the sampler's
     token weights), ``k, lambda`` by the sign of the completion's shaped advantage; 0 where it overflows."""
-    logp = masked.logp.detach()
-    old = logp if rows.old_logprobs is None else masked.given(rows, rows.old_logprobs)
-    log_w = (torch.clamp(logp - old, -20.0, 20.0) * masked.mask).sum(dim=1, keepdim=True)
+    log_w = (torch.clamp(masked.logp.detach() - masked.old(rows), -20.0, 20.0) * masked.mask).sum(dim=1, keepdim=True)
     sampler = sampling_weights(masked, rows, config)
     if sampler is not None:  # token modes only (the config refuses sequence ones here)
         log_w = log_w + (torch.clamp(torch.log(sampler), LOG_1E_8, 20.0) * masked.mask).sum(dim=1, keepdim=True)
@@ -162,9 +163,8 @@ def sampling_weights(masked: _Masked, rows: LossRows, config: GTPOConfig) -> Opt
     mode = config.sampling_correction
     if mode is None:
         return None
-    old = masked.logp.detach() if rows.old_logprobs is None else masked.given(rows, rows.old_logprobs)
     sampled = rows.sampling_logprobs.detach().to(masked.dtype)
-    diff = torch.where(rows.valid & ~torch.isnan(sampled), old - sampled, masked.zero)
+    diff = torch.where(rows.valid & ~torch.isnan(sampled), masked.old(rows) - sampled, masked.zero)
     if mode.startswith("sequence"):
         diff = diff.sum(dim=1, keepdim=True)
     weight = torch.exp(diff)
