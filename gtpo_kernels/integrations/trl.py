@@ -48,7 +48,7 @@ from ..fused_linear import fused_linear_gtpo_loss, fused_linear_token_logprobs_a
 from ..hf import decoder_of, head_logit_transform
 from ..result import GTPOMetrics
 from ..rows import LossRows
-from .trl_settings import check_settings, entropy_bonus_knobs, vllm_sampling_knobs
+from .trl_settings import check_settings, with_trl_loss_terms
 
 try:
     from trl import GRPOTrainer
@@ -209,16 +209,10 @@ class GTPOTrainer(GRPOTrainer):
                 f"value"
             )
         check_settings(self.args, config)  # every GRPOConfig field the GTPO loss would ignore (trl_settings.py)
-        if config.sampling_correction is None and vllm_sampling_knobs(self.args):
-            # vLLM's probabilities differ from the trainer's: TRL's correction (on by default with vLLM) applies
-            # to the GTPO loss's policy term, whatever the preset.
-            config = config.replace(**vllm_sampling_knobs(self.args))
-        if config.entropy_bonus == 0 and entropy_bonus_knobs(self.args):
-            config = config.replace(**entropy_bonus_knobs(self.args))  # TRL's bonus, with any preset
-        if self.args.importance_sampling_level == "sequence":  # GSPO's ratio, with any preset
-            config = config.replace(importance_sampling_level="sequence")
-        if config.off_policy_mask_threshold is None and self.args.off_policy_mask_threshold is not None:
-            config = config.replace(off_policy_mask_threshold=self.args.off_policy_mask_threshold)
+        # TRL's loss terms that stand beside any preset (vLLM's correction, on by default with vLLM, since its
+        # probabilities differ from the trainer's; the entropy bonus; GSPO; off-policy masking) apply to the GTPO
+        # loss unless the GTPO config sets them itself.
+        config = with_trl_loss_terms(config, self.args)
         # Advantages as the GTPO config defines them (mean-centred for the paper and official presets).
         batch_std = str(self.args.scale_rewards) == "batch"  # TRL's batch-std scaling, when the config normalises
         self.scale_rewards = ("batch" if batch_std else "group") if config.normalize_advantages_by_std else "none"

@@ -180,6 +180,25 @@ def vllm_sampling_knobs(args) -> dict:
     )
 
 
+def trl_loss_terms(args) -> dict:
+    """The `GTPOConfig` knobs of the loss terms ``args`` turns on that stand beside any preset: vLLM's
+    importance-sampling correction, the static entropy bonus, GSPO's sequence-level ratio, off-policy masking."""
+    knobs = {**vllm_sampling_knobs(args), **entropy_bonus_knobs(args)}
+    if getattr(args, "importance_sampling_level", "token") == "sequence":
+        knobs["importance_sampling_level"] = "sequence"
+    if getattr(args, "off_policy_mask_threshold", None) is not None:
+        knobs["off_policy_mask_threshold"] = args.off_policy_mask_threshold
+    return knobs
+
+
+def with_trl_loss_terms(config, args):
+    """``config`` with each of `trl_loss_terms` that it leaves at its default (one it sets itself must agree with
+    TRL's: `check_settings` refuses it otherwise)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(config)}
+    taken = {name: value for name, value in trl_loss_terms(args).items() if getattr(config, name) == defaults[name]}
+    return config.replace(**taken) if taken else config
+
+
 def _vllm_is(value, args, config):
     wanted = vllm_sampling_knobs(args)
     if not wanted:
@@ -422,10 +441,7 @@ def from_grpo_config(args, **overrides):
             name: getattr(args, name) for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
         },
         max_completion_length=args.max_completion_length if reduction == "dr_grpo" else None,
-        **vllm_sampling_knobs(args),
-        **entropy_bonus_knobs(args),
-        off_policy_mask_threshold=args.off_policy_mask_threshold,
-        importance_sampling_level=args.importance_sampling_level,
+        **trl_loss_terms(args),
     )
     knobs.update(overrides)
     return GTPOConfig(**knobs)
