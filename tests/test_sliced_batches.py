@@ -49,6 +49,33 @@ def run(entry, leaves, ids, mask, adv, old, ref, config, rows=None, **kwargs):
     return fused_linear_gtpo_loss(hidden[rows], weight, ids[rows], mask[rows], adv[rows], **common)
 
 
+def run_parts(entry, leaves, ids, mask, adv, old, ref, config, parts, sampled=None):
+    """One call per part of the rows (conflict weights of whole groups, the whole batch's counts), each backward
+    into ``leaves``; returns the calls' summed loss and their metrics."""
+    lambda_, n_conflict = conflict_weights(ids, mask, adv, G, config.conflict_weight)
+    total, metrics = 0.0, []
+    for rows in parts:
+        out = run(
+            entry,
+            leaves,
+            ids,
+            mask,
+            adv,
+            old,
+            ref,
+            config,
+            rows=rows,
+            conflict=(lambda_[rows], n_conflict[rows]),
+            sampling_logprobs=None if sampled is None else sampled[rows],
+            num_sequences=ids.shape[0],
+            num_tokens=int(mask.sum()),
+        )
+        out.loss.backward()
+        total = total + out.loss.detach()
+        metrics.append(out.metrics)
+    return total, metrics
+
+
 @pytest.mark.parametrize("entry", ["logits", "fused"])
 @pytest.mark.parametrize("preset, reduction", list(itertools.product(PRESETS, REDUCTIONS)))
 def test_any_partition_adds_up_to_the_whole_batch(entry, preset, reduction):
@@ -66,31 +93,12 @@ def test_any_partition_adds_up_to_the_whole_batch(entry, preset, reduction):
     whole.loss.backward()
     expected_grads = [leaf.grad.clone() for leaf in leaves]
 
-    # Computed once, on whole groups (at rollout time), then sliced like the rows.
-    lambda_, n_conflict = conflict_weights(ids, mask, adv, G, config.conflict_weight)
+    # The conflict weights are computed once, on whole groups (at rollout time), then sliced like the rows.
     for seed in range(2):
         parts = partition(ids.shape[0], 3, seed)
         assert any(len(set((p // G).tolist())) < len(p) or len(p) % G for p in parts)  # groups are cut
         leaves = [hidden.clone().requires_grad_(), weight.clone().requires_grad_()]
-        total, metrics = 0.0, []
-        for rows in parts:
-            out = run(
-                entry,
-                leaves,
-                ids,
-                mask,
-                adv,
-                old,
-                ref,
-                config,
-                rows=rows,
-                conflict=(lambda_[rows], n_conflict[rows]),
-                num_sequences=ids.shape[0],
-                num_tokens=int(mask.sum()),
-            )
-            out.loss.backward()
-            total = total + out.loss.detach()
-            metrics.append(out.metrics)
+        total, metrics = run_parts(entry, leaves, ids, mask, adv, old, ref, config, parts)
         torch.testing.assert_close(total, whole.loss.detach(), rtol=1e-10, atol=1e-14)
         for leaf, expected in zip(leaves, expected_grads):
             torch.testing.assert_close(leaf.grad, expected, rtol=1e-10, atol=1e-14)
@@ -230,27 +238,9 @@ def test_trls_terms_add_up_across_slices(entry, knobs):
     whole = run(entry, leaves, ids, mask, adv, old, ref, config, group_size=G, sampling_logprobs=sampled)
     whole.loss.backward()
     expected = [leaf.grad.clone() for leaf in leaves]
-    lambda_, n_conflict = conflict_weights(ids, mask, adv, G, config.conflict_weight)
     leaves = [hidden.clone().requires_grad_(), weight.clone().requires_grad_()]
-    total = 0.0
-    for rows in partition(ids.shape[0], 3, seed=1):
-        out = run(
-            entry,
-            leaves,
-            ids,
-            mask,
-            adv,
-            old,
-            ref,
-            config,
-            rows=rows,
-            conflict=(lambda_[rows], n_conflict[rows]),
-            sampling_logprobs=None if sampled is None else sampled[rows],
-            num_sequences=ids.shape[0],
-            num_tokens=int(mask.sum()),
-        )
-        out.loss.backward()
-        total = total + out.loss.detach()
+    parts = partition(ids.shape[0], 3, seed=1)
+    total, _ = run_parts(entry, leaves, ids, mask, adv, old, ref, config, parts, sampled=sampled)
     assert whole.loss.abs() > 0
     torch.testing.assert_close(total, whole.loss.detach(), rtol=1e-10, atol=1e-14)
     for leaf, grad in zip(leaves, expected):
