@@ -198,7 +198,9 @@ def fused_linear_gtpo_loss(
     loss, sums, completion_entropy = outputs[0], outputs[6].detach(), outputs[7].detach()
     metrics = GTPOMetrics.from_sums(sums, has_kl=ref_logprobs is not None)
     metrics.completion_entropy = completion_entropy
-    if config.clipping and old_logprobs is not None:  # per-row clip fractions from the call's statistics, O(N L)
+    if (
+        config.clipping or config.ratio_function == "cispo"
+    ) and old_logprobs is not None:  # per-row clip fractions from the call's statistics, O(N L)
         metrics.completion_clip_low, metrics.completion_clip_high = completion_clip_fractions(
             outputs[4], outputs[5], rows, config
         )

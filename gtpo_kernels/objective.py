@@ -220,15 +220,26 @@ def clip_flags(ratio: torch.Tensor, token_advantage: torch.Tensor, config: GTPOC
     return (ratio < low) & (token_advantage < 0), (ratio > high) & (token_advantage > 0)
 
 
+def cispo_clipped(ratio: torch.Tensor, token_advantage: torch.Tensor, config: GTPOConfig) -> Optional[torch.Tensor]:
+    """``[N, L]`` bool: where CISPO's cap lowers the weight of a token pushed up (ratio above ``cispo_ratio_max``,
+    positive advantage; TRL's ``cispo_clip_ratio``), ``None`` without a cap. CISPO has no low side."""
+    cap = config.cispo_ratio_max
+    return None if cap is None else (ratio > cap) & (token_advantage > 0)
+
+
 def completion_clip_fractions(token_logprobs, token_entropy, rows: LossRows, config: GTPOConfig):
     """``(low [N], high [N])``: each completion's fraction of clipped tokens on each side (NaN for an empty
     completion; 0 without clipping or on-policy), from a call's statistics: what `loss_from_token_stats`
     reports, for a path (the fused one) whose operator returns the statistics but not these."""
     masked = _Masked(token_logprobs.detach(), token_entropy.detach(), rows, config)
     valid, lengths = rows.valid, masked.lengths
-    if not config.clipping or rows.old_logprobs is None:  # on-policy the ratio is 1 in value
+    cispo = config.ratio_function == "cispo"
+    if not (config.clipping or cispo) or rows.old_logprobs is None:  # on-policy the ratio is 1 in value
         return _row_fraction(None, valid, lengths), _row_fraction(None, valid, lengths)
-    ratio = torch.exp(masked.logp - masked.given(rows, rows.old_logprobs))
+    ratio = masked.ratio(rows, config)
+    if cispo:
+        high = cispo_clipped(ratio, masked.token_advantage, config)
+        return _row_fraction(None, valid, lengths), _row_fraction(high, valid, lengths)
     low, high = clip_flags(ratio, masked.token_advantage, config)
     return _row_fraction(low, valid, lengths), _row_fraction(high, valid, lengths)
 
@@ -395,6 +406,8 @@ def loss_from_token_stats(
     if config.ratio_function == "cispo":  # the clipped ratio is a detached weight on the log-prob
         cap = config.cispo_ratio_max
         per_token = -(ratio if cap is None else torch.clamp(ratio, max=cap)).detach() * token_advantage * logp
+        clipped_high = cispo_clipped(ratio.detach(), token_advantage, config)
+        was_clipped = clipped_high
     elif config.ratio_function == "vespo":  # a detached gamma weight of the completion's ratio on the log-prob
         per_token = -vespo_weights(masked, rows, config) * token_advantage * logp
     elif config.ratio_function == "sapo":  # a soft gate instead of the clip

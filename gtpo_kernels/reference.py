@@ -212,7 +212,9 @@ def reference_loss_from_token_stats(
             cap = math.inf if config.cispo_ratio_max is None else config.cispo_ratio_max
             capped = torch.tensor([min(float(r), cap) for r in ratio.detach()], dtype=dtype, device=device)
             terms = -capped * token_adv * lp
-            row_clip_low[i] = row_clip_high[i] = 0.0
+            row_high = int(sum(float(r) > cap and float(t) > 0 for r, t in zip(ratio.detach(), token_adv)))
+            clipped_high += row_high
+            row_clip_low[i], row_clip_high[i] = 0.0, row_high / n
         elif config.ratio_function == "vespo":
             floor = math.log(1e-8)
             log_w = sum(min(max(float(x) - float(o), -20.0), 20.0) for x, o in zip(lp.detach(), old))

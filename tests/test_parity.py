@@ -54,7 +54,7 @@ CONFIGS = {
         sampling_ratio_min=0.8,
         sampling_ratio_max=1.3,
         ratio_function="cispo",
-        cispo_ratio_max=1.2,
+        cispo_ratio_max=1.02,  # bites on these draws
     ),
     "trl:sampler:token_mask+kl+bonus": GTPOConfig(
         preset="grpo", sampling_correction="token_mask", sampling_ratio_min=0.7, kl_beta=0.05, entropy_bonus=0.05
@@ -123,7 +123,7 @@ def compare(
     config = dataclasses.replace(config, max_chunk_bytes=tiny_chunks(logits.shape[-1]))
     logp64, _ = token_logprobs_and_entropy(logits.double() / temperature, torch.where(valid, ids, 0))
     kwargs = {}
-    if off_policy or config.clipping:
+    if off_policy or config.clipping or config.ratio_function != "clip":  # CISPO's cap and SAPO's gate off-policy
         g = torch.Generator().manual_seed(123)
         kwargs["old_logprobs"] = (logp64 + 0.3 * torch.randn(logp64.shape, generator=g, dtype=torch.float64)).float()
     if config.kl_beta:

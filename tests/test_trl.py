@@ -795,6 +795,19 @@ def test_from_grpo_config_trains_as_grpo_trainer(tiny_model_dir, tmp_path, trl_a
     loss_b, grads_b = loss_and_grads(theirs, dict(inputs))
     torch.testing.assert_close(loss_a, loss_b, rtol=1e-5, atol=1e-7)
     assert_same_grads(grads_a, grads_b, rtol=1e-4)
+    # TRL's own metrics of the loss call, each the same number (those of docs/trl.md's "metrics" aside).
+    ours._flush_gtpo_metrics("train")
+    mine, trls = ours._metrics["train"], theirs._metrics["train"]
+    assert set(trls) - set(mine) <= NOT_LOGGED_LIKE_TRL, set(trls) - set(mine)
+    for name in set(trls) & set(mine):
+        assert mine[name] == pytest.approx(trls[name], rel=1e-5, abs=1e-7), name
+    if trl_args.get("loss_type") == "cispo":
+        assert mine["cispo_clip_ratio"][0] > 0 or trl_args["epsilon_high"] > 1.2  # the cap bites on this batch
+
+
+# TRL's metrics that GTPOTrainer does not log as TRL does: the policy loss beside the entropy bonus (each
+# micro-batch's own normalisation, where the GTPO loss is the optimiser step's share) and VESPO's mean weight.
+NOT_LOGGED_LIKE_TRL = {"policy_loss", "vespo/phi_seq_mean"}
 
 
 @pytest.mark.parametrize("entropy", ["below target", "above target"])

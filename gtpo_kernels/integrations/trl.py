@@ -414,6 +414,14 @@ class GTPOTrainer(GRPOTrainer):
         """Adds this call's metric sums to the mode's pending ones, on the device (read in `log`)."""
         sums = metrics.to_sums()
 
+        def row_sum(row):  # over completions, an empty one (NaN) counting 0, as TRL's one-ratio-per-completion mean
+            return sums.new_zeros(()) if row is None else torch.nan_to_num(row.detach().to(torch.float64)).sum()
+
+        rows = metrics.num_sequences.to(torch.float64)[None]
+        sums = torch.cat(
+            [sums, torch.stack([row_sum(metrics.completion_clip_low), row_sum(metrics.completion_clip_high)]), rows]
+        )
+
         def smallest(row):  # over completions; empty ones (NaN) skipped, +inf when none is left
             if row is None:  # no clipping (or on-policy): every completion's fraction is 0
                 return sums.new_zeros(())
@@ -437,30 +445,38 @@ class GTPOTrainer(GRPOTrainer):
         """One gather and one host read for every loss call since the last log: the ``gtpo/*`` metrics, and
         TRL's own ``entropy``, ``kl`` and ``clip_ratio/*`` (so that dashboards built for ``GRPOTrainer`` keep
         working; ``clip_ratio/low_min`` and ``/high_max`` are the extremes over the completions of every loss
-        call since the last log, where TRL logs them per call and averages at the log)."""
+        call since the last log, where TRL logs them per call and averages at the log; with one ratio per completion,
+        GSPO's, the ``*_mean`` ones are over completions, as TRL's; with CISPO, TRL's ``cispo_clip_ratio`` too)."""
         pending = self._gtpo_pending.pop(mode, None)
         if pending is None:
             return
         per_process = self.accelerator.gather(torch.cat(pending)[None])  # [processes, sums + 2 extremes]
         extremes = per_process[:, -2:].amin(dim=0)
         extremes = torch.where(torch.isinf(extremes), torch.full_like(extremes, math.nan), extremes)
-        per_process = per_process[:, :-2]
+        totals = per_process[:, :-2].sum(0)
+        # [clip low, clip high, completions] summed over completions: TRL's means when each completion has one ratio.
+        per_completion = totals[-3:-1] / totals[-1].clamp(min=1)
         # TRL computes reference log-probs (hence a KL) exactly when beta != 0.
         has_kl = float(self.beta) != 0.0
-        merged = GTPOMetrics.from_sums(per_process.sum(0), has_kl=has_kl)
+        merged = GTPOMetrics.from_sums(totals[:-3], has_kl=has_kl)
+        low_mean, high_mean = merged.clip_low_fraction, merged.clip_high_fraction
+        if self.gtpo_config.importance_sampling_level == "sequence":
+            low_mean, high_mean = per_completion[0], per_completion[1]
         values = {f"gtpo/{name}": getattr(merged, name) for name in METRIC_NAMES if getattr(merged, name) is not None}
         values.update(
             {
                 "entropy": merged.entropy,
-                "clip_ratio/low_mean": merged.clip_low_fraction,
-                "clip_ratio/high_mean": merged.clip_high_fraction,
-                "clip_ratio/region_mean": merged.clip_fraction,
+                "clip_ratio/low_mean": low_mean,
+                "clip_ratio/high_mean": high_mean,
+                "clip_ratio/region_mean": low_mean + high_mean,
                 "clip_ratio/low_min": extremes[0],
                 "clip_ratio/high_max": -extremes[1],
             }
         )
         if has_kl:
             values["kl"] = merged.kl
+        if self.gtpo_config.ratio_function == "cispo":  # TRL's name for CISPO's capped share
+            values["cispo_clip_ratio"] = merged.clip_high_fraction
         read = torch.stack([v.to(torch.float64) for v in values.values()]).tolist()  # the one host read
         for name, value in zip(values, read):
             self._metrics[mode][name].append(value)
