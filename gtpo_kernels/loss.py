@@ -8,13 +8,14 @@ import torch
 from torch import nn
 
 from . import validation
-from .backends import resolve_backend_name
+from .backends import get_backend, kernels_for, resolve_backend_name
 from .config import GTPOConfig
 from .conflict import with_conflict_weights
 from .objective import loss_from_token_stats
 from .result import GTPOLossOutput
 from .rows import Conflict, LossRows, checked_rows, resolved_config
 from .token_stats import token_stats
+from .vocab_parallel import vocab_parallel_token_stats
 
 
 def gtpo_loss(
@@ -34,6 +35,7 @@ def gtpo_loss(
     num_tokens=None,
     temperature: float = 1.0,
     backend: str = "auto",
+    vocab_group=None,
 ) -> GTPOLossOutput:
     """The GTPO loss of a batch of completions, from the policy's logits.
 
@@ -69,6 +71,11 @@ def gtpo_loss(
         backend: ``"auto"`` (Triton for CUDA tensors, the C++ kernels for CPU tensors), ``"triton"``
             (fused kernels; on CPU tensors only under ``TRITON_INTERPRET=1``), ``"cpu"`` (C++ kernels)
             or ``"torch"`` (chunked plain PyTorch).
+        vocab_group: a ``torch.distributed`` process group over which the vocabulary is sharded (tensor
+            parallelism): ``logits`` is then this rank's ``[N, L, V_r]`` shard, the shards in the group's rank
+            order (any sizes), and every other argument the same on every rank. The loss and statistics are
+            the whole vocabulary's, on every rank; the gradient is this shard's (docs/method.md,
+            "Vocabulary-parallel logits"). ``completion_ids`` are ids of the whole vocabulary.
 
     Returns:
         `GTPOLossOutput` with ``.loss`` (0-d, differentiable w.r.t. ``logits``) and ``.metrics``
@@ -89,11 +96,16 @@ def gtpo_loss(
         num_tokens=num_tokens,
         group_size=group_size,
     )
-    return loss_of_rows(logits, given, config, backend, stacklevel=4)
+    return loss_of_rows(logits, given, config, backend, stacklevel=4, vocab_group=vocab_group)
 
 
 def loss_of_rows(
-    logits: torch.Tensor, given: LossRows, config: Optional[GTPOConfig], backend: str = "auto", stacklevel: int = 3
+    logits: torch.Tensor,
+    given: LossRows,
+    config: Optional[GTPOConfig],
+    backend: str = "auto",
+    stacklevel: int = 3,
+    vocab_group=None,
 ) -> GTPOLossOutput:
     """`gtpo_loss` on the per-row inputs ``given`` as one bundle (checked here), e.g. a `LossRows.slice` of a
     batch's. ``stacklevel``: where a warning points (3: this function's caller)."""
@@ -101,17 +113,26 @@ def loss_of_rows(
     config = resolved_config(config)
     rows, checks = checked_rows(logits, "logits [N, L, V]", given, config)
     backend_ = resolve_backend_name(backend, logits.device.type)
-    logp, entropy = token_stats(
-        backend_,
-        logits,
-        rows.ids,
-        rows.valid,
-        temperature=rows.temperature,
-        max_chunk_bytes=config.max_chunk_bytes,
-        inplace=config.inplace_backward,
-    )
-    # The kernels report ids outside the vocabulary, NaN/+inf logits and sampled -inf tokens as NaN statistics.
-    validation.add_stats_check(checks, logp, entropy, rows.valid, rows.ids, logits.shape[-1])
+    if vocab_group is None:
+        logp, entropy = token_stats(
+            backend_,
+            logits,
+            rows.ids,
+            rows.valid,
+            temperature=rows.temperature,
+            max_chunk_bytes=config.max_chunk_bytes,
+            inplace=config.inplace_backward,
+        )
+        vocab_size = logits.shape[-1]
+    else:
+        kernels = kernels_for(get_backend(backend_), logits.dtype, config.max_chunk_bytes)
+        logp, entropy, shards = vocab_parallel_token_stats(
+            logits, rows.ids, rows.valid, kernels, rows.temperature, vocab_group
+        )
+        vocab_size = shards.vocab_size
+    # The kernels report ids outside the vocabulary, NaN/+inf logits and sampled -inf tokens as NaN statistics
+    # (the same on every rank of a vocab_group: the statistics are the combined ones).
+    validation.add_stats_check(checks, logp, entropy, rows.valid, rows.ids, vocab_size)
     rows = with_conflict_weights(rows, config, backend_)
     out = loss_from_token_stats(logp, entropy, rows, config)
     if config.warn_no_signal:

@@ -20,6 +20,7 @@ import torch
 from . import custom_ops, validation
 from ._autograd import first_derivative_only
 from .backends import Backend, get_backend, kernels_for, resolve_backend_name
+from .vocab_parallel import vocab_parallel_token_stats
 
 
 class TokenStats(torch.autograd.Function):
@@ -87,6 +88,7 @@ def token_logprobs_and_entropy(
     temperature: float = 1.0,
     backend: str = "auto",
     validate: bool = True,
+    vocab_group=None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs and entropies without gradient, e.g. for ``old_logprobs``/``ref_logprobs``.
 
@@ -96,6 +98,8 @@ def token_logprobs_and_entropy(
         completion_mask: ``[N, L]``; masked positions return 0 (default: all unmasked).
         temperature: the statistics are those of ``softmax(logits / temperature)``, computed inside the
             kernels (no scaled copy of the logits).
+        vocab_group: the process group over which the vocabulary is sharded (``logits`` is this rank's
+            ``[N, L, V_r]`` shard; `gtpo_loss`'s argument of the same name).
 
     Returns:
         ``(logp, H)``, each ``[N, L]`` float32 (float64 for float64 logits), one pass over the logits.
@@ -105,10 +109,17 @@ def token_logprobs_and_entropy(
     valid, temperature = validation.check_stats_inputs(
         logits, "logits [N, L, V]", completion_ids, completion_mask, temperature, checks
     )
+    backend = resolve_backend_name(backend, logits.device.type)
+    vocab_size = logits.shape[-1]
     with torch.no_grad():
-        logp, entropy = token_stats(
-            resolve_backend_name(backend, logits.device.type), logits, completion_ids, valid, temperature=temperature
-        )
-    validation.add_stats_check(checks, logp, entropy, valid, completion_ids, logits.shape[-1])
+        if vocab_group is None:
+            logp, entropy = token_stats(backend, logits, completion_ids, valid, temperature=temperature)
+        else:
+            kernels = kernels_for(get_backend(backend), logits.dtype)
+            logp, entropy, shards = vocab_parallel_token_stats(
+                logits, completion_ids, valid, kernels, temperature, vocab_group
+            )
+            vocab_size = shards.vocab_size
+    validation.add_stats_check(checks, logp, entropy, valid, completion_ids, vocab_size)
     checks.read()  # one host synchronisation
     return logp, entropy

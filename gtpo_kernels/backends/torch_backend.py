@@ -112,6 +112,8 @@ def backward(
     read before it is overwritten); exact zeros at masked tokens."""
     acc = log_s.dtype
     chunk = chunk_tokens(logits.shape[-1], logits.device, max_chunk_bytes)
+    # An id outside [0, V) has no entry here (a vocabulary shard whose neighbour holds the target): column 0
+    # keeps its off-target value.
     in_vocab = (ids >= 0) & (ids < logits.shape[-1])
     ids = torch.where(valid & in_vocab, ids.long(), 0)
     zero = torch.zeros((), dtype=acc, device=logits.device)
@@ -131,11 +133,9 @@ def backward(
         # The target's entry g_logp (1 - p_y) - g_H p_y (log p_y + H), with 1 - p_y = -expm1(log p_y): the
         # difference cancels catastrophically for a confident sampled token.
         log_p_target = logp[rows, pos, None].to(acc)
-        grad.scatter_(
-            -1,
-            ids[rows, pos, None],
-            -g_logp * torch.expm1(log_p_target) - g_entropy * log_p_target.exp() * (log_p_target + h),
-        )
+        at = ids[rows, pos, None]
+        target = -g_logp * torch.expm1(log_p_target) - g_entropy * log_p_target.exp() * (log_p_target + h)
+        grad.scatter_(-1, at, torch.where(in_vocab[rows, pos, None], target, grad.gather(-1, at)))
         # Masked tokens may hold NaN logits: write exact zeros, not 0 * NaN.
         out[rows, pos] = torch.where(valid[rows, pos, None], grad, zero).to(out.dtype)
     return out

@@ -1,0 +1,173 @@
+"""Per-token statistics of logits sharded over the vocabulary (tensor parallelism: Megatron's
+``ColumnParallelLinear`` output layer), without gathering the logits.
+
+Each rank of ``vocab_group`` holds ``logits_shard [N, L, V_r]``, the columns ``[offset_r, offset_r + V_r)`` of
+the whole vocabulary, shards in rank order (sizes may differ: ``V = 151936`` over 3 ranks). Each runs the
+backend's kernels on its shard, which give, per token, the shard's ``row_max_r``, ``log_s_r`` (so
+``lse_r = row_max_r / T + log_s_r``), entropy ``H_r`` and, where the target lies in the shard, ``logp_r``. One
+all-gather of those four floats per token combines them on every rank (`combine_shard_stats`):
+
+    lse = logsumexp_r lse_r,   w_r = exp(lse_r - lse)            (each shard's share of the probability)
+    logp = logp_r* + lse_r* - lse                                  (r*: the shard holding the target)
+    H = sum_r w_r (H_r + lse - lse_r)                              (the mixture's entropy: no cancellation)
+
+The backward is local: the gradient of a shard's logits is ``c (onehot - p) + e dH/dz`` on its own columns,
+with the global ``p``, ``H`` and ``lse``, which the kernels' backward takes as they are (the target's entry is
+written only by the shard that holds it). No collective: every rank computes the same loss from the same
+statistics, so the incoming ``c`` and ``e`` agree.
+
+Before the gather, a header of four integers per rank (shard size, ``N``, ``L``, the dtype) is gathered too,
+so that shards that do not line up give the same clear error on every rank rather than a hang or a wrong
+answer: two collectives per forward (one of them 32 bytes per rank), none backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ._autograd import first_derivative_only
+from .backends import Backend
+
+_DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
+
+
+@dataclass(frozen=True)
+class VocabShards:
+    """Where each rank's shard lies in the whole vocabulary: ``sizes[r]`` columns from ``offsets[r]``; ``rank``:
+    this process's index in the group."""
+
+    sizes: Tuple[int, ...]
+    rank: int
+
+    @property
+    def offsets(self) -> Tuple[int, ...]:
+        starts, total = [], 0
+        for size in self.sizes:
+            starts.append(total)
+            total += size
+        return tuple(starts)
+
+    @property
+    def vocab_size(self) -> int:
+        return sum(self.sizes)
+
+    @property
+    def offset(self) -> int:
+        return self.offsets[self.rank]
+
+
+def _all_gather(tensor: torch.Tensor, group) -> torch.Tensor:
+    """``[R, *tensor.shape]``: every rank's ``tensor``, in rank order."""
+    world = dist.get_world_size(group)
+    out = tensor.new_empty((world * tensor.shape[0],) + tuple(tensor.shape[1:]))
+    dist.all_gather_into_tensor(out, tensor.contiguous(), group=group)
+    return out.view((world,) + tuple(tensor.shape))
+
+
+def exchange_shards(
+    group, vocab_local: int, rows: Tuple[int, ...], dtype: torch.dtype, device, what: str
+) -> VocabShards:
+    """The layout of ``group``'s shards, from one gather of each rank's ``[V_r, *rows, dtype]``; raises the same
+    error on every rank when the ranks' rows (``N, L`` or ``T``) or dtypes differ or a shard is empty."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            "vocab_group was given but torch.distributed is not initialised: call "
+            "torch.distributed.init_process_group first (or leave vocab_group=None for whole-vocabulary logits)"
+        )
+    header = torch.tensor([vocab_local, *rows, _DTYPE_CODES.get(dtype, -1)], dtype=torch.int64)
+    headers = _all_gather(header.to(device)[None], group).view(-1, header.numel()).cpu().tolist()
+    sizes = [h[0] for h in headers]
+    if any(h[1:] != headers[0][1:] for h in headers):
+        raise ValueError(
+            f"vocab_group: every rank must pass the same rows of {what} with the same dtype, only the vocabulary "
+            f"shard differing; got [rows..., dtype code] per rank {[h[1:] for h in headers]}"
+        )
+    if min(sizes) < 1:
+        raise ValueError(
+            f"vocab_group: every rank's shard needs at least one vocabulary column; sizes per rank {sizes}"
+        )
+    return VocabShards(tuple(sizes), dist.get_rank(group))
+
+
+def combine_shard_stats(stats: torch.Tensor, owner: torch.Tensor, temperature: float):
+    """The whole vocabulary's ``(row_max, log_s, logp, H)`` from the shards' (`combine` in the module's notes).
+
+    Args:
+        stats: ``[R, 4, *S]``: each shard's kernel statistics ``(row_max, log_s, logp, H)`` (``logp`` only read
+            where the shard holds the target).
+        owner: ``[*S]`` int64, the shard that holds each token's target (``-1``: none, which gives NaN ``logp``).
+    """
+    row_max, log_s, logp, entropy = stats.unbind(1)
+    lse_r = row_max / temperature + log_s
+    banned = torch.isneginf(row_max)  # a shard whose every logit is -inf holds no probability
+    lse_r = torch.where(banned, torch.full_like(lse_r, -torch.inf), lse_r)
+    lse = torch.logsumexp(lse_r, dim=0)
+    share = torch.exp(lse_r - lse)
+    terms = torch.where(banned | (share == 0), torch.zeros_like(share), share * (entropy + lse - lse_r))
+    whole_entropy = terms.sum(dim=0)
+    at = owner.clamp(min=0)[None]
+    own_logp = logp.gather(0, at).squeeze(0) + lse_r.gather(0, at).squeeze(0) - lse
+    whole_logp = torch.where(owner >= 0, own_logp, torch.full_like(own_logp, torch.nan))
+    whole_max = row_max.amax(dim=0)
+    return whole_max, lse - whole_max / temperature, whole_logp, whole_entropy
+
+
+def target_owner(ids: torch.Tensor, shards: VocabShards) -> torch.Tensor:
+    """``ids``' shape, int64: the rank whose shard holds each id, ``-1`` for an id outside the whole vocabulary."""
+    bounds = torch.tensor(shards.offsets[1:], dtype=torch.int64, device=ids.device)
+    owner = torch.bucketize(ids.long(), bounds, right=True)
+    inside = (ids >= 0) & (ids < shards.vocab_size)
+    return torch.where(inside, owner, torch.full_like(owner, -1))
+
+
+class VocabParallelTokenStats(torch.autograd.Function):
+    """``(logits_shard [..., V_r], ids, valid, kernels, temperature, group, shards) -> (logp, H)`` of the whole
+    vocabulary's ``softmax(logits / T)`` on every rank; the backward writes only this shard's gradient."""
+
+    @staticmethod
+    def forward(ctx, logits, ids, valid, kernels: Backend, temperature: float, group, shards: VocabShards):
+        if logits.stride(-1) != 1:
+            logits = logits.contiguous()
+        local_ids = ids.long() - shards.offset  # outside [0, V_r) where another shard holds the target
+        row_max, log_s, logp, entropy = kernels.forward(logits, local_ids, valid, temperature)
+        gathered = _all_gather(torch.stack([row_max, log_s, logp, entropy]), group)
+        owner = torch.where(valid, target_owner(ids, shards), torch.zeros_like(ids, dtype=torch.int64))
+        row_max, log_s, logp, entropy = combine_shard_stats(gathered, owner, temperature)
+        zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+        row_max, log_s, logp, entropy = (torch.where(valid, t, zero) for t in (row_max, log_s, logp, entropy))
+        ctx.save_for_backward(logits, local_ids, valid, row_max, log_s, logp, entropy)
+        ctx.kernels, ctx.temperature = kernels, temperature
+        ctx.mark_non_differentiable(row_max, log_s)
+        return logp, entropy
+
+    @staticmethod
+    @first_derivative_only
+    def backward(ctx, grad_logp: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor]):
+        logits, local_ids, valid, row_max, log_s, logp, entropy = ctx.saved_tensors
+        grad_logp = torch.zeros_like(logp) if grad_logp is None else grad_logp
+        out = torch.empty_like(logits, memory_format=torch.contiguous_format)
+        ctx.kernels.backward(
+            logits, local_ids, valid, row_max, log_s, logp, entropy, grad_logp, grad_entropy, out, ctx.temperature
+        )
+        return out, None, None, None, None, None, None
+
+
+def vocab_parallel_token_stats(
+    logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, kernels: Backend, temperature: float, group
+) -> Tuple[torch.Tensor, torch.Tensor, VocabShards]:
+    """``(logp, H, shards)``: the whole vocabulary's statistics from this rank's ``logits [N, L, V_r]`` shard;
+    differentiable with respect to the shard."""
+    shards = exchange_shards(group, logits.shape[-1], tuple(ids.shape), logits.dtype, logits.device, "logits")
+    logp, entropy = VocabParallelTokenStats.apply(logits, ids, valid, kernels, float(temperature), group, shards)
+    return logp, entropy, shards
+
+
+def shard_sizes(vocab_size: int, world: int) -> List[int]:
+    """Megatron's even split of ``vocab_size`` columns over ``world`` ranks, the first ranks one larger when it
+    does not divide (a helper for tests and examples; any sizes in rank order are accepted)."""
+    base, extra = divmod(vocab_size, world)
+    return [base + (r < extra) for r in range(world)]

@@ -1,0 +1,98 @@
+"""Vocabulary-parallel logits (`gtpo_kernels.vocab_parallel`): the shards' statistics combine to the whole
+vocabulary's (one process, by hand), and `gtpo_loss(..., vocab_group=...)` under 2 and 3 real processes (torchrun,
+gloo) equals the whole-vocabulary float64 oracle: loss and each rank's gradient, every backend and dtype, each
+preset and reduction, uneven shards, temperature, sliced batches; two collectives per forward, none backward; bad
+input gets the same error on every rank (tests/vocab_parallel_ranks.py runs the ranks)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gtpo_kernels import gtpo_loss
+from gtpo_kernels.reference import token_logprobs_and_entropy
+from gtpo_kernels.vocab_parallel import VocabShards, combine_shard_stats, shard_sizes, target_owner
+
+from .helpers import random_batch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_shard_statistics_combine_to_the_whole_vocabulary():
+    """Split float64 logits (banned tokens in one shard, a shard of one column) and combine each shard's own
+    statistics: the whole vocabulary's log-prob and entropy, at two temperatures."""
+    from gtpo_kernels.backends import get_backend
+
+    logits, ids, mask, _ = random_batch(2, 3, 4, 23, dtype=torch.float64, seed=4)
+    logits[0, :, 1:6] = -torch.inf
+    valid = torch.ones_like(mask, dtype=torch.bool)
+    sizes = (7, 1, 15)
+    shards = VocabShards(sizes, 0)
+    kernels = get_backend("torch")
+    for temperature in (1.0, 0.6):
+        parts = []
+        for rank, start in enumerate(shards.offsets):
+            local = logits[..., start : start + sizes[rank]].contiguous()
+            parts.append(torch.stack(kernels.forward(local, ids - start, valid, temperature)))
+        _, _, logp, entropy = combine_shard_stats(torch.stack(parts), target_owner(ids, shards), temperature)
+        want_logp, want_entropy = token_logprobs_and_entropy(logits / temperature, ids)
+        torch.testing.assert_close(logp, want_logp, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(entropy, want_entropy, rtol=1e-12, atol=1e-12)
+
+
+def test_target_owner_by_hand():
+    shards = VocabShards((3, 1, 2), 0)
+    ids = torch.tensor([0, 2, 3, 4, 5, 6, -1])
+    assert target_owner(ids, shards).tolist() == [0, 0, 1, 2, 2, -1, -1]
+    assert shard_sizes(151936, 3) == [50646, 50645, 50645]
+
+
+def test_vocab_group_without_distributed_is_refused():
+    logits, ids, mask, adv = random_batch(1, 2, 3, 5)
+    with pytest.raises(ValueError, match="torch.distributed is not initialised"):
+        gtpo_loss(logits, ids, mask, adv, group_size=2, vocab_group=object())
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2 ranks", "3 ranks"])
+def ranks(request, tmp_path_factory):
+    from .test_trainer_distributed import free_port
+
+    out = tmp_path_factory.mktemp("vocab_parallel") / "results.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(request.param)]
+    cmd += ["--master_port", str(free_port()), "tests/vocab_parallel_ranks.py", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def tolerance(case: str) -> float:
+    if "float64" in case:
+        return 1e-10
+    return 1e-5 if "float32" in case else 1e-2
+
+
+def test_sharded_loss_and_gradients_equal_the_whole_vocabulary_oracle(ranks):
+    cases = ranks["cases"]
+    assert len(cases) >= 20
+    for case, errors in cases.items():
+        for name in ("loss", "grad", "entropy"):
+            assert errors[name] <= tolerance(case), (ranks["world"], case, name, errors[name])
+
+
+def test_one_gather_of_statistics_per_forward_and_no_collective_backward(ranks):
+    for case, errors in ranks["cases"].items():
+        assert errors["forward_collectives"] == 2, case  # the 4-integer header and the statistics
+        assert errors["backward_collectives"] == 0, case
+
+
+def test_bad_input_gets_the_same_clear_error_on_every_rank(ranks):
+    per_rank = ranks["bad_input"]
+    assert len(per_rank) == ranks["world"]
+    assert all(messages == per_rank[0] for messages in per_rank)
+    assert "must lie in [0, V=37)" in per_rank[0]["id outside the whole vocabulary"]
+    assert "every rank must pass the same rows" in per_rank[0]["rows differ across ranks"]

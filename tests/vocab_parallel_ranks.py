@@ -1,0 +1,208 @@
+"""Run under torchrun (gloo, CPU): the vocabulary-parallel losses on every rank against the whole-vocabulary
+float64 oracle, which each rank computes itself from the whole logits (every rank draws the same batch).
+
+    torchrun --nproc_per_node R tests/vocab_parallel_ranks.py OUT.json
+
+Rank 0 writes ``{case: {"loss": err, "grad": err, ...}}``, each error the largest over the ranks (relative to
+the oracle's largest entry), and the number of collectives each forward and backward ran. Cases: every
+backend and dtype, each preset and reduction, temperature, uneven shards, a sliced batch, bad input.
+"""
+
+import json
+import os
+import sys
+
+if os.environ.get("GTPO_TEST_CUDA", "0") == "0":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import gtpo_kernels  # noqa: E402
+from gtpo_kernels import GTPOConfig, conflict_weights, gtpo_loss  # noqa: E402
+from gtpo_kernels.backends import registered  # noqa: E402
+from gtpo_kernels.reference import reference_gtpo_loss, token_logprobs_and_entropy  # noqa: E402
+from gtpo_kernels.vocab_parallel import shard_sizes  # noqa: E402
+from tests.helpers import random_batch  # noqa: E402
+
+CONFIGS = {
+    "paper": GTPOConfig(preset="paper"),
+    "official": GTPOConfig(preset="official"),
+    "grpo+kl": GTPOConfig(preset="grpo", kl_beta=0.05),
+    "penalty+token_mean": GTPOConfig(preset="paper", entropy_mode="penalty", loss_reduction="token_mean"),
+    "sum+bonus": GTPOConfig(preset="paper", loss_reduction="sum", entropy_bonus=0.05),
+    "dr_grpo": GTPOConfig(preset="grpo", loss_reduction="dr_grpo", max_completion_length=5),
+    "sequence_sum+sapo": GTPOConfig(preset="paper", loss_reduction="sequence_sum", ratio_function="sapo"),
+}
+
+
+class Collectives:
+    """Counts the all-gathers `gtpo_kernels.vocab_parallel` runs (its only collective)."""
+
+    def __init__(self):
+        self.count = 0
+        self._gather = dist.all_gather_into_tensor
+
+    def __enter__(self):
+        def counted(*args, **kwargs):
+            self.count += 1
+            return self._gather(*args, **kwargs)
+
+        dist.all_gather_into_tensor = counted
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_gather_into_tensor = self._gather
+
+
+def shard_of(full: torch.Tensor, sizes, rank: int) -> torch.Tensor:
+    start = sum(sizes[:rank])
+    return full[..., start : start + sizes[rank]]
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-300)) if b.numel() else 0.0
+
+
+def old_and_ref(logits64, ids, mask, temperature):
+    logp64, _ = token_logprobs_and_entropy(logits64 / temperature, torch.where(mask.bool(), ids, 0))
+    g = torch.Generator().manual_seed(11)
+    old = logp64 + 0.3 * torch.randn(logp64.shape, generator=g, dtype=torch.float64)
+    ref = logp64 + 0.5 * torch.randn(logp64.shape, generator=g, dtype=torch.float64)
+    return old, ref
+
+
+def one_case(rank, sizes, group, backend, dtype, config, *, temperature=1.0, seed=0, parts=1):
+    """Errors of the sharded call(s) against the oracle: loss, this rank's gradient, logp-derived metrics."""
+    vocab = sum(sizes)
+    logits, ids, mask, adv = random_batch(2, 4, 5, vocab, dtype=dtype, seed=seed)
+    logits64 = logits.double()
+    old, ref = old_and_ref(logits64, ids, mask, temperature)
+    x64 = logits64.clone().requires_grad_()
+    kwargs = dict(old_logprobs=old, ref_logprobs=ref if config.kl_beta else None)
+    oracle = reference_gtpo_loss(
+        x64, ids, mask, adv.double(), group_size=4, config=config, temperature=temperature, **kwargs
+    )
+    oracle.loss.backward()
+
+    shard = shard_of(logits, sizes, rank).clone().requires_grad_()
+    cast = {
+        k: None if v is None else v.to(torch.float64 if dtype == torch.float64 else torch.float32)
+        for k, v in kwargs.items()
+    }
+    forward_count = backward_count = 0
+    n = ids.shape[0]
+    bounds = [round(i * n / parts) for i in range(parts + 1)]
+    lam, n_conflict = conflict_weights(ids, mask, adv, 4, config.conflict_weight)
+    loss = 0.0
+    for r0, r1 in zip(bounds, bounds[1:]):
+        rows = slice(r0, r1)
+        with Collectives() as forward:
+            out = gtpo_loss(
+                shard[rows],
+                ids[rows],
+                mask[rows],
+                adv[rows],
+                conflict=(lam[rows], n_conflict[rows]),
+                config=config,
+                temperature=temperature,
+                backend=backend,
+                vocab_group=group,
+                num_sequences=n,
+                num_tokens=int(mask.sum()),
+                **{k: None if v is None else v[rows] for k, v in cast.items()},
+            )
+        with Collectives() as backward:
+            out.loss.backward()
+        forward_count += forward.count
+        backward_count += backward.count
+        loss = loss + out.loss.detach()
+    return {
+        "loss": relative(loss, oracle.loss),
+        "grad": relative(shard.grad, shard_of(x64.grad, sizes, rank)),
+        "entropy": relative(out.metrics.entropy, oracle.metrics.entropy) if parts == 1 else 0.0,
+        "forward_collectives": forward_count / parts,
+        "backward_collectives": backward_count,
+    }
+
+
+def bad_input(rank, sizes, group):
+    """Each misuse's error message on this rank (the same on every rank, the test checks)."""
+    vocab = sum(sizes)
+    logits, ids, mask, adv = random_batch(1, 4, 3, vocab, seed=5)
+    messages = {}
+    cases = {
+        "id outside the whole vocabulary": lambda: gtpo_loss(
+            shard_of(logits, sizes, rank),
+            ids.masked_fill(torch.arange(3) == 1, vocab),
+            mask.fill_(1),
+            adv,
+            group_size=4,
+            vocab_group=group,
+        ),
+        "rows differ across ranks": lambda: gtpo_loss(
+            shard_of(logits, sizes, rank)[: 4 if rank == 0 else 2],
+            ids[: 4 if rank == 0 else 2],
+            mask[: 4 if rank == 0 else 2],
+            adv[: 4 if rank == 0 else 2],
+            group_size=2,
+            vocab_group=group,
+        ),
+    }
+    for name, call in cases.items():
+        try:
+            call()
+            messages[name] = None
+        except ValueError as error:
+            messages[name] = str(error)
+    return messages
+
+
+def main(out_path):
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD
+    results = {}
+    even = shard_sizes(37, world)  # 37 columns: uneven on 2 and 3 ranks
+    uneven = [5, 32] if world == 2 else [5, 20, 12]  # 37 columns too
+    for backend in registered():
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            results[f"{backend}/{str(dtype)[6:]}/paper"] = one_case(rank, even, group, backend, dtype, CONFIGS["paper"])
+    for name, config in CONFIGS.items():
+        results[f"torch/float64/{name}"] = one_case(rank, even, group, "torch", torch.float64, config, seed=1)
+    results["torch/float64/uneven+temperature"] = one_case(
+        rank, uneven, group, "torch", torch.float64, CONFIGS["grpo+kl"], temperature=0.7, seed=2
+    )
+    results["cpu/float32/uneven+temperature"] = one_case(
+        rank, uneven, group, "cpu", torch.float32, CONFIGS["official"], temperature=0.7, seed=2
+    )
+    results["torch/float64/sliced"] = one_case(rank, uneven, group, "torch", torch.float64, CONFIGS["paper"], parts=2)
+    results["cpu/float32/sliced+token_mean"] = one_case(
+        rank, even, group, "cpu", torch.float32, CONFIGS["penalty+token_mean"], parts=3
+    )
+    logits, ids, mask, _ = random_batch(2, 3, 4, 37, seed=9)
+    logp, entropy = token_logprobs_and_entropy(logits.double(), ids)
+    mine = gtpo_kernels.token_logprobs_and_entropy(shard_of(logits, uneven, rank), ids, vocab_group=group)
+    results["auto/float32/token_logprobs_and_entropy"] = {
+        "loss": relative(mine[0], logp),
+        "grad": relative(mine[1], entropy),
+    }
+    results["auto/float32/token_logprobs_and_entropy"].update(
+        entropy=0.0, forward_collectives=2.0, backward_collectives=0.0
+    )
+    worst = {}
+    for case, errors in results.items():
+        values = torch.tensor(list(errors.values()), dtype=torch.float64)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        worst[case] = dict(zip(errors, values.tolist()))
+    messages = [None] * world
+    dist.all_gather_object(messages, bad_input(rank, even, group))
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump({"cases": worst, "bad_input": messages, "world": world}, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
