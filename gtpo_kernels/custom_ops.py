@@ -145,6 +145,7 @@ def fused_linear_gtpo(
     hidden: Tensor,
     weight: Tensor,
     bias: Optional[Tensor],
+    hidden_index: Optional[Tensor],
     ids: Tensor,
     valid: Tensor,
     advantages: Tensor,
@@ -166,7 +167,8 @@ def fused_linear_gtpo(
     """The fused loss and, computed on the way, its gradients: ``[loss, d_hidden, d_weight, d_bias, logp, H,
     metric sums, completion entropy]`` (gradients not asked for are empty tensors). ``ids`` to ``num_tokens`` are
     a checked `rows.LossRows` as `LossRows.op_args` flattens it. ``row_lengths``: the unmasked tokens of each row,
-    when the caller has read them already (else one host synchronisation here)."""
+    when the caller has read them already (else one host synchronisation here). ``hidden_index``: ``None`` for
+    ``hidden [N, L, H]``; for packed ``hidden [T, H]``, each position's row in it (`packed.Packing.index`)."""
     from .config import GTPOConfig
 
     rows = LossRows.from_op_args(
@@ -175,12 +177,12 @@ def fused_linear_gtpo(
     )
     config = GTPOConfig.from_dict(json.loads(config_json))
     kernels = kernels_for(get_backend(backend), compute_dtype)
-    tokens = unmasked_tokens(valid, row_lengths)
+    tokens = unmasked_tokens(valid, row_lengths, hidden_index)
     return fused_forward(hidden, (weight, bias), rows, config, kernels, compute_dtype, tokens, need_grads)
 
 
 @fused_linear_gtpo.register_fake
-def _(hidden, weight, bias, ids, *rest):
+def _(hidden, weight, bias, hidden_index, ids, *rest):
     from .result import SUMS_SIZE
 
     compute_dtype, need_grads = rest[-3], rest[-1]

@@ -34,10 +34,24 @@ class Tokens:
     rows: torch.Tensor  # [T] int64: i
     positions: torch.Tensor  # [T] int64: t
     offsets: List[int]  # [N + 1]: row i's tokens are flat[offsets[i]:offsets[i + 1]]
+    packed: Optional[torch.Tensor] = None  # [T] int64: each token's row of packed hidden states [T_all, H]
+
+    def hidden_of(self, hidden: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
+        """``[t1 - t0, H]``: tokens ``[t0, t1)``'s hidden states (``hidden [N, L, H]``, or ``[T_all, H]`` packed)."""
+        if self.packed is None:
+            return hidden[self.rows[t0:t1], self.positions[t0:t1]]
+        return hidden[self.packed[t0:t1]]
+
+    def hidden_rows(self, t0: int, t1: int) -> torch.Tensor:
+        """Where tokens ``[t0, t1)`` lie in a contiguous gradient of the hidden states viewed ``[-1, H]``."""
+        return self.flat[t0:t1] if self.packed is None else self.packed[t0:t1]
 
 
-def unmasked_tokens(valid: torch.Tensor, lengths: Optional[List[int]] = None) -> Tokens:
-    """``lengths``: each row's unmasked tokens, if the caller has read them (else one host synchronisation)."""
+def unmasked_tokens(
+    valid: torch.Tensor, lengths: Optional[List[int]] = None, hidden_index: Optional[torch.Tensor] = None
+) -> Tokens:
+    """``lengths``: each row's unmasked tokens, if the caller has read them (else one host synchronisation);
+    ``hidden_index [N, L]``: each position's row in packed hidden states (`packed.Packing.index`)."""
     n_rows, length = valid.shape
     if lengths is None:
         lengths = valid.sum(dim=1).tolist()
@@ -48,7 +62,8 @@ def unmasked_tokens(valid: torch.Tensor, lengths: Optional[List[int]] = None) ->
         flat = torch.nonzero_static(valid.reshape(-1), size=offsets[-1]).squeeze(1)
     else:  # pragma: no cover (torch < 2.1)
         flat = valid.reshape(-1).nonzero().squeeze(1)
-    return Tokens(flat, flat // max(1, length), flat % max(1, length), offsets)
+    packed = None if hidden_index is None else hidden_index.reshape(-1)[flat]
+    return Tokens(flat, flat // max(1, length), flat % max(1, length), offsets, packed)
 
 
 def _chunks(offsets: List[int], budget: int) -> List[Tuple[int, int]]:
@@ -135,12 +150,13 @@ def fused_forward(
     need_grads: List[bool],
 ) -> List[torch.Tensor]:
     """The body of ``gtpo_kernels::fused_linear_gtpo`` (`custom_ops`): the loss and its gradients in one walk over
-    the chunks of ``tokens`` (`unmasked_tokens` of ``rows.valid``), for the head ``(weight [V, H], bias [V] or
-    None)``. Returns ``[loss, d_hidden, d_weight, d_bias, logp, H, metric sums, completion entropy]``; a
-    gradient not in ``need_grads`` is an empty tensor."""
+    the chunks of ``tokens`` (`unmasked_tokens` of ``rows.valid``; ``hidden`` ``[N, L, H]``, or ``[T, H]`` packed),
+    for the head ``(weight [V, H], bias [V] or None)``. Returns ``[loss, d_hidden, d_weight, d_bias, logp, H,
+    metric sums, completion entropy]``; a gradient not in ``need_grads`` is an empty tensor."""
     weight, bias = head
     ids, temperature = rows.ids, rows.temperature
-    n_rows, length, hidden_size = hidden.shape
+    n_rows, length = ids.shape
+    hidden_size = hidden.shape[-1]
     vocab = weight.shape[0]
     device = hidden.device
     need_hidden, need_weight = need_grads[0], need_grads[1]
@@ -164,9 +180,7 @@ def fused_forward(
     d_bias = torch.zeros(vocab, dtype=stat_dtype, device=device) if need_bias else None
 
     def rows_of(t0: int, t1: int):
-        return hidden[tokens.rows[t0:t1], tokens.positions[t0:t1]].to(compute_dtype), ids.reshape(-1)[
-            tokens.flat[t0:t1]
-        ]
+        return tokens.hidden_of(hidden, t0, t1).to(compute_dtype), ids.reshape(-1)[tokens.flat[t0:t1]]
 
     def coefficients(r0: int, r1: int):
         """``(c, e)`` ``[r1 - r0, L]``: the gradient of the batch loss w.r.t. these rows' logp and H."""
@@ -183,7 +197,7 @@ def fused_forward(
             kernels, logits, y, stats_all.view(4, -1)[:, index], c.reshape(-1)[local], e.reshape(-1)[local], temperature
         )
         if need_hidden:
-            d_hidden.view(-1, hidden_size).index_copy_(0, tokens.flat[t0:t1], (dlogits @ w).to(hidden.dtype))
+            d_hidden.view(-1, hidden_size).index_copy_(0, tokens.hidden_rows(t0, t1), (dlogits @ w).to(hidden.dtype))
         if need_weight:
             _add_weight_grad(d_weight, dlogits, h)
         if need_bias:

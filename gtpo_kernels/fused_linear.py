@@ -39,6 +39,7 @@ from .config import GTPOConfig
 from .conflict import with_conflict_weights
 from .fused_chunks import chunk_logits, chunk_stats, chunk_tokens_for, unmasked_tokens
 from .objective import completion_clip_fractions, signal_beyond_advantages
+from .packed import padded_rows
 from .result import GTPOLossOutput, GTPOMetrics
 from .rows import Conflict, LossRows, checked_rows, resolved_config
 
@@ -125,6 +126,7 @@ def fused_linear_gtpo_loss(
     num_tokens=None,
     temperature: float = 1.0,
     backend: str = "auto",
+    cu_seqlens: Optional[torch.Tensor] = None,
 ) -> GTPOLossOutput:
     """The GTPO loss of ``logits = hidden_states @ lm_head_weight.T + lm_head_bias``, never building them.
 
@@ -137,12 +139,22 @@ def fused_linear_gtpo_loss(
         initial_entropy, conflict, num_sequences, num_tokens, temperature, backend: as for `gtpo_loss`.
             The memory budget is ``config.max_chunk_bytes`` (float32 bytes of one chunk's logits; default
             256 MiB on the CPU, 2 GiB on a GPU, constants: the same inputs give bitwise the same gradients).
+        cu_seqlens: ``[N + 1]`` offsets of packed completions: ``hidden_states`` is then ``[T, H]`` and the
+            per-token inputs ``[T]``, as for `gtpo_loss` (no padded copy of the hidden states is made).
 
     Returns:
         `GTPOLossOutput`; ``.loss`` is differentiable w.r.t. ``hidden_states``, ``lm_head_weight``
         and ``lm_head_bias``. ``d_weight`` is accumulated in float32 and returned in the weight's dtype.
         Under ``torch.autocast`` the matrix products run in the autocast dtype.
     """
+    packed_hidden = None
+    if cu_seqlens is not None:  # checked as [1, T, H]; the operator takes them [T, H] with each position's row
+        if isinstance(hidden_states, torch.Tensor) and hidden_states.dim() != 2:
+            raise ValueError(
+                f"with cu_seqlens (packed completions) hidden_states must be 2-D [T, H], got shape "
+                f"{tuple(hidden_states.shape)}"
+            )
+        packed_hidden, hidden_states = hidden_states, hidden_states[None]
     compute_dtype = _check_linear_inputs(hidden_states, lm_head_weight, lm_head_bias)
     config = resolved_config(config)
     given = LossRows(
@@ -159,7 +171,13 @@ def fused_linear_gtpo_loss(
         num_tokens=num_tokens,
         group_size=group_size,
     )
-    rows, checks = checked_rows(hidden_states, "hidden_states [N, L, H]", given, config)
+    packing = hidden_index = None
+    layout = hidden_states
+    if packed_hidden is not None:
+        given, packing = padded_rows(packed_hidden, "hidden_states", given, cu_seqlens)
+        hidden_states, hidden_index = packed_hidden, packing.index()
+        layout = packed_hidden.new_empty(()).expand(*packing.shape, packed_hidden.shape[-1])
+    rows, checks = checked_rows(layout, "hidden_states [N, L, H]", given, config)
     device = hidden_states.device
     backend_ = resolve_backend_name(backend, device.type)
     stat_dtype = stats_dtype(compute_dtype)
@@ -171,7 +189,7 @@ def fused_linear_gtpo_loss(
         checks.add_warning(
             ~((weight != 0) & valid).any(), "no_signal", lambda: validation.no_signal_message(None, config)
         )
-    row_lengths = _read_checks_and_lengths(checks, hidden_states, lm_head_weight, lm_head_bias, completion_ids, valid)
+    row_lengths = _read_checks_and_lengths(checks, hidden_states, lm_head_weight, lm_head_bias, rows.ids, valid)
 
     def as_count(value):  # whole-batch counts travel as 0-d float64 tensors (the operator's signature)
         return None if value is None else torch.as_tensor(value, dtype=torch.float64, device=device)
@@ -187,6 +205,7 @@ def fused_linear_gtpo_loss(
             hidden_states,
             lm_head_weight,
             lm_head_bias,
+            hidden_index,
             *rows.op_args(),
             _config_json(config),
             backend_,

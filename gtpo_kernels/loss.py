@@ -12,6 +12,7 @@ from .backends import get_backend, kernels_for, resolve_backend_name
 from .config import GTPOConfig
 from .conflict import with_conflict_weights
 from .objective import loss_from_token_stats
+from .packed import Packing, padded_rows
 from .result import GTPOLossOutput
 from .rows import Conflict, LossRows, checked_rows, resolved_config
 from .token_stats import token_stats
@@ -36,6 +37,7 @@ def gtpo_loss(
     temperature: float = 1.0,
     backend: str = "auto",
     vocab_group=None,
+    cu_seqlens: Optional[torch.Tensor] = None,
 ) -> GTPOLossOutput:
     """The GTPO loss of a batch of completions, from the policy's logits.
 
@@ -76,6 +78,10 @@ def gtpo_loss(
             order (any sizes), and every other argument the same on every rank. The loss and statistics are
             the whole vocabulary's, on every rank; the gradient is this shard's (docs/method.md,
             "Vocabulary-parallel logits"). ``completion_ids`` are ids of the whole vocabulary.
+        cu_seqlens: ``[N + 1]`` int offsets of packed completions (flash-attention's varlen layout): ``logits``
+            is then ``[T, V]``, ``completion_ids``, ``completion_mask`` and the per-token log-probs ``[T]``,
+            ``conflict`` ``(lambda [T], n_conflict [N])``, completion ``i`` the tokens ``cu_seqlens[i]`` to
+            ``cu_seqlens[i + 1]`` (`packed`); the same loss as the padded call. One host read of the offsets.
 
     Returns:
         `GTPOLossOutput` with ``.loss`` (0-d, differentiable w.r.t. ``logits``) and ``.metrics``
@@ -96,7 +102,11 @@ def gtpo_loss(
         num_tokens=num_tokens,
         group_size=group_size,
     )
-    return loss_of_rows(logits, given, config, backend, stacklevel=4, vocab_group=vocab_group)
+    packing = None
+    if cu_seqlens is not None:
+        given, packing = padded_rows(logits, "logits", given, cu_seqlens)
+        logits = logits[None]  # the kernels see one row of T positions
+    return loss_of_rows(logits, given, config, backend, stacklevel=4, vocab_group=vocab_group, packing=packing)
 
 
 def loss_of_rows(
@@ -106,19 +116,26 @@ def loss_of_rows(
     backend: str = "auto",
     stacklevel: int = 3,
     vocab_group=None,
+    packing: Optional[Packing] = None,
 ) -> GTPOLossOutput:
     """`gtpo_loss` on the per-row inputs ``given`` as one bundle (checked here), e.g. a `LossRows.slice` of a
-    batch's. ``stacklevel``: where a warning points (3: this function's caller)."""
+    batch's. ``stacklevel``: where a warning points (3: this function's caller). With ``packing``, ``logits`` is
+    ``[1, T, V]`` and ``given`` the padded rows (`packed.padded_rows`)."""
     validation.check_logits(logits)
     config = resolved_config(config)
-    rows, checks = checked_rows(logits, "logits [N, L, V]", given, config)
+    # A packed call's rows are checked in their padded [N, L] layout (a free expanded view stands for the logits).
+    layout = logits if packing is None else logits.new_empty(()).expand(*packing.shape, logits.shape[-1])
+    rows, checks = checked_rows(layout, "logits [N, L, V]", given, config)
     backend_ = resolve_backend_name(backend, logits.device.type)
+    ids, valid = rows.ids, rows.valid
+    if packing is not None:
+        ids, valid = packing.unpad(ids)[None], packing.unpad(valid)[None]
     if vocab_group is None:
         logp, entropy = token_stats(
             backend_,
             logits,
-            rows.ids,
-            rows.valid,
+            ids,
+            valid,
             temperature=rows.temperature,
             max_chunk_bytes=config.max_chunk_bytes,
             inplace=config.inplace_backward,
@@ -126,10 +143,10 @@ def loss_of_rows(
         vocab_size = logits.shape[-1]
     else:
         kernels = kernels_for(get_backend(backend_), logits.dtype, config.max_chunk_bytes)
-        logp, entropy, shards = vocab_parallel_token_stats(
-            logits, rows.ids, rows.valid, kernels, rows.temperature, vocab_group
-        )
+        logp, entropy, shards = vocab_parallel_token_stats(logits, ids, valid, kernels, rows.temperature, vocab_group)
         vocab_size = shards.vocab_size
+    if packing is not None:
+        logp, entropy = packing.pad(logp[0]), packing.pad(entropy[0])
     # The kernels report ids outside the vocabulary, NaN/+inf logits and sampled -inf tokens as NaN statistics
     # (the same on every rank of a vocab_group: the statistics are the combined ones).
     validation.add_stats_check(checks, logp, entropy, rows.valid, rows.ids, vocab_size)

@@ -98,8 +98,9 @@ def test_opcheck_conflict_weights(backend):
     torch.library.opcheck(custom_ops.conflict_weights, (ids, mask, adv, 3, 2.0, backend))
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_opcheck_fused_linear(backend):
+def test_opcheck_fused_linear(backend, packed):
     import json
 
     g = torch.Generator().manual_seed(5)
@@ -107,6 +108,10 @@ def test_opcheck_fused_linear(backend):
     weight = torch.randn(11, 8, generator=g, requires_grad=True)
     ids = torch.randint(0, 11, (4, 3), generator=g)
     mask = torch.ones(4, 3, dtype=torch.bool)
+    hidden_index = None
+    if packed:  # the same tokens as [12, H], each position's row given
+        hidden = hidden.detach().reshape(12, 8).flip(0).requires_grad_()
+        hidden_index = torch.arange(12).flip(0).reshape(4, 3)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
     lambda_, n_conflict = conflict_weights(ids, mask, adv, 2)
     config = json.dumps(GTPOConfig().to_dict())
@@ -116,6 +121,7 @@ def test_opcheck_fused_linear(backend):
             hidden,
             weight,
             None,
+            hidden_index,
             ids,
             mask,
             adv,
