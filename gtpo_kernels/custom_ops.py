@@ -210,9 +210,14 @@ def _fused_setup(ctx, inputs, output):
     ctx.num_inputs = len(inputs)
 
 
-@first_derivative_only
 def _fused_grad(ctx, output_grads):
-    grad_loss = output_grads[0]  # a list-returning operator's backward takes the outputs' gradients as one list
+    return fused_gradients(ctx, output_grads[0])  # a list-returning operator's backward takes them as one list
+
+
+@first_derivative_only
+def fused_gradients(ctx, grad_loss):
+    """The fused loss's backward: the gradients its forward stored (``ctx.saved_tensors``: hidden, weight, bias)
+    times the loss's incoming gradient; ``None`` for the ``ctx.num_inputs - 3`` other inputs."""
     if grad_loss is None:
         grad_loss = torch.zeros((), device=ctx.saved_tensors[0].device)
     grads = [g * grad_loss.to(g.dtype) if needed else None for g, needed in zip(ctx.saved_tensors, ctx.needed)]

@@ -17,6 +17,7 @@ from .backends.base import Backend, stats_dtype
 from .config import GTPOConfig
 from .objective import loss_from_token_stats, loss_gradients
 from .rows import LossRows
+from .vocab_parallel import VocabParallel
 
 WEIGHT_GRAD_SLICE_BYTES = 64 * 2**20  # temporary of one slice of d_W when it cannot accumulate in place
 
@@ -148,13 +149,19 @@ def fused_forward(
     compute_dtype: torch.dtype,
     tokens: Tokens,
     need_grads: List[bool],
+    vocab_parallel: Optional[VocabParallel] = None,
 ) -> List[torch.Tensor]:
     """The body of ``gtpo_kernels::fused_linear_gtpo`` (`custom_ops`): the loss and its gradients in one walk over
     the chunks of ``tokens`` (`unmasked_tokens` of ``rows.valid``; ``hidden`` ``[N, L, H]``, or ``[T, H]`` packed),
     for the head ``(weight [V, H], bias [V] or None)``. Returns ``[loss, d_hidden, d_weight, d_bias, logp, H,
-    metric sums, completion entropy]``; a gradient not in ``need_grads`` is an empty tensor."""
+    metric sums, completion entropy]``; a gradient not in ``need_grads`` is an empty tensor.
+
+    ``vocab_parallel``: the head is this rank's shard of the vocabulary (`vocab_parallel`): each chunk's shard
+    statistics are combined over the group (one all-gather per chunk, the same chunks on every rank), and the
+    gradients are this shard's (``d_hidden`` this shard's share, to be summed over the group)."""
     weight, bias = head
     ids, temperature = rows.ids, rows.temperature
+    shard_ids = ids if vocab_parallel is None else ids - vocab_parallel.shards.offset
     n_rows, length = ids.shape
     hidden_size = hidden.shape[-1]
     vocab = weight.shape[0]
@@ -180,7 +187,7 @@ def fused_forward(
     d_bias = torch.zeros(vocab, dtype=stat_dtype, device=device) if need_bias else None
 
     def rows_of(t0: int, t1: int):
-        return tokens.hidden_of(hidden, t0, t1).to(compute_dtype), ids.reshape(-1)[tokens.flat[t0:t1]]
+        return tokens.hidden_of(hidden, t0, t1).to(compute_dtype), shard_ids.reshape(-1)[tokens.flat[t0:t1]]
 
     def coefficients(r0: int, r1: int):
         """``(c, e)`` ``[r1 - r0, L]``: the gradient of the batch loss w.r.t. these rows' logp and H."""
@@ -203,7 +210,9 @@ def fused_forward(
         if need_bias:
             d_bias.add_(dlogits.sum(dim=0, dtype=stat_dtype))
 
-    budget = chunk_tokens_for(vocab, device, config.max_chunk_bytes)
+    # Every rank of a vocabulary group walks the same chunks (the largest shard's budget).
+    budget_vocab = vocab if vocab_parallel is None else max(vocab_parallel.shards.sizes)
+    budget = chunk_tokens_for(budget_vocab, device, config.max_chunk_bytes)
     for r0, r1 in _chunks(tokens.offsets, budget):
         t_start, t_end = tokens.offsets[r0], tokens.offsets[r1]
         if t_start == t_end:
@@ -215,6 +224,11 @@ def fused_forward(
             logits = chunk_logits(h, w, b)
             stats_all.view(4, -1)[:, tokens.flat[t0:t1]] = torch.stack(chunk_stats(kernels, logits, y, temperature)).to(
                 stat_dtype
+            )
+        if vocab_parallel is not None:  # this chunk's shard statistics -> the whole vocabulary's
+            index = tokens.flat[t_start:t_end]
+            stats_all.view(4, -1)[:, index] = vocab_parallel.combine(
+                stats_all.view(4, -1)[:, index], ids.reshape(-1)[index], temperature
             )
         c, e = coefficients(r0, r1)
         if len(pieces) == 1:

@@ -37,11 +37,12 @@ from .backends import get_backend, kernels_for, resolve_backend_name
 from .backends.base import stats_dtype
 from .config import GTPOConfig
 from .conflict import with_conflict_weights
-from .fused_chunks import chunk_logits, chunk_stats, chunk_tokens_for, unmasked_tokens
+from .fused_chunks import chunk_logits, chunk_stats, chunk_tokens_for, fused_forward, unmasked_tokens
 from .objective import completion_clip_fractions, signal_beyond_advantages
 from .packed import padded_rows
 from .result import GTPOLossOutput, GTPOMetrics
 from .rows import Conflict, LossRows, checked_rows, resolved_config
+from .vocab_parallel import VocabParallel, exchange_shards
 
 _CONFIG_FIELDS = tuple(GTPOConfig().to_dict())
 
@@ -89,7 +90,7 @@ def _check_linear_inputs(hidden_states, lm_head_weight, lm_head_bias) -> torch.d
 
 
 def _read_checks_and_lengths(
-    checks: validation.DeferredChecks, hidden_states, lm_head_weight, lm_head_bias, completion_ids, valid
+    checks: validation.DeferredChecks, hidden_states, lm_head_weight, lm_head_bias, completion_ids, valid, vocab_size
 ) -> Optional[List[int]]:
     """The fused path's one host synchronisation: its value checks and the row lengths that plan its chunks,
     read together. Its logits are finite when the hidden states and weights are, so those are checked in
@@ -97,7 +98,7 @@ def _read_checks_and_lengths(
     (the operator reads the lengths itself)."""
     if torch.compiler.is_compiling():
         return None
-    validation.add_ids_check(checks, completion_ids, valid, lm_head_weight.shape[0])
+    validation.add_ids_check(checks, completion_ids, valid, vocab_size)
     for name, tensor in (
         ("hidden_states", hidden_states),
         ("lm_head_weight", lm_head_weight),
@@ -127,6 +128,7 @@ def fused_linear_gtpo_loss(
     temperature: float = 1.0,
     backend: str = "auto",
     cu_seqlens: Optional[torch.Tensor] = None,
+    vocab_group=None,
 ) -> GTPOLossOutput:
     """The GTPO loss of ``logits = hidden_states @ lm_head_weight.T + lm_head_bias``, never building them.
 
@@ -141,6 +143,12 @@ def fused_linear_gtpo_loss(
             256 MiB on the CPU, 2 GiB on a GPU, constants: the same inputs give bitwise the same gradients).
         cu_seqlens: ``[N + 1]`` offsets of packed completions: ``hidden_states`` is then ``[T, H]`` and the
             per-token inputs ``[T]``, as for `gtpo_loss` (no padded copy of the hidden states is made).
+        vocab_group: the process group over which ``lm_head_weight`` (and ``lm_head_bias``) are sharded by rows
+            (vocabulary), this rank's ``[V_r, H]`` (Megatron's ``ColumnParallelLinear`` output layer), every other
+            argument the same on every rank: the whole vocabulary's loss on every rank, one all-gather of four
+            floats per token per chunk. The gradients are this shard's: ``d_weight``/``d_bias`` of the shard,
+            and ``d_hidden`` this shard's share, which the tensor-parallel framework sums over the group (as the
+            backward of Megatron's ``copy_to_tensor_model_parallel_region`` does). Eager mode only.
 
     Returns:
         `GTPOLossOutput`; ``.loss`` is differentiable w.r.t. ``hidden_states``, ``lm_head_weight``
@@ -189,7 +197,20 @@ def fused_linear_gtpo_loss(
         checks.add_warning(
             ~((weight != 0) & valid).any(), "no_signal", lambda: validation.no_signal_message(None, config)
         )
-    row_lengths = _read_checks_and_lengths(checks, hidden_states, lm_head_weight, lm_head_bias, rows.ids, valid)
+    vocab_size, vocab_parallel = lm_head_weight.shape[0], None
+    if vocab_group is not None:
+        shards = exchange_shards(
+            vocab_group,
+            vocab_size,
+            tuple(rows.ids.shape) + (hidden_states.shape[-1],),
+            compute_dtype,
+            device,
+            "hidden_states",
+        )
+        vocab_size, vocab_parallel = shards.vocab_size, VocabParallel(vocab_group, shards)
+    row_lengths = _read_checks_and_lengths(
+        checks, hidden_states, lm_head_weight, lm_head_bias, rows.ids, valid, vocab_size
+    )
 
     def as_count(value):  # whole-batch counts travel as 0-d float64 tensors (the operator's signature)
         return None if value is None else torch.as_tensor(value, dtype=torch.float64, device=device)
@@ -201,18 +222,30 @@ def fused_linear_gtpo_loss(
         lm_head_bias is not None and lm_head_bias.requires_grad,
     ]
     with torch.autocast(device.type, enabled=False):
-        outputs = custom_ops.fused_linear_gtpo(
-            hidden_states,
-            lm_head_weight,
-            lm_head_bias,
-            hidden_index,
-            *rows.op_args(),
-            _config_json(config),
-            backend_,
-            compute_dtype,
-            row_lengths,
-            need_grads,
-        )
+        if vocab_parallel is None:
+            outputs = custom_ops.fused_linear_gtpo(
+                hidden_states,
+                lm_head_weight,
+                lm_head_bias,
+                hidden_index,
+                *rows.op_args(),
+                _config_json(config),
+                backend_,
+                compute_dtype,
+                row_lengths,
+                need_grads,
+            )
+        else:  # eager only: a process group does not fit an operator's schema
+
+            def walk():
+                kernels = kernels_for(get_backend(backend_), compute_dtype)
+                tokens = unmasked_tokens(valid, row_lengths, hidden_index)
+                head = (lm_head_weight, lm_head_bias)
+                return fused_forward(
+                    hidden_states, head, rows, config, kernels, compute_dtype, tokens, need_grads, vocab_parallel
+                )
+
+            outputs = _VocabParallelFusedLoss.apply(hidden_states, lm_head_weight, lm_head_bias, walk, need_grads)
     # The operator's outputs all carry its grad_fn; metrics are reports, never part of the graph.
     loss, sums, completion_entropy = outputs[0], outputs[6].detach(), outputs[7].detach()
     metrics = GTPOMetrics.from_sums(sums, has_kl=ref_logprobs is not None)
@@ -224,6 +257,25 @@ def fused_linear_gtpo_loss(
             outputs[4], outputs[5], rows, config
         )
     return GTPOLossOutput(loss, metrics)
+
+
+class _VocabParallelFusedLoss(torch.autograd.Function):
+    """The fused walk over a vocabulary shard, as the registered operator's eager twin: the gradients computed in
+    the forward, scaled by the incoming gradient in the backward (`custom_ops`' own backward)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, walk, need_grads):
+        with torch.no_grad():
+            outputs = walk()
+        ctx.save_for_backward(outputs[1], outputs[2], outputs[3])
+        ctx.needed = [need and (i != 2 or bias is not None) for i, need in enumerate(need_grads)]
+        ctx.num_inputs = 5
+        ctx.mark_non_differentiable(*outputs[1:])
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, grad_loss, *unused):
+        return custom_ops.fused_gradients(ctx, grad_loss)
 
 
 @torch.no_grad()

@@ -8,8 +8,8 @@ backend's kernels on its shard, which give, per token, the shard's ``row_max_r``
 all-gather of those four floats per token combines them on every rank (`combine_shard_stats`):
 
     lse = logsumexp_r lse_r,   w_r = exp(lse_r - lse)            (each shard's share of the probability)
-    logp = logp_r* + lse_r* - lse                                  (r*: the shard holding the target)
-    H = sum_r w_r (H_r + lse - lse_r)                              (the mixture's entropy: no cancellation)
+    logp = logp_r* + log w_r*                                      (r*: the shard holding the target)
+    H = sum_r w_r (H_r - log w_r)                                  (the mixture's entropy: no cancellation)
 
 The backward is local: the gradient of a shard's logits is ``c (onehot - p) + e dH/dz`` on its own columns,
 with the global ``p``, ``H`` and ``lse``, which the kernels' backward takes as they are (the target's entry is
@@ -94,7 +94,12 @@ def exchange_shards(
 
 
 def combine_shard_stats(stats: torch.Tensor, owner: torch.Tensor, temperature: float):
-    """The whole vocabulary's ``(row_max, log_s, logp, H)`` from the shards' (`combine` in the module's notes).
+    """The whole vocabulary's ``(row_max, log_s, logp, H)`` from the shards' (the module's notes).
+
+    Each shard's share is kept as a log: ``rel_r = log_s_r + (row_max_r - M) / T`` (its mass relative to
+    ``exp(M / T)``, ``M`` the largest logit) and ``log w_r = -log1p(sum_{q != r} exp(rel_q - rel_r))``, which
+    keeps its relative precision when one shard holds nearly all the mass: a confident target's ``logp`` near 0
+    then has the digits the backward's ``expm1(logp)`` needs (``lse_r - lse`` would cancel them).
 
     Args:
         stats: ``[R, 4, *S]``: each shard's kernel statistics ``(row_max, log_s, logp, H)`` (``logp`` only read
@@ -102,18 +107,21 @@ def combine_shard_stats(stats: torch.Tensor, owner: torch.Tensor, temperature: f
         owner: ``[*S]`` int64, the shard that holds each token's target (``-1``: none, which gives NaN ``logp``).
     """
     row_max, log_s, logp, entropy = stats.unbind(1)
-    lse_r = row_max / temperature + log_s
-    banned = torch.isneginf(row_max)  # a shard whose every logit is -inf holds no probability
-    lse_r = torch.where(banned, torch.full_like(lse_r, -torch.inf), lse_r)
-    lse = torch.logsumexp(lse_r, dim=0)
-    share = torch.exp(lse_r - lse)
-    terms = torch.where(banned | (share == 0), torch.zeros_like(share), share * (entropy + lse - lse_r))
-    whole_entropy = terms.sum(dim=0)
-    at = owner.clamp(min=0)[None]
-    own_logp = logp.gather(0, at).squeeze(0) + lse_r.gather(0, at).squeeze(0) - lse
-    whole_logp = torch.where(owner >= 0, own_logp, torch.full_like(own_logp, torch.nan))
     whole_max = row_max.amax(dim=0)
-    return whole_max, lse - whole_max / temperature, whole_logp, whole_entropy
+    banned = torch.isneginf(row_max)  # a shard whose every logit is -inf holds no probability
+    rel = torch.where(banned, torch.full_like(log_s, -torch.inf), log_s + (row_max - whole_max) / temperature)
+    others = torch.exp(rel[None] - rel[:, None])  # [r, q]: shard q's mass over shard r's
+    diagonal = torch.eye(rel.shape[0], dtype=torch.bool, device=rel.device).view(
+        rel.shape[:1] * 2 + (1,) * (rel.dim() - 1)
+    )
+    log_share = -torch.log1p(torch.where(diagonal, torch.zeros_like(others), others).sum(dim=1))
+    log_share = torch.where(banned, torch.full_like(log_share, -torch.inf), log_share)
+    share = torch.exp(log_share)
+    terms = torch.where(share > 0, share * (entropy - log_share), torch.zeros_like(share))
+    at = owner.clamp(min=0)[None]
+    own_logp = logp.gather(0, at).squeeze(0) + log_share.gather(0, at).squeeze(0)
+    whole_logp = torch.where(owner >= 0, own_logp, torch.full_like(own_logp, torch.nan))
+    return whole_max, torch.logsumexp(rel, dim=0), whole_logp, terms.sum(dim=0)
 
 
 def target_owner(ids: torch.Tensor, shards: VocabShards) -> torch.Tensor:
@@ -122,6 +130,20 @@ def target_owner(ids: torch.Tensor, shards: VocabShards) -> torch.Tensor:
     owner = torch.bucketize(ids.long(), bounds, right=True)
     inside = (ids >= 0) & (ids < shards.vocab_size)
     return torch.where(inside, owner, torch.full_like(owner, -1))
+
+
+@dataclass(frozen=True)
+class VocabParallel:
+    """A vocabulary group and its shards, for a walk that combines statistics as it goes (the fused loss)."""
+
+    group: object
+    shards: VocabShards
+
+    def combine(self, stats: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
+        """``[4, t]`` this shard's ``(row_max, log_s, logp, H)`` of tokens ``ids [t]`` -> the whole vocabulary's
+        (one all-gather)."""
+        gathered = _all_gather(stats.contiguous(), self.group)
+        return torch.stack(combine_shard_stats(gathered, target_owner(ids, self.shards), temperature))
 
 
 class VocabParallelTokenStats(torch.autograd.Function):

@@ -8,6 +8,7 @@ the oracle's largest entry), and the number of collectives each forward and back
 backend and dtype, each preset and reduction, temperature, uneven shards, a sliced batch, bad input.
 """
 
+import dataclasses
 import json
 import os
 import sys
@@ -19,7 +20,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import gtpo_kernels  # noqa: E402
-from gtpo_kernels import GTPOConfig, conflict_weights, gtpo_loss  # noqa: E402
+from gtpo_kernels import GTPOConfig, conflict_weights, fused_linear_gtpo_loss, gtpo_loss  # noqa: E402
 from gtpo_kernels.backends import registered  # noqa: E402
 from gtpo_kernels.reference import reference_gtpo_loss, token_logprobs_and_entropy  # noqa: E402
 from gtpo_kernels.vocab_parallel import shard_sizes  # noqa: E402
@@ -124,6 +125,125 @@ def one_case(rank, sizes, group, backend, dtype, config, *, temperature=1.0, see
         "entropy": relative(out.metrics.entropy, oracle.metrics.entropy) if parts == 1 else 0.0,
         "forward_collectives": forward_count / parts,
         "backward_collectives": backward_count,
+        "signal": float(x64.grad.abs().sum() > 0),
+    }
+
+
+def fused_case(
+    rank,
+    sizes,
+    group,
+    backend,
+    config,
+    *,
+    dtype=torch.float32,
+    temperature=1.0,
+    chunk_tokens=None,
+    packed=False,
+    seed=3,
+):
+    """`fused_linear_gtpo_loss` with this rank's rows of the head (weight and bias) against the oracle on the whole
+    head's float64 logits: loss, the shard's weight and bias gradients and the hidden states' (summed over the
+    group, as a tensor-parallel framework does); optionally packed (``cu_seqlens``)."""
+    vocab, hidden_size = sum(sizes), 16
+    _, ids, mask, adv = random_batch(2, 4, 5, vocab, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    shapes = ((8, 5, hidden_size), (vocab, hidden_size), (vocab,))
+    hidden, weight, bias = (torch.randn(s, generator=g, dtype=dtype) for s in shapes)
+    weight = weight * 2.0  # confident rows: the entropy filter keeps some completions
+    h64, w64, b64 = (t.detach().double().clone().requires_grad_() for t in (hidden, weight, bias))
+    logits64 = h64 @ w64.T + b64
+    old, ref = old_and_ref(logits64.detach(), ids, mask, temperature)
+    kwargs = dict(old_logprobs=old, ref_logprobs=ref if config.kl_beta else None)
+    oracle = reference_gtpo_loss(
+        logits64, ids, mask, adv.double(), group_size=4, config=config, temperature=temperature, **kwargs
+    )
+    oracle.loss.backward()
+    if chunk_tokens:
+        config = dataclasses.replace(config, max_chunk_bytes=chunk_tokens * max(sizes) * 4)
+    start = sum(sizes[:rank])
+    h = hidden.clone().requires_grad_()
+    w = weight[start : start + sizes[rank]].clone().requires_grad_()
+    b = bias[start : start + sizes[rank]].clone().requires_grad_()
+    per_token = {
+        k: None if v is None else v.to(torch.float64 if dtype == torch.float64 else torch.float32)
+        for k, v in kwargs.items()
+    }
+    rows = (ids, mask, adv)
+    extra = {}
+    if packed:  # each row's unmasked tokens, packed
+        lengths = mask.sum(dim=1)
+        at = mask.reshape(-1).nonzero().squeeze(1)
+        extra["cu_seqlens"] = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+        rows = (ids.reshape(-1)[at], mask.reshape(-1)[at], adv)
+        per_token = {k: None if v is None else v.reshape(-1)[at] for k, v in per_token.items()}
+        h = hidden.reshape(-1, hidden_size)[at].clone().requires_grad_()
+    with Collectives() as forward:
+        out = fused_linear_gtpo_loss(
+            h,
+            w,
+            *rows,
+            group_size=4,
+            lm_head_bias=b,
+            config=config,
+            temperature=temperature,
+            backend=backend,
+            vocab_group=group,
+            **per_token,
+            **extra,
+        )
+    with Collectives() as backward:
+        out.loss.backward()
+    d_hidden = h.grad.clone()
+    dist.all_reduce(d_hidden)
+    want_hidden = h64.grad
+    if packed:
+        want_hidden = want_hidden.reshape(-1, hidden_size)[at]
+    return {
+        "loss": relative(out.loss, oracle.loss),
+        "grad": max(
+            relative(w.grad, w64.grad[start : start + sizes[rank]]),
+            relative(b.grad, b64.grad[start : start + sizes[rank]]),
+            relative(d_hidden, want_hidden),
+        ),
+        "entropy": relative(out.metrics.entropy, oracle.metrics.entropy),
+        "forward_collectives": forward.count,
+        "backward_collectives": backward.count,
+        "signal": float(w64.grad.abs().sum() > 0),
+    }
+
+
+def packed_logits_case(rank, sizes, group, backend, dtype, config):
+    """Packed ``[T, V_r]`` logits shards (``cu_seqlens``) against the oracle on the padded whole logits."""
+    logits, ids, mask, adv = random_batch(2, 4, 5, sum(sizes), dtype=dtype, seed=4)
+    x64 = logits.double().requires_grad_()
+    oracle = reference_gtpo_loss(x64, ids, mask, adv.double(), group_size=4, config=config)
+    oracle.loss.backward()
+    at = mask.reshape(-1).nonzero().squeeze(1)
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), mask.sum(dim=1).cumsum(0)])
+    shard = shard_of(logits.reshape(-1, sum(sizes))[at], sizes, rank).clone().requires_grad_()
+    with Collectives() as forward:
+        out = gtpo_loss(
+            shard,
+            ids.reshape(-1)[at],
+            mask.reshape(-1)[at],
+            adv,
+            group_size=4,
+            config=config,
+            backend=backend,
+            vocab_group=group,
+            cu_seqlens=cu,
+        )
+    with Collectives() as backward:
+        out.loss.backward()
+    want = shard_of(x64.grad.reshape(-1, sum(sizes))[at], sizes, rank)
+    return {
+        "loss": relative(out.loss, oracle.loss),
+        "grad": relative(shard.grad, want),
+        "entropy": relative(out.metrics.entropy, oracle.metrics.entropy),
+        "forward_collectives": forward.count,
+        "backward_collectives": backward.count,
+        "signal": float(x64.grad.abs().sum() > 0),
     }
 
 
@@ -170,7 +290,7 @@ def main(out_path):
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             results[f"{backend}/{str(dtype)[6:]}/paper"] = one_case(rank, even, group, backend, dtype, CONFIGS["paper"])
     for name, config in CONFIGS.items():
-        results[f"torch/float64/{name}"] = one_case(rank, even, group, "torch", torch.float64, config, seed=1)
+        results[f"torch/float64/{name}"] = one_case(rank, even, group, "torch", torch.float64, config, seed=0)
     results["torch/float64/uneven+temperature"] = one_case(
         rank, uneven, group, "torch", torch.float64, CONFIGS["grpo+kl"], temperature=0.7, seed=2
     )
@@ -181,6 +301,22 @@ def main(out_path):
     results["cpu/float32/sliced+token_mean"] = one_case(
         rank, even, group, "cpu", torch.float32, CONFIGS["penalty+token_mean"], parts=3
     )
+    for backend in registered():
+        results[f"{backend}/float32/fused/official"] = fused_case(rank, even, group, backend, CONFIGS["official"])
+    for name in ("paper", "grpo+kl", "sum+bonus"):
+        results[f"torch/float64/fused/{name}"] = fused_case(
+            rank, uneven, group, "torch", CONFIGS[name], dtype=torch.float64
+        )
+    results["cpu/float32/fused/chunked+temperature"] = fused_case(
+        rank, uneven, group, "cpu", CONFIGS["grpo+kl"], temperature=0.8, chunk_tokens=3
+    )
+    results["cpu/float32/fused/packed+chunked"] = fused_case(
+        rank, uneven, group, "cpu", CONFIGS["official"], chunk_tokens=4, packed=True
+    )
+    for backend in registered():
+        results[f"{backend}/float32/packed/paper"] = packed_logits_case(
+            rank, uneven, group, backend, torch.float32, CONFIGS["official"]
+        )
     logits, ids, mask, _ = random_batch(2, 3, 4, 37, seed=9)
     logp, entropy = token_logprobs_and_entropy(logits.double(), ids)
     mine = gtpo_kernels.token_logprobs_and_entropy(shard_of(logits, uneven, rank), ids, vocab_group=group)
@@ -189,7 +325,7 @@ def main(out_path):
         "grad": relative(mine[1], entropy),
     }
     results["auto/float32/token_logprobs_and_entropy"].update(
-        entropy=0.0, forward_collectives=2.0, backward_collectives=0.0
+        entropy=0.0, forward_collectives=2.0, backward_collectives=0.0, signal=1.0
     )
     worst = {}
     for case, errors in results.items():
