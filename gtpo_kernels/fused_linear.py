@@ -290,6 +290,7 @@ def fused_linear_token_logprobs_and_entropy(
     backend: str = "auto",
     max_chunk_bytes: Optional[int] = None,
     validate: bool = True,
+    vocab_group=None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs and entropies of ``softmax((hidden @ W.T + b) / T)`` without gradient, in chunks of
     tokens, never building ``[N, L, V]``: old and reference log-probs and the initial entropy.
@@ -297,6 +298,7 @@ def fused_linear_token_logprobs_and_entropy(
     Args:
         hidden_states: ``[N, L, H]``; ``completion_ids, completion_mask``: ``[N, L]`` (mask default: all).
         max_chunk_bytes: float32 bytes of one chunk's logits (default as in `GTPOConfig.max_chunk_bytes`).
+        vocab_group: the head is this rank's ``[V_r, H]`` shard of the vocabulary (`fused_linear_gtpo_loss`).
 
     Returns:
         ``(logp, H)``, each ``[N, L]`` float32 (float64 for float64 inputs), zeros at masked positions.
@@ -314,18 +316,28 @@ def fused_linear_token_logprobs_and_entropy(
     stat_dtype = stats_dtype(compute_dtype)
     w = lm_head_weight.to(compute_dtype)
     b = None if lm_head_bias is None else lm_head_bias.to(compute_dtype)
+    vocab_parallel, offset = None, 0
+    if vocab_group is not None:
+        shards = exchange_shards(
+            vocab_group, vocab, tuple(valid.shape) + (hidden_states.shape[-1],), compute_dtype, device, "hidden_states"
+        )
+        vocab_parallel, vocab, offset = VocabParallel(vocab_group, shards), shards.vocab_size, shards.offset
     tokens = unmasked_tokens(
-        valid, _read_checks_and_lengths(checks, hidden_states, lm_head_weight, lm_head_bias, completion_ids, valid)
+        valid,
+        _read_checks_and_lengths(checks, hidden_states, lm_head_weight, lm_head_bias, completion_ids, valid, vocab),
     )
     logp_all = torch.zeros(valid.shape, dtype=stat_dtype, device=device)
     entropy_all = torch.zeros_like(logp_all)
-    budget = chunk_tokens_for(vocab, device, max_chunk_bytes)
+    budget = chunk_tokens_for(vocab if vocab_parallel is None else max(shards.sizes), device, max_chunk_bytes)
     with torch.autocast(device.type, enabled=False):
         for t0 in range(0, tokens.offsets[-1], budget):
             t1 = min(tokens.offsets[-1], t0 + budget)
             h = hidden_states[tokens.rows[t0:t1], tokens.positions[t0:t1]].to(compute_dtype)
             y = completion_ids.reshape(-1)[tokens.flat[t0:t1]]
-            _, _, logp, entropy = chunk_stats(kernels, chunk_logits(h, w, b), y, temperature)
+            stats = chunk_stats(kernels, chunk_logits(h, w, b), y - offset, temperature)
+            if vocab_parallel is not None:
+                stats = vocab_parallel.combine(torch.stack(stats).to(stat_dtype), y, temperature)
+            _, _, logp, entropy = stats
             logp_all.view(-1).index_copy_(0, tokens.flat[t0:t1], logp.to(stat_dtype))
             entropy_all.view(-1).index_copy_(0, tokens.flat[t0:t1], entropy.to(stat_dtype))
     return logp_all, entropy_all

@@ -319,14 +319,32 @@ def main(out_path):
         )
     logits, ids, mask, _ = random_batch(2, 3, 4, 37, seed=9)
     logp, entropy = token_logprobs_and_entropy(logits.double(), ids)
-    mine = gtpo_kernels.token_logprobs_and_entropy(shard_of(logits, uneven, rank), ids, vocab_group=group)
+    with Collectives() as forward:
+        mine = gtpo_kernels.token_logprobs_and_entropy(shard_of(logits, uneven, rank), ids, vocab_group=group)
     results["auto/float32/token_logprobs_and_entropy"] = {
         "loss": relative(mine[0], logp),
         "grad": relative(mine[1], entropy),
+        "entropy": 0.0,
+        "forward_collectives": forward.count,
+        "backward_collectives": 0.0,
+        "signal": 1.0,
     }
-    results["auto/float32/token_logprobs_and_entropy"].update(
-        entropy=0.0, forward_collectives=2.0, backward_collectives=0.0, signal=1.0
-    )
+    g = torch.Generator().manual_seed(2)
+    hidden, weight = torch.randn(6, 4, 16, generator=g), 2.0 * torch.randn(37, 16, generator=g)
+    logp, entropy = token_logprobs_and_entropy((hidden @ weight.T).double(), ids)
+    start = sum(uneven[:rank])
+    with Collectives() as forward:  # chunks of 5 tokens
+        mine = gtpo_kernels.fused_linear_token_logprobs_and_entropy(
+            hidden, weight[start : start + uneven[rank]], ids, vocab_group=group, max_chunk_bytes=5 * 20 * 4
+        )
+    results["cpu/float32/fused_linear_token_logprobs_and_entropy/chunked"] = {
+        "loss": relative(mine[0], logp),
+        "grad": relative(mine[1], entropy),
+        "entropy": 0.0,
+        "forward_collectives": forward.count,
+        "backward_collectives": 0.0,
+        "signal": 1.0,
+    }
     worst = {}
     for case, errors in results.items():
         values = torch.tensor(list(errors.values()), dtype=torch.float64)
