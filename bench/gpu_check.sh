@@ -3,15 +3,15 @@
 # BLOCK_V x num_warps sweep, the logits and fused-linear benchmark rows (the torch.compile reference
 # last, under its own timeout). Each step has a timeout and writes its results as it goes, so a run cut
 # short keeps what it measured. Sized for 6 minutes on an H200, cold compiles included (the step
-# timeouts add up to 350 s).
+# timeouts add up to 380 s).
 #
 #   bash bench/gpu_check.sh              # results in $OUT (default bench/results/gpu-check/)
 #   OUT=/some/dir bash bench/gpu_check.sh
 #   bash bench/gpu_check.sh --dry-run    # every step on tiny CPU shapes under Triton's interpreter
 #                                        # (results named *-dryrun, in bench/results/gpu-check-dryrun/)
 #
-# At most 8 files land in $OUT: gpu_check.log, tests.xml, kernels.json, logits-h200.{md,json},
-# logits-compile-h200.json, fused-linear-h200.{md,json}. Exits non-zero if any step failed.
+# At most 8 files land in $OUT: gpu_check.log, tests.xml, kernels.json, logits-h200.md, logits-compile-h200.md,
+# fused-linear-h200.md, layouts-h200.md. Exits non-zero if any step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DRY=0
@@ -42,6 +42,7 @@ if [ $DRY -eq 1 ]; then
     --triton-rows --name logits-dryrun
   step fused-linear 120 $PY -m bench fused_linear --device cpu --tokens 32 --vocab 500 --hidden 16 --reps 1 \
     --gpu-rows --name fused-linear-dryrun
+  step layouts 60 $PY -m bench layouts --device cpu --ranks 1 --tokens 64 --vocab 500 --reps 1 --name layouts-dryrun
 else
   if ls bench/wheels/*.whl >/dev/null 2>&1; then $PY -m pip install -q --no-deps bench/wheels/*.whl; fi
   step versions 60 bash -c "nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv; $PY -c \"import torch, triton, numpy; print('torch', torch.__version__, 'triton', triton.__version__, 'numpy', numpy.__version__, torch.cuda.get_device_name())\""
@@ -53,10 +54,14 @@ else
   step logits 45 $PY -m bench logits --tokens 16384 --vocab 151936 --dtype bfloat16 --no-compile --name logits-h200
   step fused-linear 50 $PY -m bench fused_linear --only fused-triton materialised-triton liger-fused-grpo \
     --name fused-linear-h200
+  # Packed and vocab-parallel calls against the padded one; one GPU: a vocab group of one rank (the
+  # combination's own cost, no communication).
+  step layouts 30 $PY -m bench layouts --ranks 1 --tokens 16384 --vocab 151936 --name layouts-h200
   step compile 40 $PY -m bench logits --tokens 16384 --vocab 151936 --dtype bfloat16 --only reference-compile \
     --name logits-compile-h200
 fi
-rm -f "$OUT"/*.png "$OUT"/logits-compile-h200.md  # keep within the 8 files the device tool brings back
+# Keep within the 8 files the device tool brings back: each table's .md holds every number of its .json.
+rm -f "$OUT"/*.png "$OUT"/logits*.json "$OUT"/fused-linear*.json "$OUT"/layouts*.json
 echo "results: $OUT"
 if [ ${#FAILED[@]} -ne 0 ]; then
   echo "failed steps: ${FAILED[*]}" | tee -a "$LOG"

@@ -1,4 +1,4 @@
-"""Entry point: ``python -m bench [logits|fused_linear|cpu_kernels|accuracy|kernels|isa] [options]``
+"""Entry point: ``python -m bench [logits|fused_linear|cpu_kernels|accuracy|kernels|isa|layouts] [options]``
 (``python -m bench --help`` lists them; ``python -m bench NAME --help`` gives one's options)."""
 
 import sys
@@ -10,6 +10,7 @@ BENCHMARKS = {
     "accuracy": "bench.accuracy",
     "kernels": "bench.kernels",
     "isa": "bench.isa",
+    "layouts": "bench.layouts",
 }
 SUMMARIES = {
     "logits": "the loss on materialised logits: eager and compiled PyTorch, our backends, Liger (the default)",
@@ -18,6 +19,7 @@ SUMMARIES = {
     "accuracy": "per-token statistics and the logits' gradient against float64, every backend",
     "kernels": "the Triton kernels alone against the copy bandwidth, and a BLOCK_V x num_warps sweep (GPU)",
     "isa": "static sm_90 SASS instruction counts of our kernels and Liger's, no GPU needed",
+    "layouts": "packed (cu_seqlens) and vocab-parallel (vocab_group) calls against the padded whole-vocabulary one",
 }
 
 

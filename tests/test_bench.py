@@ -38,3 +38,23 @@ def test_fused_linear_benchmark_harness(tmp_path, monkeypatch):
     if importlib.util.find_spec("liger_kernel"):
         assert "liger-fused-grpo" in names
     assert all(r.error is None and r.total_ms > 0 and r.extra["TFLOP/s"] > 0 for r in rows), [r.error for r in rows]
+
+
+def test_layouts_benchmark_harness(tmp_path):
+    """`python -m bench layouts` starts its own two processes and writes one table: every row timed, ratios to the
+    padded row (tiny shapes)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, GTPO_BENCH_OUT=str(tmp_path), PYTHONPATH=str(root))
+    cmd = [sys.executable, "-m", "bench", "layouts", "--device", "cpu", "--tokens", "64", "--vocab", "101"]
+    proc = subprocess.run(cmd + ["--reps", "1", "--name", "t"], env=env, cwd=root, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = {r["impl"]: r for r in json.loads((tmp_path / "t.json").read_text())["rows"]}
+    assert set(rows) == {"padded", "packed", "vocab-parallel", "vocab-parallel-packed"}
+    assert all(r["error"] is None and r["total_ms"] > 0 for r in rows.values())
+    assert rows["vocab-parallel"]["extra"]["ranks"] == 2 and rows["padded"]["extra"]["time vs padded"] == 1.0
