@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from .backends import chunk_budget
 from .config import GTPOConfig
 from .loss import loss_of_rows
+from .objective import entropy_floor
 from .result import GTPOLossOutput, GTPOMetrics
 from .rows import LossRows
 from .token_stats import token_logprobs_and_entropy
@@ -35,16 +36,32 @@ def transformed_logits_gtpo_loss(
     head: Tuple[torch.Tensor, Optional[torch.Tensor], Callable],
     given: LossRows,
     config: GTPOConfig,
+    entropy_quantile_group=None,
 ) -> GTPOLossOutput:
     """`gtpo_loss` on ``transform(hidden @ weight.T + bias)`` (``hidden [N, L, H]``, ``head = (weight, bias,
     transform)``), in row chunks, for the per-row inputs ``given``.
 
     ``given.conflict`` (whole groups' weights, sliced like the rows) is required when the config uses conflict
-    weights; the counts default to this call's rows and tokens (the whole call's, not a chunk's)."""
+    weights; the counts default to this call's rows and tokens (the whole call's, not a chunk's), and so does the
+    threshold of ``config.top_entropy_quantile`` (a statistics pass first; over ``entropy_quantile_group``'s
+    processes when given)."""
     weight, bias, transform = head
     n_rows, length = given.ids.shape
     if config.use_conflict_weights and given.conflict is None:
         raise ValueError("transformed_logits_gtpo_loss: pass conflict=conflict_weights(...) computed on whole groups")
+    if config.top_entropy_quantile < 1 and given.entropy_floor is None:
+        valid = given.valid.bool()
+        _, entropy = transformed_logits_token_stats(
+            hidden,
+            weight,
+            bias,
+            transform,
+            given.ids,
+            valid,
+            temperature=given.temperature,
+            max_chunk_bytes=config.max_chunk_bytes,
+        )
+        given = given.replace(entropy_floor=entropy_floor(entropy, valid, config, entropy_quantile_group))
 
     def part(rows, h, w, b):
         out = loss_of_rows(transform(F.linear(h, w, b)), given.slice(rows), config)

@@ -151,6 +151,13 @@ class GTPOConfig:
         off_policy_mask_threshold: DeepSeek-V3.2's off-policy sequence masking (TRL's ``off_policy_mask_threshold``):
             a completion whose shaped advantage is negative and whose mean ``sampling - logp`` over its tokens (the
             sampler's log-probs, else the old ones) exceeds this gets no policy term. ``None``: off.
+        top_entropy_quantile: ``rho``: the policy term acts only on the tokens whose entropy is at least the
+            ``1 - rho`` quantile of the call's unmasked tokens' entropies (torch.quantile's linear interpolation;
+            across the processes of ``entropy_quantile_group`` when the loss is given one), the "80/20" forking
+            tokens (TRL's ``top_entropy_quantile``); the entropy bonus then averages over the same tokens (its
+            denominator scaled by the call's share of them). The KL and the entropy penalty stay on every token.
+            A quantile of one call's tokens: calls over a partition of a batch differ from one call over it.
+            1.0: off (every token).
         max_completion_length: the generation cap. When set, ``dr_grpo`` divides by
             ``num_sequences * max_completion_length`` (TRL's and Liger's convention), so the loss does
             not depend on how much padding a batch happens to carry.
@@ -200,6 +207,7 @@ class GTPOConfig:
     sampling_ratio_min: Optional[float] = None
     sampling_ratio_max: Optional[float] = 3.0
     off_policy_mask_threshold: Optional[float] = None
+    top_entropy_quantile: float = 1.0
     max_completion_length: Optional[int] = None
     max_chunk_bytes: Optional[int] = None
     inplace_backward: bool = False
@@ -306,6 +314,9 @@ class GTPOConfig:
         threshold = self.off_policy_mask_threshold
         if threshold is not None and not (is_number(threshold) and math.isfinite(threshold) and threshold >= 0):
             raise bad("off_policy_mask_threshold", "must be a finite number >= 0 (a mean KL), or None")
+        rho = self.top_entropy_quantile
+        if not (is_number(rho) and 0 < rho <= 1):
+            raise bad("top_entropy_quantile", "must be a number in (0, 1] (the share of tokens kept; 1: all)")
         for name in ("max_completion_length", "max_chunk_bytes"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):

@@ -25,7 +25,7 @@ from torch import Tensor
 from ._autograd import SECOND_DERIVATIVE, first_derivative_only
 from .backends import get_backend, kernels_for
 from .backends.base import Backend, stats_dtype
-from .fused_chunks import fused_forward, unmasked_tokens
+from .fused_chunks import Walk, fused_forward, unmasked_tokens
 from .rows import LossRows
 
 NAMESPACE = "gtpo_kernels"
@@ -178,7 +178,7 @@ def fused_linear_gtpo(
     config = GTPOConfig.from_dict(json.loads(config_json))
     kernels = kernels_for(get_backend(backend), compute_dtype)
     tokens = unmasked_tokens(valid, row_lengths, hidden_index)
-    return fused_forward(hidden, (weight, bias), rows, config, kernels, compute_dtype, tokens, need_grads)
+    return fused_forward(hidden, (weight, bias), rows, config, Walk(kernels, compute_dtype, tokens, need_grads))
 
 
 @fused_linear_gtpo.register_fake

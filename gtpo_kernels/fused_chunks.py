@@ -15,7 +15,7 @@ import torch
 from .backends import chunk_budget
 from .backends.base import Backend, stats_dtype
 from .config import GTPOConfig
-from .objective import loss_from_token_stats, loss_gradients
+from .objective import entropy_floor, loss_from_token_stats, loss_gradients
 from .rows import LossRows
 from .vocab_parallel import VocabParallel
 
@@ -140,25 +140,40 @@ def _add_weight_grad(d_weight: torch.Tensor, dlogits: torch.Tensor, h: torch.Ten
         d_weight[v0:v1] += (dlogits[:, v0:v1].T @ h).to(d_weight.dtype)
 
 
+@dataclass(frozen=True)
+class Walk:
+    """How the fused walk runs: the backend's kernels, the matrix products' dtype, the call's tokens
+    (`unmasked_tokens`), which gradients to compute (hidden, weight, bias) and the process groups it talks to:
+    ``vocab_parallel``, the head is this rank's shard of the vocabulary (each chunk's shard statistics combined
+    over the group: one all-gather per chunk, the same chunks on every rank; the gradients the shard's, ``d_hidden``
+    its share, to be summed over the group); ``entropy_quantile_group``, the processes whose tokens
+    ``top_entropy_quantile``'s threshold spans."""
+
+    kernels: Backend
+    compute_dtype: torch.dtype
+    tokens: Tokens
+    need_grads: List[bool]
+    vocab_parallel: Optional[VocabParallel] = None
+    entropy_quantile_group: object = None
+
+
 def fused_forward(
     hidden: torch.Tensor,
     head: Tuple[torch.Tensor, Optional[torch.Tensor]],
     rows: LossRows,
     config: GTPOConfig,
-    kernels: Backend,
-    compute_dtype: torch.dtype,
-    tokens: Tokens,
-    need_grads: List[bool],
-    vocab_parallel: Optional[VocabParallel] = None,
+    walk: Walk,
 ) -> List[torch.Tensor]:
     """The body of ``gtpo_kernels::fused_linear_gtpo`` (`custom_ops`): the loss and its gradients in one walk over
-    the chunks of ``tokens`` (`unmasked_tokens` of ``rows.valid``; ``hidden`` ``[N, L, H]``, or ``[T, H]`` packed),
-    for the head ``(weight [V, H], bias [V] or None)``. Returns ``[loss, d_hidden, d_weight, d_bias, logp, H,
-    metric sums, completion entropy]``; a gradient not in ``need_grads`` is an empty tensor.
+    the chunks of ``walk.tokens`` (``hidden`` ``[N, L, H]``, or ``[T, H]`` packed), for the head ``(weight [V, H],
+    bias [V] or None)``. Returns ``[loss, d_hidden, d_weight, d_bias, logp, H, metric sums, completion entropy]``;
+    a gradient not in ``walk.need_grads`` is an empty tensor.
 
-    ``vocab_parallel``: the head is this rank's shard of the vocabulary (`vocab_parallel`): each chunk's shard
-    statistics are combined over the group (one all-gather per chunk, the same chunks on every rank), and the
-    gradients are this shard's (``d_hidden`` this shard's share, to be summed over the group)."""
+    With ``top_entropy_quantile < 1`` the coefficients need the whole call's entropies (the threshold): a first
+    walk computes every chunk's statistics, a second each chunk's logits again and its gradient (``8 T H V``
+    FLOPs instead of ``6``)."""
+    kernels, compute_dtype, tokens, need_grads = walk.kernels, walk.compute_dtype, walk.tokens, walk.need_grads
+    vocab_parallel = walk.vocab_parallel
     weight, bias = head
     ids, temperature = rows.ids, rows.temperature
     shard_ids = ids if vocab_parallel is None else ids - vocab_parallel.shards.offset
@@ -213,31 +228,45 @@ def fused_forward(
     # Every rank of a vocabulary group walks the same chunks (the largest shard's budget).
     budget_vocab = vocab if vocab_parallel is None else max(vocab_parallel.shards.sizes)
     budget = chunk_tokens_for(budget_vocab, device, config.max_chunk_bytes)
-    for r0, r1 in _chunks(tokens.offsets, budget):
+    chunks = [(r0, r1) for r0, r1 in _chunks(tokens.offsets, budget) if tokens.offsets[r0] < tokens.offsets[r1]]
+
+    def pieces_of(r0: int, r1: int):  # one piece, unless one completion is over budget
         t_start, t_end = tokens.offsets[r0], tokens.offsets[r1]
-        if t_start == t_end:
-            continue
-        pieces = [(t, min(t_end, t + budget)) for t in range(t_start, t_end, budget)]
+        return [(t, min(t_end, t + budget)) for t in range(t_start, t_end, budget)]
+
+    def statistics(r0: int, r1: int):
+        """The chunk's statistics into ``stats_all``; returns its logits when it is one piece (else ``None``)."""
         logits = None
-        for t0, t1 in pieces:  # statistics (one piece, unless one completion is over budget)
+        for t0, t1 in pieces_of(r0, r1):
             h, y = rows_of(t0, t1)
             logits = chunk_logits(h, w, b)
-            stats_all.view(4, -1)[:, tokens.flat[t0:t1]] = torch.stack(chunk_stats(kernels, logits, y, temperature)).to(
-                stat_dtype
-            )
+            stats = torch.stack(chunk_stats(kernels, logits, y, temperature)).to(stat_dtype)
+            stats_all.view(4, -1)[:, tokens.flat[t0:t1]] = stats
         if vocab_parallel is not None:  # this chunk's shard statistics -> the whole vocabulary's
-            index = tokens.flat[t_start:t_end]
+            index = tokens.flat[tokens.offsets[r0] : tokens.offsets[r1]]
             stats_all.view(4, -1)[:, index] = vocab_parallel.combine(
                 stats_all.view(4, -1)[:, index], ids.reshape(-1)[index], temperature
             )
+        return logits if len(pieces_of(r0, r1)) == 1 else None
+
+    def chunk_gradients(r0: int, r1: int, logits=None):
         c, e = coefficients(r0, r1)
-        if len(pieces) == 1:
-            gradients(t_start, t_end, r0, c, e, logits)
-            del logits
+        if logits is not None:
+            gradients(tokens.offsets[r0], tokens.offsets[r1], r0, c, e, logits)
         else:
-            del logits
-            for t0, t1 in pieces:
+            for t0, t1 in pieces_of(r0, r1):
                 gradients(t0, t1, r0, c, e)
+
+    if config.top_entropy_quantile < 1:
+        for r0, r1 in chunks:
+            statistics(r0, r1)
+        floor = entropy_floor(entropy_all, rows.valid, config, walk.entropy_quantile_group)
+        whole, rows = whole.replace(entropy_floor=floor), rows.replace(entropy_floor=floor)
+        for r0, r1 in chunks:
+            chunk_gradients(r0, r1)
+    else:
+        for r0, r1 in chunks:
+            chunk_gradients(r0, r1, statistics(r0, r1))
 
     # The loss value and metrics from the whole call's statistics (cheap, O(N L)).
     full = loss_from_token_stats(logp_all, entropy_all, rows, config)

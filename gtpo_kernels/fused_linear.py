@@ -37,7 +37,7 @@ from .backends import get_backend, kernels_for, resolve_backend_name
 from .backends.base import stats_dtype
 from .config import GTPOConfig
 from .conflict import with_conflict_weights
-from .fused_chunks import chunk_logits, chunk_stats, chunk_tokens_for, fused_forward, unmasked_tokens
+from .fused_chunks import Walk, chunk_logits, chunk_stats, chunk_tokens_for, fused_forward, unmasked_tokens
 from .objective import completion_clip_fractions, signal_beyond_advantages
 from .packed import padded_rows
 from .result import GTPOLossOutput, GTPOMetrics
@@ -129,6 +129,7 @@ def fused_linear_gtpo_loss(
     backend: str = "auto",
     cu_seqlens: Optional[torch.Tensor] = None,
     vocab_group=None,
+    entropy_quantile_group=None,
 ) -> GTPOLossOutput:
     """The GTPO loss of ``logits = hidden_states @ lm_head_weight.T + lm_head_bias``, never building them.
 
@@ -149,6 +150,7 @@ def fused_linear_gtpo_loss(
             floats per token per chunk. The gradients are this shard's: ``d_weight``/``d_bias`` of the shard,
             and ``d_hidden`` this shard's share, which the tensor-parallel framework sums over the group (as the
             backward of Megatron's ``copy_to_tensor_model_parallel_region`` does). Eager mode only.
+        entropy_quantile_group: as for `gtpo_loss` (``config.top_entropy_quantile``). Eager mode only.
 
     Returns:
         `GTPOLossOutput`; ``.loss`` is differentiable w.r.t. ``hidden_states``, ``lm_head_weight``
@@ -222,7 +224,7 @@ def fused_linear_gtpo_loss(
         lm_head_bias is not None and lm_head_bias.requires_grad,
     ]
     with torch.autocast(device.type, enabled=False):
-        if vocab_parallel is None:
+        if vocab_parallel is None and entropy_quantile_group is None:
             outputs = custom_ops.fused_linear_gtpo(
                 hidden_states,
                 lm_head_weight,
@@ -240,10 +242,8 @@ def fused_linear_gtpo_loss(
             def walk():
                 kernels = kernels_for(get_backend(backend_), compute_dtype)
                 tokens = unmasked_tokens(valid, row_lengths, hidden_index)
-                head = (lm_head_weight, lm_head_bias)
-                return fused_forward(
-                    hidden_states, head, rows, config, kernels, compute_dtype, tokens, need_grads, vocab_parallel
-                )
+                plan = Walk(kernels, compute_dtype, tokens, need_grads, vocab_parallel, entropy_quantile_group)
+                return fused_forward(hidden_states, (lm_head_weight, lm_head_bias), rows, config, plan)
 
             outputs = _VocabParallelFusedLoss.apply(hidden_states, lm_head_weight, lm_head_bias, walk, need_grads)
     # The operator's outputs all carry its grad_fn; metrics are reports, never part of the graph.

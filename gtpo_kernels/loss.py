@@ -11,7 +11,7 @@ from . import validation
 from .backends import get_backend, kernels_for, resolve_backend_name
 from .config import GTPOConfig
 from .conflict import with_conflict_weights
-from .objective import loss_from_token_stats
+from .objective import entropy_floor, loss_from_token_stats
 from .packed import Packing, padded_rows
 from .result import GTPOLossOutput
 from .rows import Conflict, LossRows, checked_rows, resolved_config
@@ -38,6 +38,7 @@ def gtpo_loss(
     backend: str = "auto",
     vocab_group=None,
     cu_seqlens: Optional[torch.Tensor] = None,
+    entropy_quantile_group=None,
 ) -> GTPOLossOutput:
     """The GTPO loss of a batch of completions, from the policy's logits.
 
@@ -82,6 +83,8 @@ def gtpo_loss(
             is then ``[T, V]``, ``completion_ids``, ``completion_mask`` and the per-token log-probs ``[T]``,
             ``conflict`` ``(lambda [T], n_conflict [N])``, completion ``i`` the tokens ``cu_seqlens[i]`` to
             ``cu_seqlens[i + 1]`` (`packed`); the same loss as the padded call. One host read of the offsets.
+        entropy_quantile_group: with ``config.top_entropy_quantile < 1``, the process group whose tokens the
+            entropy threshold is a quantile of (TRL's: every process's); ``None``: this call's tokens.
 
     Returns:
         `GTPOLossOutput` with ``.loss`` (0-d, differentiable w.r.t. ``logits``) and ``.metrics``
@@ -106,7 +109,8 @@ def gtpo_loss(
     if cu_seqlens is not None:
         given, packing = padded_rows(logits, "logits", given, cu_seqlens)
         logits = logits[None]  # the kernels see one row of T positions
-    return loss_of_rows(logits, given, config, backend, stacklevel=4, vocab_group=vocab_group, packing=packing)
+    groups = dict(vocab_group=vocab_group, quantile_group=entropy_quantile_group)
+    return loss_of_rows(logits, given, config, backend, stacklevel=4, packing=packing, **groups)
 
 
 def loss_of_rows(
@@ -117,6 +121,7 @@ def loss_of_rows(
     stacklevel: int = 3,
     vocab_group=None,
     packing: Optional[Packing] = None,
+    quantile_group=None,
 ) -> GTPOLossOutput:
     """`gtpo_loss` on the per-row inputs ``given`` as one bundle (checked here), e.g. a `LossRows.slice` of a
     batch's. ``stacklevel``: where a warning points (3: this function's caller). With ``packing``, ``logits`` is
@@ -147,6 +152,8 @@ def loss_of_rows(
         vocab_size = shards.vocab_size
     if packing is not None:
         logp, entropy = packing.pad(logp[0]), packing.pad(entropy[0])
+    if config.top_entropy_quantile < 1 and rows.entropy_floor is None:  # the whole call's (and group's) threshold
+        rows = rows.replace(entropy_floor=entropy_floor(entropy, rows.valid, config, quantile_group))
     # The kernels report ids outside the vocabulary, NaN/+inf logits and sampled -inf tokens as NaN statistics
     # (the same on every rank of a vocab_group: the statistics are the combined ones).
     validation.add_stats_check(checks, logp, entropy, rows.valid, rows.ids, vocab_size)

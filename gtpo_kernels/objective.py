@@ -66,6 +66,12 @@ class _Masked:
         self.logp = torch.where(valid, token_logprobs, self.zero)
         self.entropy = torch.where(valid, token_entropy.to(self.dtype), self.zero)
         self.completion_entropy, self.keep, self.shaped, self.token_advantage = _shaping(self, rows, config)
+        # top_entropy_quantile: the tokens the policy term acts on ([N, L] in the statistics' dtype; None: all).
+        floor = rows.entropy_floor
+        if floor is None and config.top_entropy_quantile < 1:
+            floor = entropy_floor(self.entropy, valid, config)
+        self.kept_share = None if floor is None else floor[1].to(self.dtype)
+        self.high_entropy = None if floor is None else ((self.entropy.detach() >= floor[0]) & valid).to(self.dtype)
 
     def old(self, rows: LossRows) -> torch.Tensor:
         """``[N, L]``: the old log-probs (0 where masked), or the current ones, detached, on-policy."""
@@ -83,6 +89,50 @@ class _Masked:
     def given(self, rows: LossRows, tensor: torch.Tensor) -> torch.Tensor:
         """A per-token input (old or reference log-probs) in the statistics' dtype, 0 where masked."""
         return torch.where(rows.valid, tensor.to(self.dtype), self.zero)
+
+
+def entropy_floor(token_entropy: torch.Tensor, valid: torch.Tensor, config: GTPOConfig, group=None):
+    """``(threshold, kept_share)`` 0-d tensors for ``config.top_entropy_quantile`` ``rho`` (``None`` when it is 1):
+    the ``1 - rho`` quantile of the unmasked tokens' entropies (of every process of ``group`` when given), and the
+    share of this call's unmasked tokens at or above it. No host synchronisation (a sort on the device)."""
+    rho = config.top_entropy_quantile
+    if rho >= 1:
+        return None
+    entropy = token_entropy.detach()
+    values = torch.where(valid, entropy, torch.full_like(entropy, torch.nan)).reshape(-1)
+    if group is not None:
+        values = _gather_padded(values, group)
+    threshold = _quantile(values, 1 - rho)
+    kept = ((entropy >= threshold) & valid).sum().to(entropy.dtype)
+    return threshold, kept / valid.sum().clamp(min=1).to(entropy.dtype)
+
+
+def _quantile(values: torch.Tensor, q: float) -> torch.Tensor:
+    """``torch.nanquantile(values, q)`` (linear interpolation) without its size limit: a sort of ``values`` with
+    NaN (absent) last; +inf when every value is absent."""
+    present = ~torch.isnan(values)
+    ordered = torch.sort(torch.where(present, values, torch.full_like(values, torch.inf))).values
+    count = present.sum()
+    position = (count - 1).clamp(min=0).to(torch.float64) * q
+    low = position.floor().long()
+    high = position.ceil().long()
+    value = torch.lerp(ordered[low], ordered[high], (position - low).to(values.dtype))
+    return torch.where(count > 0, value, torch.full_like(value, torch.inf))
+
+
+def _gather_padded(values: torch.Tensor, group) -> torch.Tensor:
+    """Every process's ``values [n_r]`` of ``group``, each padded with NaN to the longest (one gather of the
+    lengths, one of the values)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    sizes = torch.zeros(world, dtype=torch.int64, device=values.device)
+    dist.all_gather_into_tensor(sizes, torch.tensor([values.numel()], device=values.device), group=group)
+    longest = int(sizes.max())
+    padded = torch.cat([values, values.new_full((longest - values.numel(),), torch.nan)])
+    out = values.new_empty(world * longest)
+    dist.all_gather_into_tensor(out, padded, group=group)
+    return out
 
 
 def _shaping(masked: _Masked, rows: LossRows, config: GTPOConfig):
@@ -106,12 +156,13 @@ def _shaping(masked: _Masked, rows: LossRows, config: GTPOConfig):
 
 def policy_weights(masked: _Masked, rows: LossRows, config: GTPOConfig) -> Optional[torch.Tensor]:
     """The detached weights of the policy term: the sampler's correction (`sampling_weights`; VESPO takes it into
-    its own weight instead) times the off-policy sequence mask (`off_policy_mask`); ``None`` without either."""
+    its own weight instead) times the off-policy sequence mask (`off_policy_mask`) and the top-entropy token mask
+    (``top_entropy_quantile``); ``None`` without any."""
     weight = None if config.ratio_function == "vespo" else sampling_weights(masked, rows, config)
-    keep = off_policy_mask(masked, rows, config)
-    if keep is None:
-        return weight
-    return keep if weight is None else weight * keep
+    for keep in (off_policy_mask(masked, rows, config), masked.high_entropy):
+        if keep is not None:
+            weight = keep if weight is None else weight * keep
+    return weight
 
 
 LOG_1E_8 = -18.420680743952367  # log(1e-8): VESPO's floor on its log-ratios (TRL's, from the original code)
@@ -194,7 +245,8 @@ def token_advantages(token_entropy: torch.Tensor, rows: LossRows, config: GTPOCo
 
     Returns:
         ``(completion_entropy [N], keep [N], a [N, L])``: ``a = lambda * delta (A - gamma Hbar) / n`` (``n`` only
-        with ``divide_by_conflict_count``), 0 at masked positions. A loss that takes ``-min(rho a, clip(rho) a)``
+        with ``divide_by_conflict_count``), 0 at masked positions and, with ``top_entropy_quantile < 1``, at the
+        tokens below that quantile of these entropies. A loss that takes ``-min(rho a, clip(rho) a)``
         per token with the config's reduction then equals `loss_from_token_stats` for the ``advantage_shift``
         mode (``n > 0`` is a per-completion factor, so it passes through the ``min``); the ``penalty`` mode's
         entropy term needs the current entropy with its gradient and cannot be folded.
@@ -210,6 +262,8 @@ def token_advantages(token_entropy: torch.Tensor, rows: LossRows, config: GTPOCo
     token_advantage = masked.token_advantage
     if config.divide_by_conflict_count and rows.n_conflict is not None:
         token_advantage = token_advantage / rows.n_conflict.clamp(min=1).to(dtype)[:, None]
+    if masked.high_entropy is not None:  # top_entropy_quantile: no policy term below the threshold, a = 0 there
+        token_advantage = token_advantage * masked.high_entropy
     return masked.completion_entropy, masked.keep, token_advantage * masked.mask
 
 
@@ -354,7 +408,7 @@ def _finish_gradients(c, ratio, masked: _Masked, rows: LossRows, config: GTPOCon
         e = e + config.entropy_coef
     e = e * weights
     if config.entropy_bonus > 0:  # a token mean of its own, whatever the reduction
-        e = e - config.entropy_bonus * masked.mask / _batch_tokens(rows, masked.lengths)
+        e = e - config.entropy_bonus * _bonus_tokens(masked) / _bonus_denominator(masked, rows)
     return torch.where(rows.valid, c, masked.zero), e
 
 
@@ -362,6 +416,19 @@ def _row_share(per_token: torch.Tensor, masked: _Masked) -> torch.Tensor:
     """``[N, L]``: each row's sum of ``per_token`` divided by its unmasked tokens, on each of them: the gradient
     with respect to each token's log-prob of a term that depends on them through their mean."""
     return (per_token * masked.mask).sum(dim=1, keepdim=True) / masked.lengths.clamp(min=1)[:, None] * masked.mask
+
+
+def _bonus_tokens(masked: _Masked) -> torch.Tensor:
+    """``[N, L]``: the tokens the entropy bonus averages over: the unmasked ones, or those the top-entropy mask
+    keeps."""
+    return masked.mask if masked.high_entropy is None else masked.high_entropy
+
+
+def _bonus_denominator(masked: _Masked, rows: LossRows) -> torch.Tensor:
+    """The whole batch's tokens, times the call's kept share under the top-entropy mask: TRL's mean over the kept
+    tokens when the calls hold as many tokens."""
+    tokens = _batch_tokens(rows, masked.lengths)
+    return tokens if masked.kept_share is None else tokens * masked.kept_share.clamp(min=1e-12)
 
 
 def _batch_tokens(rows: LossRows, lengths: torch.Tensor) -> torch.Tensor:
@@ -443,7 +510,7 @@ def loss_from_token_stats(
     weights = _token_weights(rows, lengths, config)
     loss = (torch.where(valid, per_token, zero) * weights).sum()
     if config.entropy_bonus > 0:
-        loss = loss - config.entropy_bonus * (entropy * mask).sum() / _batch_tokens(rows, lengths)
+        loss = loss - config.entropy_bonus * (entropy * _bonus_tokens(masked)).sum() / _bonus_denominator(masked, rows)
 
     def token_fraction(flags: Optional[torch.Tensor]) -> torch.Tensor:
         if flags is None:

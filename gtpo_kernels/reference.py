@@ -181,6 +181,13 @@ def reference_loss_from_token_stats(
         filter_on = False
     low, high = config.clip_bounds
     gamma = config.entropy_coef
+    # top_entropy_quantile: torch.quantile of every unmasked token's entropy, and the share of tokens at or above it.
+    floor, kept_share = -math.inf, 1.0
+    if config.top_entropy_quantile < 1:
+        values = [float(entropy[i, t].detach()) for i in range(n_rows) for t in range(length) if bool(valid[i, t])]
+        if values:
+            floor = float(torch.quantile(torch.tensor(values, dtype=torch.float64), 1 - config.top_entropy_quantile))
+            kept_share = sum(v >= floor for v in values) / len(values)
 
     row_losses, row_entropies, kept, signal = [], [], [], []
     row_clip_low, row_clip_high = [float("nan")] * n_rows, [float("nan")] * n_rows  # NaN: empty completion
@@ -260,6 +267,10 @@ def reference_loss_from_token_stats(
             if shaped < 0 and mean_kl > config.off_policy_mask_threshold:
                 terms = terms * 0.0
                 weight = [0.0] * n
+        if config.top_entropy_quantile < 1:  # the policy term of the tokens below the entropy quantile: none
+            high_entropy = [1.0 if float(x) >= floor else 0.0 for x in h.detach()]
+            terms = terms * torch.tensor(high_entropy, dtype=dtype, device=device)
+            weight = high_entropy if weight is None else [w * k for w, k in zip(weight, high_entropy)]
         if config.entropy_mode == "penalty":
             terms = terms + gamma * h
         if ref_logprobs is not None:
@@ -301,9 +312,10 @@ def reference_loss_from_token_stats(
         loss = sum(row_losses) / sequences
     else:
         loss = sum(row_losses) / (sequences * (config.max_completion_length or length))
-    if config.entropy_bonus > 0:  # TRL's bonus: minus the token mean of every unmasked token's entropy
+    if config.entropy_bonus > 0:  # TRL's bonus: minus the token mean of every unmasked (kept) token's entropy
         entropies = [entropy[i, t] for i in range(n_rows) for t in range(length) if bool(valid[i, t])]
-        loss = loss - config.entropy_bonus * sum(entropies) / max(1, tokens)
+        entropies = [h for h in entropies if float(h) >= floor]
+        loss = loss - config.entropy_bonus * sum(entropies) / (max(1, tokens) * kept_share)
     if not isinstance(loss, torch.Tensor):  # no rows at all
         loss = logp.sum() * 0
     loss = loss.to(dtype)

@@ -42,6 +42,9 @@ class LossRows:
             for this call's own.
         group_size: ``G`` when the rows are whole groups and the conflict weights are still to be computed from
             them; ``None`` otherwise (a slice of a batch holds no whole groups).
+        entropy_floor: ``(threshold, kept_share)`` 0-d tensors of ``config.top_entropy_quantile``, from the whole
+            call's entropies (`objective.entropy_floor`), for a step that sees part of the call's rows (a chunk of
+            the fused path); ``None``: computed from the rows at hand.
     """
 
     ids: torch.Tensor
@@ -56,6 +59,7 @@ class LossRows:
     num_sequences: Optional[Count] = None
     num_tokens: Optional[Count] = None
     group_size: Optional[int] = None
+    entropy_floor: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
 
     @property
     def lambda_(self) -> Optional[torch.Tensor]:

@@ -179,6 +179,8 @@ CONFIGS = {
     "grpo": GTPOConfig(preset="grpo", kl_beta=0.05),
     "penalty": GTPOConfig(preset="paper", entropy_mode="penalty", loss_reduction="token_mean"),
     "dr_grpo": GTPOConfig(preset="paper", loss_reduction="dr_grpo", clip_eps_low=0.2),
+    # TRL's top-entropy tokens: the walk's statistics first, then every chunk's gradient from its logits again
+    "top_entropy+bonus": GTPOConfig(preset="paper", top_entropy_quantile=0.6, entropy_bonus=0.05),
 }
 
 

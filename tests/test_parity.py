@@ -84,6 +84,14 @@ CONFIGS = {
     "trl:vespo+sampler:token_mask": GTPOConfig(
         preset="official", ratio_function="vespo", sampling_correction="token_mask", sampling_ratio_min=0.8
     ),
+    "trl:top_entropy+bonus+kl": GTPOConfig(preset="grpo", top_entropy_quantile=0.4, entropy_bonus=0.05, kl_beta=0.05),
+    "trl:top_entropy+sapo+sampler:token_mask": GTPOConfig(
+        preset="official",
+        top_entropy_quantile=0.7,
+        ratio_function="sapo",
+        sampling_correction="token_mask",
+        sampling_ratio_min=0.8,
+    ),
     "trl:gspo+weighted_kl+bonus+penalty+dr_grpo": GTPOConfig(
         preset="grpo",
         importance_sampling_level="sequence",

@@ -465,6 +465,7 @@ def test_cli_errors_are_one_line(tmp_path):
         (["--importance-sampling-level", "row"], "--importance-sampling-level must be 'token' or 'sequence'"),
         (["--entropy-bonus", "-1"], "--entropy-bonus must be a number >= 0"),
         (["--off-policy-mask-threshold", "-0.5"], "--off-policy-mask-threshold must be a number >= 0"),
+        (["--top-entropy-quantile", "0"], "--top-entropy-quantile must be a number in (0, 1]"),
         (["--config", "CONFIG"], "--learning-rate must be a positive number"),
         (["--dataset", "missing.jsonl"], "dataset 'missing.jsonl' is neither"),
         (["--model", "./nowhere"], "is not a local folder"),
@@ -651,8 +652,9 @@ def test_only_the_time_cap_finishes_a_stopped_run():
 
 
 def test_trls_loss_terms_reach_the_loss_and_train(tiny_model_dir, tmp_path):
-    """--ratio-function, --importance-sampling-level, --entropy-bonus and --off-policy-mask-threshold set the run's
-    loss (off-policy with two updates per rollout, so that the ratio and the mask matter), and the run trains."""
+    """--ratio-function, --importance-sampling-level, --entropy-bonus, --off-policy-mask-threshold and
+    --top-entropy-quantile set the run's loss (off-policy with two updates per rollout, so that the ratio and the
+    masks matter), and the run trains."""
     config = tiny_config(
         tiny_model_dir,
         tmp_path,
@@ -663,6 +665,7 @@ def test_trls_loss_terms_reach_the_loss_and_train(tiny_model_dir, tmp_path):
         importance_sampling_level="sequence",
         entropy_bonus=0.01,
         off_policy_mask_threshold=0.05,
+        top_entropy_quantile=0.8,
     )
     loss = config.loss_config()
     assert (
@@ -670,15 +673,11 @@ def test_trls_loss_terms_reach_the_loss_and_train(tiny_model_dir, tmp_path):
         loss.importance_sampling_level,
         loss.entropy_bonus,
         loss.off_policy_mask_threshold,
-    ) == (
-        "sapo",
-        "sequence",
-        0.01,
-        0.05,
-    )
+        loss.top_entropy_quantile,
+    ) == ("sapo", "sequence", 0.01, 0.05, 0.8)
     default = TrainConfig().loss_config()  # the default run's loss is unchanged: PPO's clip, per token, no extras
     assert (default.ratio_function, default.importance_sampling_level, default.entropy_bonus) == ("clip", "token", 0.0)
-    assert default.off_policy_mask_threshold is None
+    assert default.off_policy_mask_threshold is None and default.top_entropy_quantile == 1.0
     summary = train_module.run(config)
     assert summary["steps"] == 2
     rows = [r for r in train_rows(tmp_path) if r["kind"] == "train"]

@@ -433,11 +433,13 @@ def test_every_grpo_config_field_is_classified():
     from gtpo_kernels.integrations import trl_settings
 
     assert trl_settings.unclassified() == []
-    assert {s.status for s in trl_settings.SETTINGS.values()} == {
+    assert {s.status for s in trl_settings.SETTINGS.values()} <= {
         trl_settings.HONOURED,
         trl_settings.IRRELEVANT,
         trl_settings.REFUSED,
     }
+    # No loss setting of TRL's is refused (8 were): a value is refused only when it contradicts the GTPO config.
+    assert [name for name, s in trl_settings.SETTINGS.items() if s.status == trl_settings.REFUSED] == []
     model_checked = {"router_aux_loss_coef"}  # refused by GTPOTrainer from the model (MoE with a router loss)
     assert all(
         s.refuse is not None or name in model_checked
@@ -467,6 +469,12 @@ def test_every_grpo_config_field_is_classified():
         ({}, {"entropy_bonus": 0.2}, None),  # a bonus of the GTPO config's own beside TRL's default (none)
         ({"use_adaptive_entropy": True}, {}, None),  # TRL's controller drives the bonus
         ({"use_adaptive_entropy": True}, {"entropy_bonus": 0.1}, r"use_adaptive_entropy=True\): TRL's adaptive"),
+        ({"top_entropy_quantile": 0.8}, {}, None),  # TRL's mask, taken into the GTPO config
+        (
+            {"top_entropy_quantile": 0.8},
+            {"top_entropy_quantile": 0.5},
+            r"top_entropy_quantile=0.8\): contradicts GTPOConfig\(top_entropy_quantile=0.5\)",
+        ),
         ({"delta": 1.5}, {}, r"delta=1.5\): contradicts GTPOConfig\(ratio_cap=None\)"),
         ({"delta": 1.5}, {"ratio_cap": 1.5}, None),
         (
@@ -752,6 +760,8 @@ def test_delta_and_bias_corrected_kl_equal_grpo_trainer(tiny_model_dir, tmp_path
         {"loss_type": "luspo", "beta": 0.04, "use_bias_correction_kl": False},
         {"loss_type": "vespo"},
         {"loss_type": "vespo", "vespo_k_pos": 1.0, "vespo_lambda_neg": 4.0, "beta": 0.04},
+        {"top_entropy_quantile": 0.6},  # TRL's high-entropy tokens, on its default dapo
+        {"loss_type": "grpo", "top_entropy_quantile": 0.3, "entropy_coef": 0.05, "beta": 0.04},
     ],
     ids=[
         "defaults",
@@ -773,6 +783,8 @@ def test_delta_and_bias_corrected_kl_equal_grpo_trainer(tiny_model_dir, tmp_path
         "luspo-kl",
         "vespo",
         "vespo-knobs-kl",
+        "top-entropy",
+        "grpo-top-entropy-bonus-kl",
     ],
 )
 def test_from_grpo_config_trains_as_grpo_trainer(tiny_model_dir, tmp_path, trl_args):

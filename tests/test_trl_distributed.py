@@ -1,5 +1,6 @@
 """GTPOTrainer under a real two-process launch (torchrun, gloo on the CPU), every prompt group spread across the
-two processes (``num_generations`` 6, 3 completions per process): one training step of
+two processes (``num_generations`` 6, 3 completions per process), TRL's top-entropy token mask on (its threshold a
+quantile over both processes' tokens): one training step of
 ``GTPOTrainer(from_grpo_config(args))`` moves the weights exactly as TRL's own ``GRPOTrainer`` under the same
 launch does, with DDP. (TRL's FSDP2 configuration cannot run on CPUs: accelerate enables FSDP only for
 accelerator devices, its MULTI_CPU type takes no FSDP plugin, and the run silently falls back to DDP; the

@@ -36,6 +36,7 @@ def main(model_dir: str, out_file: str, which: str, fsdp: bool) -> None:
         max_grad_norm=1e9,  # no clipping: the change is -lr times the gradient
         temperature=0.7,
         loss_type="grpo",
+        top_entropy_quantile=0.7,  # the threshold a quantile over both processes' tokens (TRL's gather, ours)
         beta=0.0,
         use_cpu=True,
         bf16=False,

@@ -31,6 +31,7 @@ class TrainConfig:
     importance_sampling_level: str = "token"  # "token", or "sequence" for one ratio per completion (GSPO)
     entropy_bonus: float = 0.0  # minus this times the token-mean entropy (TRL's entropy_coef; not GTPO's gamma)
     off_policy_mask_threshold: Optional[float] = None  # drop pushed-down completions this far off the old policy
+    top_entropy_quantile: float = 1.0  # the policy term on this share of each loss call's tokens, highest entropy
     dataset: str = "arithmetic"  # "arithmetic" (built-in generator), "gsm8k" (needs network), or a .jsonl/.parquet path
     worked_examples: int = 2  # worked examples before each question: 2 (one adding, one subtracting), 1 (adding), 0
     answer_in_block: bool = True  # correctness reads the <answer> block only (else: the last number anywhere)
@@ -131,6 +132,9 @@ class TrainConfig:
             isinstance(threshold, (int, float)) and math.isfinite(threshold) and threshold >= 0
         ):
             raise bad("off_policy_mask_threshold", "must be a number >= 0 (a mean KL per token)")
+        rho = self.top_entropy_quantile
+        if not (isinstance(rho, (int, float)) and 0 < rho <= 1):
+            raise bad("top_entropy_quantile", "must be a number in (0, 1] (1: every token)")
         if self.device not in ("auto", "cpu", "cuda"):
             raise bad("device", "must be 'auto', 'cpu' or 'cuda'")
         if self.precision not in ("auto", "bf16", "fp32"):
@@ -163,6 +167,7 @@ class TrainConfig:
             importance_sampling_level=self.importance_sampling_level,
             entropy_bonus=float(self.entropy_bonus),
             off_policy_mask_threshold=self.off_policy_mask_threshold,
+            top_entropy_quantile=float(self.top_entropy_quantile),
             warn_no_signal=False,
             max_chunk_bytes=None if self.loss_chunk_mib is None else self.loss_chunk_mib * 2**20,
             **overrides,

@@ -169,9 +169,9 @@ def add_gtpo_head(model, trainer: GTPOTrainer) -> None:
                 inputs.pop("advantages"),
             )
             if transform is not None:
-                config = inputs.pop("config")
+                config, group = inputs.pop("config"), inputs.pop("entropy_quantile_group", None)
                 given = LossRows(ids, mask, advantages, **inputs)
-                out = transformed_logits_gtpo_loss(hidden, (weight, bias, transform[1]), given, config)
+                out = transformed_logits_gtpo_loss(hidden, (weight, bias, transform[1]), given, config, group)
             else:
                 out = fused_linear_gtpo_loss(hidden, weight, ids, mask, advantages, lm_head_bias=bias, **inputs)
         aux = router_load_balancing_loss(self, decoded, kwargs.get("attention_mask")) if router_loss else None
@@ -372,6 +372,8 @@ class GTPOTrainer(GRPOTrainer):
             num_tokens=num_tokens,
             temperature=self.temperature,
         )
+        if config.top_entropy_quantile < 1 and self.accelerator.num_processes > 1:
+            loss_inputs["entropy_quantile_group"] = torch.distributed.group.WORLD  # TRL's: every process's tokens
         input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         with self.accelerator.autocast():

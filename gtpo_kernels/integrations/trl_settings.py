@@ -101,6 +101,13 @@ def _off_policy_mask(value, args, config):
     return None
 
 
+def _top_entropy(value, args, config):
+    mine = config.top_entropy_quantile
+    if value < 1 and mine < 1 and not math.isclose(value, mine):
+        return f"contradicts GTPOConfig(top_entropy_quantile={mine!r}): set the same in both, or leave it 1.0"
+    return None
+
+
 def _adaptive_entropy(value, args, config):
     if value and config.entropy_bonus != 0:
         return (
@@ -182,12 +189,15 @@ def vllm_sampling_knobs(args) -> dict:
 
 def trl_loss_terms(args) -> dict:
     """The `GTPOConfig` knobs of the loss terms ``args`` turns on that stand beside any preset: vLLM's
-    importance-sampling correction, the static entropy bonus, GSPO's sequence-level ratio, off-policy masking."""
+    importance-sampling correction, the static entropy bonus, GSPO's sequence-level ratio, off-policy masking, the
+    top-entropy token mask."""
     knobs = {**vllm_sampling_knobs(args), **entropy_bonus_knobs(args)}
     if getattr(args, "importance_sampling_level", "token") == "sequence":
         knobs["importance_sampling_level"] = "sequence"
     if getattr(args, "off_policy_mask_threshold", None) is not None:
         knobs["off_policy_mask_threshold"] = args.off_policy_mask_threshold
+    if getattr(args, "top_entropy_quantile", 1.0) < 1:
+        knobs["top_entropy_quantile"] = args.top_entropy_quantile
     return knobs
 
 
@@ -350,13 +360,11 @@ SETTINGS: Dict[str, Setting] = {
         _off_policy_mask,
     ),
     "top_entropy_quantile": Setting(
-        REFUSED,
-        "refused below 1.0: TRL's threshold is a quantile of the current entropies of every process's tokens of "
-        "the micro-batch, which the fused loss computes in the same pass that needs the threshold (it would take a "
-        "collective inside the loss's pass); GTPO's own filter is per completion (GTPOConfig.entropy_threshold)",
-        _unless(
-            1.0, "the GTPO loss filters by completion entropy (GTPOConfig.entropy_threshold), not by token quantile"
-        ),
+        HONOURED,
+        "GTPOConfig.top_entropy_quantile (taken from here unless the GTPO config sets its own, which must agree): "
+        "the policy term on the tokens at or above the quantile of every process's tokens of the micro-batch, as "
+        "TRL's; the fused loss walks the micro-batch twice (statistics, then gradients: 8 T H V FLOPs instead of 6)",
+        _top_entropy,
     ),
     "entropy_coef": Setting(
         HONOURED,
@@ -408,7 +416,7 @@ def from_grpo_config(args, **overrides):
     ``GTPOTrainer(..., args=args, gtpo_config=from_grpo_config(args))`` trains as ``GRPOTrainer`` does (tested
     against it). Every ``loss_type`` (its reduction and ratio function), ``epsilon``/``epsilon_high``, ``delta``,
     ``beta``, ``use_bias_correction_kl``, the SAPO and VESPO knobs, ``importance_sampling_level``,
-    ``off_policy_mask_threshold``, ``scale_rewards``, TRL's static entropy bonus
+    ``off_policy_mask_threshold``, ``top_entropy_quantile``, ``scale_rewards``, TRL's static entropy bonus
     (``entropy_coef``) and, with vLLM, its importance-sampling correction drive it. ``overrides`` are further
     `GTPOConfig` knobs."""
     from ..config import GTPOConfig
