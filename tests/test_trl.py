@@ -185,8 +185,13 @@ def test_slices_through_groups_accumulate_to_the_whole_batch(tiny_model_dir, tmp
 def test_settings_that_disagree_are_refused(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="beta=0.1.*kl_beta=0.0"):
         make_trainer(tiny_model_dir, tmp_path, trl_args={"beta": 0.1})
-    with pytest.raises(ValueError, match="top_entropy_quantile"):
-        make_trainer(tiny_model_dir, tmp_path, trl_args={"top_entropy_quantile": 0.2})
+    with pytest.raises(ValueError, match="top_entropy_quantile=0.2.*contradicts"):
+        make_trainer(
+            tiny_model_dir,
+            tmp_path,
+            trl_args={"top_entropy_quantile": 0.2},
+            gtpo_config=GTPOConfig(top_entropy_quantile=0.5),
+        )
 
 
 def test_two_training_steps_log_gtpo_metrics(tiny_model_dir, tmp_path):

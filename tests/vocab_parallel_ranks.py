@@ -74,6 +74,14 @@ def old_and_ref(logits64, ids, mask, temperature):
     return old, ref
 
 
+def shards_without_targets(ids, mask, sizes) -> float:
+    """How many shards hold none of the batch's unmasked targets (the cases want 0: every shard's target path)."""
+    from gtpo_kernels.vocab_parallel import VocabShards, target_owner
+
+    owners = target_owner(ids[mask.bool()], VocabShards(tuple(sizes), 0))
+    return float(sum(int((owners == r).sum()) == 0 for r in range(len(sizes))))
+
+
 def one_case(rank, sizes, group, backend, dtype, config, *, temperature=1.0, seed=0, parts=1):
     """Errors of the sharded call(s) against the oracle: loss, this rank's gradient, logp-derived metrics."""
     vocab = sum(sizes)
@@ -125,6 +133,7 @@ def one_case(rank, sizes, group, backend, dtype, config, *, temperature=1.0, see
         "entropy": relative(out.metrics.entropy, oracle.metrics.entropy) if parts == 1 else 0.0,
         "forward_collectives": forward_count / parts,
         "backward_collectives": backward_count,
+        "shards_without_targets": shards_without_targets(ids, mask, sizes),
         "signal": float(x64.grad.abs().sum() > 0),
     }
 
@@ -270,6 +279,18 @@ def bad_input(rank, sizes, group):
             vocab_group=group,
         ),
     }
+    g = torch.Generator().manual_seed(1)
+    hidden, weight = torch.randn(4, 3, 8, generator=g), torch.randn(vocab, 8, generator=g)
+    start = sum(sizes[:rank])
+    cases["fused: id outside the whole vocabulary"] = lambda: fused_linear_gtpo_loss(
+        hidden,
+        weight[start : start + sizes[rank]],
+        ids.masked_fill(torch.arange(3) == 2, -1),
+        mask.fill_(1),
+        adv,
+        group_size=4,
+        vocab_group=group,
+    )
     for name, call in cases.items():
         try:
             call()
@@ -286,8 +307,10 @@ def main(out_path):
     results = {}
     even = shard_sizes(37, world)  # 37 columns: uneven on 2 and 3 ranks
     uneven = [5, 32] if world == 2 else [5, 20, 12]  # 37 columns too
+    # Every backend and dtype on 2 ranks; on 3, float32 (the rest of the cases run on both).
+    dtypes = (torch.float32, torch.bfloat16, torch.float16) if world == 2 else (torch.float32,)
     for backend in registered():
-        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for dtype in dtypes:
             results[f"{backend}/{str(dtype)[6:]}/paper"] = one_case(rank, even, group, backend, dtype, CONFIGS["paper"])
     for name, config in CONFIGS.items():
         results[f"torch/float64/{name}"] = one_case(rank, even, group, "torch", torch.float64, config, seed=0)
@@ -301,7 +324,7 @@ def main(out_path):
     results["cpu/float32/sliced+token_mean"] = one_case(
         rank, even, group, "cpu", torch.float32, CONFIGS["penalty+token_mean"], parts=3
     )
-    for backend in registered():
+    for backend in registered() if world == 2 else ("cpu",):
         results[f"{backend}/float32/fused/official"] = fused_case(rank, even, group, backend, CONFIGS["official"])
     for name in ("paper", "grpo+kl", "sum+bonus"):
         results[f"torch/float64/fused/{name}"] = fused_case(
@@ -313,7 +336,7 @@ def main(out_path):
     results["cpu/float32/fused/packed+chunked"] = fused_case(
         rank, uneven, group, "cpu", CONFIGS["official"], chunk_tokens=4, packed=True
     )
-    for backend in registered():
+    for backend in registered() if world == 2 else ("cpu",):
         results[f"{backend}/float32/packed/paper"] = packed_logits_case(
             rank, uneven, group, backend, torch.float32, CONFIGS["official"]
         )
