@@ -248,7 +248,7 @@ def fused_linear_gtpo_loss(
             outputs = _VocabParallelFusedLoss.apply(hidden_states, lm_head_weight, lm_head_bias, walk, need_grads)
     # The operator's outputs all carry its grad_fn; metrics are reports, never part of the graph.
     loss, sums, completion_entropy = outputs[0], outputs[6].detach(), outputs[7].detach()
-    metrics = GTPOMetrics.from_sums(sums, has_kl=ref_logprobs is not None)
+    metrics = GTPOMetrics.from_sums(sums, has_kl=ref_logprobs is not None, has_vespo=config.ratio_function == "vespo")
     metrics.completion_entropy = completion_entropy
     if (
         config.clipping or config.ratio_function == "cispo"

@@ -469,14 +469,15 @@ def loss_from_token_stats(
     ratio = masked.ratio(rows, config)
     capped = ratio if config.ratio_cap is None else torch.clamp(ratio, max=config.ratio_cap)
     unclipped = capped * token_advantage
-    was_clipped = clipped_low = clipped_high = None
+    was_clipped = clipped_low = clipped_high = phi = None
     if config.ratio_function == "cispo":  # the clipped ratio is a detached weight on the log-prob
         cap = config.cispo_ratio_max
         per_token = -(ratio if cap is None else torch.clamp(ratio, max=cap)).detach() * token_advantage * logp
         clipped_high = cispo_clipped(ratio.detach(), token_advantage, config)
         was_clipped = clipped_high
     elif config.ratio_function == "vespo":  # a detached gamma weight of the completion's ratio on the log-prob
-        per_token = -vespo_weights(masked, rows, config) * token_advantage * logp
+        phi = vespo_weights(masked, rows, config)
+        per_token = -phi * token_advantage * logp
     elif config.ratio_function == "sapo":  # a soft gate instead of the clip
         tau = _sapo_temperature(token_advantage, config)
         per_token = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * token_advantage
@@ -540,6 +541,7 @@ def loss_from_token_stats(
         completion_clip_low=_row_fraction(clipped_low, valid, lengths),
         completion_clip_high=_row_fraction(clipped_high, valid, lengths),
         kl=kl,
+        vespo_weight_mean=None if phi is None else phi.mean() if n_rows else zero,
         num_tokens=call_tokens.detach().to(**count),
         num_sequences=torch.full((), n_rows, **count),
         num_nonempty=n_non_empty.to(**count),

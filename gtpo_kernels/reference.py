@@ -182,14 +182,16 @@ def reference_loss_from_token_stats(
     low, high = config.clip_bounds
     gamma = config.entropy_coef
     # top_entropy_quantile: torch.quantile of every unmasked token's entropy, and the share of tokens at or above it.
-    floor, kept_share = -math.inf, 1.0
+    entropy_floor, kept_share = -math.inf, 1.0
     if config.top_entropy_quantile < 1:
         values = [float(entropy[i, t].detach()) for i in range(n_rows) for t in range(length) if bool(valid[i, t])]
         if values:
-            floor = float(torch.quantile(torch.tensor(values, dtype=torch.float64), 1 - config.top_entropy_quantile))
-            kept_share = sum(v >= floor for v in values) / len(values)
+            quantile = torch.quantile(torch.tensor(values, dtype=torch.float64), 1 - config.top_entropy_quantile)
+            entropy_floor = float(quantile)
+            kept_share = sum(v >= entropy_floor for v in values) / len(values)
 
     row_losses, row_entropies, kept, signal = [], [], [], []
+    phis = [1.0] * n_rows  # VESPO's weight of each completion (an empty one's ratio is 1, its weight 1)
     row_clip_low, row_clip_high = [float("nan")] * n_rows, [float("nan")] * n_rows  # NaN: empty completion
     token_count = amplified = skipped = clipped_low = clipped_high = 0
     entropy_sum = ratio_sum = kl_sum = 0.0
@@ -234,6 +236,7 @@ def reference_loss_from_token_stats(
             k_v = config.vespo_k_pos if shaped >= 0 else config.vespo_k_neg
             lam_v = max(config.vespo_lambda_pos if shaped >= 0 else config.vespo_lambda_neg, 1e-4)
             phi = math.exp(lam_v + k_v * log_w - lam_v * math.exp(log_w))
+            phis[i] = phi if math.isfinite(phi) else 0.0
             terms = -phi * token_adv * lp
             row_clip_low[i] = row_clip_high[i] = 0.0
         elif config.ratio_function == "sapo":
@@ -268,7 +271,7 @@ def reference_loss_from_token_stats(
                 terms = terms * 0.0
                 weight = [0.0] * n
         if config.top_entropy_quantile < 1:  # the policy term of the tokens below the entropy quantile: none
-            high_entropy = [1.0 if float(x) >= floor else 0.0 for x in h.detach()]
+            high_entropy = [1.0 if float(x) >= entropy_floor else 0.0 for x in h.detach()]
             terms = terms * torch.tensor(high_entropy, dtype=dtype, device=device)
             weight = high_entropy if weight is None else [w * k for w, k in zip(weight, high_entropy)]
         if config.entropy_mode == "penalty":
@@ -314,7 +317,7 @@ def reference_loss_from_token_stats(
         loss = sum(row_losses) / (sequences * (config.max_completion_length or length))
     if config.entropy_bonus > 0:  # TRL's bonus: minus the token mean of every unmasked (kept) token's entropy
         entropies = [entropy[i, t] for i in range(n_rows) for t in range(length) if bool(valid[i, t])]
-        entropies = [h for h in entropies if float(h) >= floor]
+        entropies = [h for h in entropies if float(h) >= entropy_floor]
         loss = loss - config.entropy_bonus * sum(entropies) / (max(1, tokens) * kept_share)
     if not isinstance(loss, torch.Tensor):  # no rows at all
         loss = logp.sum() * 0
@@ -340,6 +343,7 @@ def reference_loss_from_token_stats(
         completion_clip_low=torch.tensor(row_clip_low, dtype=dtype, device=device),
         completion_clip_high=torch.tensor(row_clip_high, dtype=dtype, device=device),
         kl=None if ref_logprobs is None else scalar(kl_sum / per_token),
+        vespo_weight_mean=scalar(sum(phis) / max(1, n_rows)) if config.ratio_function == "vespo" else None,
         num_tokens=torch.tensor(float(token_count), dtype=torch.float64),
         num_sequences=torch.tensor(float(n_rows), dtype=torch.float64),
         num_nonempty=torch.tensor(float(len(non_empty)), dtype=torch.float64),

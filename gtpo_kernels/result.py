@@ -20,10 +20,13 @@ _AVERAGED_OVER = {
     "clip_low_fraction": "num_tokens",
     "clip_high_fraction": "num_tokens",
     "kl": "num_tokens",
+    "vespo_weight_mean": "num_sequences",
 }
 _COUNTS = ("num_tokens", "num_sequences", "num_nonempty")
-# Layout of `GTPOMetrics.to_sums()`: every mean times its count, then the counts, then "has kl".
-_SUM_LAYOUT = tuple(_AVERAGED_OVER) + _COUNTS + ("has_kl",)
+# Layout of `GTPOMetrics.to_sums()`: every mean times its count, then the counts, then whether the optional ones
+# (kl, vespo_weight_mean) were there.
+_OPTIONAL = {"has_kl": "kl", "has_vespo": "vespo_weight_mean"}
+_SUM_LAYOUT = tuple(_AVERAGED_OVER) + _COUNTS + tuple(_OPTIONAL)
 SUMS_SIZE = len(_SUM_LAYOUT)
 # Per-completion values that `to_dict` leaves out (their mean is not a metric of the call: see the fractions).
 _PER_ROW_ONLY = ("completion_clip_low", "completion_clip_high")
@@ -51,6 +54,8 @@ class GTPOMetrics:
             for an empty completion); per-row, like ``completion_entropy`` (``None`` after `from_sums`).
         kl: mean k3 estimate of KL(policy || reference) over unmasked tokens, or ``None`` without
             ``ref_logprobs``.
+        vespo_weight_mean: VESPO's mean gamma weight ``phi`` over the completions (TRL's ``vespo/phi_seq_mean``), or
+            ``None`` unless ``ratio_function='vespo'``.
         num_tokens, num_sequences, num_nonempty: this call's unmasked tokens, completions and non-empty
             completions (float64 0-d tensors): the weights that merge calls exactly.
 
@@ -75,6 +80,7 @@ class GTPOMetrics:
     clip_high_fraction: Optional[torch.Tensor] = None
     completion_clip_low: Optional[torch.Tensor] = None
     completion_clip_high: Optional[torch.Tensor] = None
+    vespo_weight_mean: Optional[torch.Tensor] = None
 
     def to_dict(self) -> dict:
         """Scalar metrics as Python floats, read in one device sync; ``completion_entropy`` is averaged."""
@@ -99,8 +105,9 @@ class GTPOMetrics:
         device = self.entropy.device
         values = []
         for name in _SUM_LAYOUT:
-            if name == "has_kl":
-                values.append(torch.tensor(1.0 if self.kl is not None else 0.0, dtype=torch.float64, device=device))
+            if name in _OPTIONAL:
+                present = getattr(self, _OPTIONAL[name]) is not None
+                values.append(torch.tensor(1.0 if present else 0.0, dtype=torch.float64, device=device))
             elif name in _COUNTS:
                 values.append(getattr(self, name).to(torch.float64))
             else:
@@ -114,24 +121,32 @@ class GTPOMetrics:
         return torch.stack(values)
 
     @classmethod
-    def from_sums(cls, sums: torch.Tensor, parts: Optional[int] = None, has_kl: Optional[bool] = None) -> GTPOMetrics:
+    def from_sums(
+        cls,
+        sums: torch.Tensor,
+        parts: Optional[int] = None,
+        has_kl: Optional[bool] = None,
+        has_vespo: Optional[bool] = None,
+    ) -> GTPOMetrics:
         """The metrics of the union of the calls whose `to_sums` vectors were added into ``sums``.
 
         ``kl`` is kept when every part had it (``parts``: how many vectors were added; by default it is
-        kept when any part had it), or as ``has_kl`` says (no read of the tensor: no host sync)."""
+        kept when any part had it), or as ``has_kl`` says (no read of the tensor: no host sync); the same for
+        ``vespo_weight_mean`` and ``has_vespo``."""
         if sums.shape != (len(_SUM_LAYOUT),):
             raise ValueError(
                 f"GTPOMetrics.from_sums: expected a vector of {len(_SUM_LAYOUT)} sums from to_sums(), "
                 f"got shape {tuple(sums.shape)}"
             )
         named = dict(zip(_SUM_LAYOUT, sums.unbind()))
-        if has_kl is None:
-            has_kl = bool(named["has_kl"] > 0) if parts is None else bool(named["has_kl"] >= parts)
         values = {name: named[name] for name in _COUNTS}
         for name, count in _AVERAGED_OVER.items():
             values[name] = named[name] / named[count].clamp(min=1)
-        if not has_kl:
-            values["kl"] = None
+        for flag, given in (("has_kl", has_kl), ("has_vespo", has_vespo)):
+            if given is None:
+                given = bool(named[flag] > 0) if parts is None else bool(named[flag] >= parts)
+            if not given:
+                values[_OPTIONAL[flag]] = None
         return cls(completion_entropy=None, **values)
 
     @classmethod

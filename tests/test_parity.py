@@ -81,8 +81,12 @@ CONFIGS = {
         preset="grpo", importance_sampling_level="sequence", ratio_function="sapo", kl_beta=0.05, kl_ratio_weighted=True
     ),
     "trl:gspo+cispo": GTPOConfig(preset="paper", importance_sampling_level="sequence", ratio_function="cispo"),
-    "trl:vespo+sampler:token_mask": GTPOConfig(
-        preset="official", ratio_function="vespo", sampling_correction="token_mask", sampling_ratio_min=0.8
+    "trl:vespo+sampler:token_mask+top_entropy": GTPOConfig(
+        preset="official",
+        ratio_function="vespo",
+        sampling_correction="token_mask",
+        sampling_ratio_min=0.8,
+        top_entropy_quantile=0.8,
     ),
     "trl:top_entropy+bonus+kl": GTPOConfig(preset="grpo", top_entropy_quantile=0.4, entropy_bonus=0.05, kl_beta=0.05),
     "trl:top_entropy+sapo+sampler:token_mask": GTPOConfig(
@@ -214,6 +218,9 @@ def compare(
         )
     if r.kl is not None:
         assert_rel_close(m.kl, r.kl, rtol, "kl")
+    assert (m.vespo_weight_mean is None) == (r.vespo_weight_mean is None)
+    if r.vespo_weight_mean is not None:
+        assert_rel_close(m.vespo_weight_mean, r.vespo_weight_mean, rtol, "vespo_weight_mean")
     return out
 
 

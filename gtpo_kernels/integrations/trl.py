@@ -448,7 +448,8 @@ class GTPOTrainer(GRPOTrainer):
         TRL's own ``entropy``, ``kl`` and ``clip_ratio/*`` (so that dashboards built for ``GRPOTrainer`` keep
         working; ``clip_ratio/low_min`` and ``/high_max`` are the extremes over the completions of every loss
         call since the last log, where TRL logs them per call and averages at the log; with one ratio per completion,
-        GSPO's, the ``*_mean`` ones are over completions, as TRL's; with CISPO, TRL's ``cispo_clip_ratio`` too)."""
+        GSPO's, the ``*_mean`` ones are over completions, as TRL's; TRL's ``cispo_clip_ratio`` and
+        ``vespo/phi_seq_mean`` with CISPO and VESPO)."""
         pending = self._gtpo_pending.pop(mode, None)
         if pending is None:
             return
@@ -460,7 +461,8 @@ class GTPOTrainer(GRPOTrainer):
         per_completion = totals[-3:-1] / totals[-1].clamp(min=1)
         # TRL computes reference log-probs (hence a KL) exactly when beta != 0.
         has_kl = float(self.beta) != 0.0
-        merged = GTPOMetrics.from_sums(totals[:-3], has_kl=has_kl)
+        vespo = self.gtpo_config.ratio_function == "vespo"
+        merged = GTPOMetrics.from_sums(totals[:-3], has_kl=has_kl, has_vespo=vespo)
         low_mean, high_mean = merged.clip_low_fraction, merged.clip_high_fraction
         if self.gtpo_config.importance_sampling_level == "sequence":
             low_mean, high_mean = per_completion[0], per_completion[1]
@@ -479,6 +481,8 @@ class GTPOTrainer(GRPOTrainer):
             values["kl"] = merged.kl
         if self.gtpo_config.ratio_function == "cispo":  # TRL's name for CISPO's capped share
             values["cispo_clip_ratio"] = merged.clip_high_fraction
+        if vespo:
+            values["vespo/phi_seq_mean"] = merged.vespo_weight_mean
         read = torch.stack([v.to(torch.float64) for v in values.values()]).tolist()  # the one host read
         for name, value in zip(values, read):
             self._metrics[mode][name].append(value)
