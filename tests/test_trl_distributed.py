@@ -27,7 +27,7 @@ def launch(model_dir, out, which, fsdp):
     cmd += ["tests/trl_two_processes.py", model_dir, str(out), which] + (["--fsdp"] if fsdp else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return torch.load(out, weights_only=False)
+    return [torch.load(f"{out}.{name}", weights_only=False) for name in which.split(",")]
 
 
 @pytest.mark.parametrize("fsdp", [False], ids=["ddp"])
@@ -35,8 +35,7 @@ def test_two_processes_train_as_grpo_trainer(tiny_model_dir, tmp_path, fsdp):
     import transformers
 
     before = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
-    theirs = launch(tiny_model_dir, tmp_path / "grpo.pt", "grpo", fsdp)
-    ours = launch(tiny_model_dir, tmp_path / "gtpo.pt", "gtpo", fsdp)
+    theirs, ours = launch(tiny_model_dir, tmp_path / "step.pt", "grpo,gtpo", fsdp)
     assert ours["sharded"] == theirs["sharded"] == fsdp
     moved = 0
     for name, start in before.items():

@@ -47,18 +47,22 @@ def main(model_dir: str, out_file: str, which: str, fsdp: bool) -> None:
         **extra,
     )
     data = Dataset.from_dict({"prompt": ["1+2?", "3+4?", "5+6?", "7+8?"]})
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    common = dict(model=model, reward_funcs=[reward_length], args=args, train_dataset=data, processing_class=tokenizer)
-    if which == "gtpo":
-        trainer = GTPOTrainer(gtpo_config=from_grpo_config(args), **common)
-    else:
-        trainer = trl.GRPOTrainer(**common)
-    trainer.train()
-    sharded = any(type(p).__name__ == "DTensor" for p in trainer.model_wrapped.parameters())
-    state = trainer.accelerator.get_state_dict(trainer.model_wrapped)  # whole on process 0, every process takes part
-    if trainer.accelerator.is_main_process:
-        torch.save({"params": {k: v.detach().clone() for k, v in state.items()}, "sharded": sharded}, out_file)
+    for name in which.split(","):  # one launch for both trainers: each starts from the saved model and seeds itself
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        common = dict(
+            model=model, reward_funcs=[reward_length], args=args, train_dataset=data, processing_class=tokenizer
+        )
+        if name == "gtpo":
+            trainer = GTPOTrainer(gtpo_config=from_grpo_config(args), **common)
+        else:
+            trainer = trl.GRPOTrainer(**common)
+        trainer.train()
+        sharded = any(type(p).__name__ == "DTensor" for p in trainer.model_wrapped.parameters())
+        state = trainer.accelerator.get_state_dict(trainer.model_wrapped)  # whole on process 0, every process helps
+        if trainer.accelerator.is_main_process:
+            params = {k: v.detach().clone() for k, v in state.items()}
+            torch.save({"params": params, "sharded": sharded}, f"{out_file}.{name}")
 
 
 if __name__ == "__main__":
