@@ -3,7 +3,7 @@
 # BLOCK_V x num_warps sweep, the logits and fused-linear benchmark rows (the torch.compile reference
 # last, under its own timeout). Each step has a timeout and writes its results as it goes, so a run cut
 # short keeps what it measured. Sized for 6 minutes on an H200, cold compiles included (the step
-# timeouts add up to 380 s).
+# timeouts add up to 395 s).
 #
 #   bash bench/gpu_check.sh              # results in $OUT (default bench/results/gpu-check/)
 #   OUT=/some/dir bash bench/gpu_check.sh
@@ -56,7 +56,7 @@ else
     --name fused-linear-h200
   # Packed and vocab-parallel calls against the padded one; one GPU: a vocab group of one rank (the
   # combination's own cost, no communication).
-  step layouts 30 $PY -m bench layouts --ranks 1 --tokens 16384 --vocab 151936 --name layouts-h200
+  step layouts 45 $PY -m bench layouts --ranks 1 --tokens 16384 --vocab 151936 --name layouts-h200
   step compile 40 $PY -m bench logits --tokens 16384 --vocab 151936 --dtype bfloat16 --only reference-compile \
     --name logits-compile-h200
 fi
