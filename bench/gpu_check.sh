@@ -2,7 +2,7 @@
 # The GPU check, one command: versions, the CUDA tests, kernel timings against the copy bandwidth, a
 # BLOCK_V x num_warps sweep, the logits and fused-linear benchmark rows (the torch.compile reference
 # last, under its own timeout). Each step has a timeout and writes its results as it goes, so a run cut
-# short keeps what it measured. Sized for 6 minutes on an H200, cold compiles included (the step
+# short keeps what it measured. Sized for 7 minutes on an H200, cold compiles included (the step
 # timeouts add up to 395 s).
 #
 #   bash bench/gpu_check.sh              # results in $OUT (default bench/results/gpu-check/)
