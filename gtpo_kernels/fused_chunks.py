@@ -226,7 +226,7 @@ def fused_forward(
             d_bias.add_(dlogits.sum(dim=0, dtype=stat_dtype))
 
     # Every rank of a vocabulary group walks the same chunks (the largest shard's budget).
-    budget_vocab = vocab if vocab_parallel is None else max(vocab_parallel.shards.sizes)
+    budget_vocab = vocab if vocab_parallel is None else vocab_parallel.largest_shard
     budget = chunk_tokens_for(budget_vocab, device, config.max_chunk_bytes)
     chunks = [(r0, r1) for r0, r1 in _chunks(tokens.offsets, budget) if tokens.offsets[r0] < tokens.offsets[r1]]
 

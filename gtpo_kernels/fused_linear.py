@@ -42,7 +42,7 @@ from .objective import completion_clip_fractions, signal_beyond_advantages
 from .packed import padded_rows
 from .result import GTPOLossOutput, GTPOMetrics
 from .rows import Conflict, LossRows, checked_rows, resolved_config
-from .vocab_parallel import VocabParallel, exchange_shards
+from .vocab_parallel import VocabParallel
 
 _CONFIG_FIELDS = tuple(GTPOConfig().to_dict())
 
@@ -201,15 +201,10 @@ def fused_linear_gtpo_loss(
         )
     vocab_size, vocab_parallel = lm_head_weight.shape[0], None
     if vocab_group is not None:
-        shards = exchange_shards(
-            vocab_group,
-            vocab_size,
-            tuple(rows.ids.shape) + (hidden_states.shape[-1],),
-            compute_dtype,
-            device,
-            "hidden_states",
+        vocab_parallel = VocabParallel.of_head(
+            vocab_group, vocab_size, rows.ids.shape, hidden_states.shape[-1], compute_dtype, device
         )
-        vocab_size, vocab_parallel = shards.vocab_size, VocabParallel(vocab_group, shards)
+        vocab_size = vocab_parallel.shards.vocab_size
     row_lengths = _read_checks_and_lengths(
         checks, hidden_states, lm_head_weight, lm_head_bias, rows.ids, valid, vocab_size
     )
@@ -245,7 +240,7 @@ def fused_linear_gtpo_loss(
                 plan = Walk(kernels, compute_dtype, tokens, need_grads, vocab_parallel, entropy_quantile_group)
                 return fused_forward(hidden_states, (lm_head_weight, lm_head_bias), rows, config, plan)
 
-            outputs = _VocabParallelFusedLoss.apply(hidden_states, lm_head_weight, lm_head_bias, walk, need_grads)
+            outputs = _EagerFusedLoss.apply(hidden_states, lm_head_weight, lm_head_bias, walk, need_grads)
     # The operator's outputs all carry its grad_fn; metrics are reports, never part of the graph.
     loss, sums, completion_entropy = outputs[0], outputs[6].detach(), outputs[7].detach()
     metrics = GTPOMetrics.from_sums(sums, has_kl=ref_logprobs is not None, has_vespo=config.ratio_function == "vespo")
@@ -259,9 +254,10 @@ def fused_linear_gtpo_loss(
     return GTPOLossOutput(loss, metrics)
 
 
-class _VocabParallelFusedLoss(torch.autograd.Function):
-    """The fused walk over a vocabulary shard, as the registered operator's eager twin: the gradients computed in
-    the forward, scaled by the incoming gradient in the backward (`custom_ops`' own backward)."""
+class _EagerFusedLoss(torch.autograd.Function):
+    """The fused walk as the registered operator's eager twin, for walks that talk to process groups (a vocabulary
+    shard, the entropy quantile's processes): the gradients computed in the forward, scaled by the incoming gradient
+    in the backward (`custom_ops`' own backward)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, walk, need_grads):
@@ -316,19 +312,20 @@ def fused_linear_token_logprobs_and_entropy(
     stat_dtype = stats_dtype(compute_dtype)
     w = lm_head_weight.to(compute_dtype)
     b = None if lm_head_bias is None else lm_head_bias.to(compute_dtype)
-    vocab_parallel, offset = None, 0
+    vocab_parallel, offset, budget_vocab = None, 0, vocab
     if vocab_group is not None:
-        shards = exchange_shards(
-            vocab_group, vocab, tuple(valid.shape) + (hidden_states.shape[-1],), compute_dtype, device, "hidden_states"
+        vocab_parallel = VocabParallel.of_head(
+            vocab_group, vocab, valid.shape, hidden_states.shape[-1], compute_dtype, device
         )
-        vocab_parallel, vocab, offset = VocabParallel(vocab_group, shards), shards.vocab_size, shards.offset
+        vocab, offset = vocab_parallel.shards.vocab_size, vocab_parallel.shards.offset
+        budget_vocab = vocab_parallel.largest_shard
     tokens = unmasked_tokens(
         valid,
         _read_checks_and_lengths(checks, hidden_states, lm_head_weight, lm_head_bias, completion_ids, valid, vocab),
     )
     logp_all = torch.zeros(valid.shape, dtype=stat_dtype, device=device)
     entropy_all = torch.zeros_like(logp_all)
-    budget = chunk_tokens_for(vocab if vocab_parallel is None else max(shards.sizes), device, max_chunk_bytes)
+    budget = chunk_tokens_for(budget_vocab, device, max_chunk_bytes)
     with torch.autocast(device.type, enabled=False):
         for t0 in range(0, tokens.offsets[-1], budget):
             t1 = min(tokens.offsets[-1], t0 + budget)

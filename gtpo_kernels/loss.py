@@ -8,15 +8,14 @@ import torch
 from torch import nn
 
 from . import validation
-from .backends import get_backend, kernels_for, resolve_backend_name
+from .backends import resolve_backend_name
 from .config import GTPOConfig
 from .conflict import with_conflict_weights
 from .objective import entropy_floor, loss_from_token_stats
 from .packed import Packing, padded_rows
 from .result import GTPOLossOutput
 from .rows import Conflict, LossRows, checked_rows, resolved_config
-from .token_stats import token_stats
-from .vocab_parallel import vocab_parallel_token_stats
+from .token_stats import token_stats_of_vocabulary
 
 
 def gtpo_loss(
@@ -135,21 +134,16 @@ def loss_of_rows(
     ids, valid = rows.ids, rows.valid
     if packing is not None:
         ids, valid = packing.unpad(ids)[None], packing.unpad(valid)[None]
-    if vocab_group is None:
-        logp, entropy = token_stats(
-            backend_,
-            logits,
-            ids,
-            valid,
-            temperature=rows.temperature,
-            max_chunk_bytes=config.max_chunk_bytes,
-            inplace=config.inplace_backward,
-        )
-        vocab_size = logits.shape[-1]
-    else:
-        kernels = kernels_for(get_backend(backend_), logits.dtype, config.max_chunk_bytes)
-        logp, entropy, shards = vocab_parallel_token_stats(logits, ids, valid, kernels, rows.temperature, vocab_group)
-        vocab_size = shards.vocab_size
+    logp, entropy, vocab_size = token_stats_of_vocabulary(
+        backend_,
+        logits,
+        ids,
+        valid,
+        temperature=rows.temperature,
+        max_chunk_bytes=config.max_chunk_bytes,
+        inplace=config.inplace_backward,
+        vocab_group=vocab_group,
+    )
     if packing is not None:
         logp, entropy = packing.pad(logp[0]), packing.pad(entropy[0])
     if config.top_entropy_quantile < 1 and rows.entropy_floor is None:  # the whole call's (and group's) threshold

@@ -20,6 +20,7 @@ import torch
 from .config import GTPOConfig
 from .result import GTPOLossOutput, GTPOMetrics
 from .rows import LossRows
+from .vocab_parallel import all_gather_ranks
 
 
 class _K3(torch.autograd.Function):
@@ -123,16 +124,10 @@ def _quantile(values: torch.Tensor, q: float) -> torch.Tensor:
 def _gather_padded(values: torch.Tensor, group) -> torch.Tensor:
     """Every process's ``values [n_r]`` of ``group``, each padded with NaN to the longest (one gather of the
     lengths, one of the values)."""
-    import torch.distributed as dist
-
-    world = dist.get_world_size(group)
-    sizes = torch.zeros(world, dtype=torch.int64, device=values.device)
-    dist.all_gather_into_tensor(sizes, torch.tensor([values.numel()], device=values.device), group=group)
+    sizes = all_gather_ranks(torch.tensor([values.numel()], device=values.device), group)
     longest = int(sizes.max())
     padded = torch.cat([values, values.new_full((longest - values.numel(),), torch.nan)])
-    out = values.new_empty(world * longest)
-    dist.all_gather_into_tensor(out, padded, group=group)
-    return out
+    return all_gather_ranks(padded, group).reshape(-1)
 
 
 def _shaping(masked: _Masked, rows: LossRows, config: GTPOConfig):
@@ -274,6 +269,12 @@ def clip_flags(ratio: torch.Tensor, token_advantage: torch.Tensor, config: GTPOC
     return (ratio < low) & (token_advantage < 0), (ratio > high) & (token_advantage > 0)
 
 
+def _cispo_weight(ratio: torch.Tensor, config: GTPOConfig) -> torch.Tensor:
+    """CISPO's weight on the log-prob: the ratio, capped at ``cispo_ratio_max`` (uncapped when ``None``)."""
+    cap = config.cispo_ratio_max
+    return ratio if cap is None else torch.clamp(ratio, max=cap)
+
+
 def cispo_clipped(ratio: torch.Tensor, token_advantage: torch.Tensor, config: GTPOConfig) -> Optional[torch.Tensor]:
     """``[N, L]`` bool: where CISPO's cap lowers the weight of a token pushed up (ratio above ``cispo_ratio_max``,
     positive advantage; TRL's ``cispo_clip_ratio``), ``None`` without a cap. CISPO has no low side."""
@@ -364,8 +365,7 @@ def _other_ratio_function_gradient(ratio, token_advantage, masked: _Masked, rows
     """d policy term / d logp for CISPO (``-sg(w) a``), VESPO (``-phi a``) and SAPO (``-4 a sigma'(x) rho``,
     ``x = tau (rho - 1)``)."""
     if config.ratio_function == "cispo":
-        cap = config.cispo_ratio_max
-        return -token_advantage * (ratio if cap is None else torch.clamp(ratio, max=cap))
+        return -token_advantage * _cispo_weight(ratio, config)
     if config.ratio_function == "vespo":
         return -token_advantage * vespo_weights(masked, rows, config)
     gate = torch.sigmoid(_sapo_temperature(token_advantage, config) * (ratio - 1))
@@ -471,8 +471,7 @@ def loss_from_token_stats(
     unclipped = capped * token_advantage
     was_clipped = clipped_low = clipped_high = phi = None
     if config.ratio_function == "cispo":  # the clipped ratio is a detached weight on the log-prob
-        cap = config.cispo_ratio_max
-        per_token = -(ratio if cap is None else torch.clamp(ratio, max=cap)).detach() * token_advantage * logp
+        per_token = -_cispo_weight(ratio, config).detach() * token_advantage * logp
         clipped_high = cispo_clipped(ratio.detach(), token_advantage, config)
         was_clipped = clipped_high
     elif config.ratio_function == "vespo":  # a detached gamma weight of the completion's ratio on the log-prob

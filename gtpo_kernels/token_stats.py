@@ -80,6 +80,29 @@ def token_stats(
     return logp, entropy
 
 
+def token_stats_of_vocabulary(
+    backend: str,
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    valid: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    max_chunk_bytes: Optional[int] = None,
+    inplace: bool = False,
+    vocab_group=None,
+) -> Tuple[torch.Tensor, torch.Tensor, int]:
+    """``(logp, H, V)``: `token_stats` of ``logits``, or with ``vocab_group`` of this rank's vocabulary shard combined
+    with the group's (`vocab_parallel`; never in place), and the whole vocabulary's size ``V``."""
+    if vocab_group is None:
+        logp, entropy = token_stats(
+            backend, logits, ids, valid, temperature=temperature, max_chunk_bytes=max_chunk_bytes, inplace=inplace
+        )
+        return logp, entropy, logits.shape[-1]
+    kernels = kernels_for(get_backend(backend), logits.dtype, max_chunk_bytes)
+    logp, entropy, shards = vocab_parallel_token_stats(logits, ids, valid, kernels, temperature, vocab_group)
+    return logp, entropy, shards.vocab_size
+
+
 def token_logprobs_and_entropy(
     logits: torch.Tensor,
     completion_ids: torch.Tensor,
@@ -110,16 +133,10 @@ def token_logprobs_and_entropy(
         logits, "logits [N, L, V]", completion_ids, completion_mask, temperature, checks
     )
     backend = resolve_backend_name(backend, logits.device.type)
-    vocab_size = logits.shape[-1]
     with torch.no_grad():
-        if vocab_group is None:
-            logp, entropy = token_stats(backend, logits, completion_ids, valid, temperature=temperature)
-        else:
-            kernels = kernels_for(get_backend(backend), logits.dtype)
-            logp, entropy, shards = vocab_parallel_token_stats(
-                logits, completion_ids, valid, kernels, temperature, vocab_group
-            )
-            vocab_size = shards.vocab_size
+        logp, entropy, vocab_size = token_stats_of_vocabulary(
+            backend, logits, completion_ids, valid, temperature=temperature, vocab_group=vocab_group
+        )
     validation.add_stats_check(checks, logp, entropy, valid, completion_ids, vocab_size)
     checks.read()  # one host synchronisation
     return logp, entropy

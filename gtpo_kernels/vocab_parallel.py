@@ -16,9 +16,10 @@ with the global ``p``, ``H`` and ``lse``, which the kernels' backward takes as t
 written only by the shard that holds it). No collective: every rank computes the same loss from the same
 statistics, so the incoming ``c`` and ``e`` agree.
 
-Before the gather, a header of four integers per rank (shard size, ``N``, ``L``, the dtype) is gathered too,
-so that shards that do not line up give the same clear error on every rank rather than a hang or a wrong
-answer: two collectives per forward (one of them 32 bytes per rank), none backward.
+Before the gather, a header of a few integers per rank (shard size, the rows' shape, the hidden size on the fused
+path, the dtype) is gathered too, so that shards that do not line up give the same clear error on every rank
+rather than a hang or a wrong answer: two collectives per forward (one of them a few dozen bytes per rank), none
+backward.
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ class VocabShards:
         return self.offsets[self.rank]
 
 
-def _all_gather(tensor: torch.Tensor, group) -> torch.Tensor:
-    """``[R, *tensor.shape]``: every rank's ``tensor``, in rank order."""
+def all_gather_ranks(tensor: torch.Tensor, group) -> torch.Tensor:
+    """``[R, *tensor.shape]``: every rank's ``tensor`` (the same shape on every rank), in rank order."""
     world = dist.get_world_size(group)
     out = tensor.new_empty((world * tensor.shape[0],) + tuple(tensor.shape[1:]))
     dist.all_gather_into_tensor(out, tensor.contiguous(), group=group)
@@ -79,7 +80,7 @@ def exchange_shards(
             "torch.distributed.init_process_group first (or leave vocab_group=None for whole-vocabulary logits)"
         )
     header = torch.tensor([vocab_local, *rows, _DTYPE_CODES.get(dtype, -1)], dtype=torch.int64)
-    headers = _all_gather(header.to(device)[None], group).view(-1, header.numel()).cpu().tolist()
+    headers = all_gather_ranks(header.to(device)[None], group).view(-1, header.numel()).cpu().tolist()
     sizes = [h[0] for h in headers]
     if any(h[1:] != headers[0][1:] for h in headers):
         raise ValueError(
@@ -139,26 +140,38 @@ class VocabParallel:
     group: object
     shards: VocabShards
 
+    @classmethod
+    def of_head(cls, group, vocab_local: int, rows: Tuple[int, ...], hidden_size: int, dtype, device) -> VocabParallel:
+        """The group of a head whose rows (vocabulary) are sharded, this rank's ``vocab_local`` of them, for the
+        ``rows`` positions of hidden states of ``hidden_size`` (`exchange_shards`)."""
+        return cls(
+            group, exchange_shards(group, vocab_local, tuple(rows) + (hidden_size,), dtype, device, "hidden_states")
+        )
+
+    @property
+    def largest_shard(self) -> int:
+        """The columns of the largest shard: what sizes a chunk on every rank, so that all walk the same chunks."""
+        return max(self.shards.sizes)
+
     def combine(self, stats: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
-        """``[4, t]`` this shard's ``(row_max, log_s, logp, H)`` of tokens ``ids [t]`` -> the whole vocabulary's
-        (one all-gather)."""
-        gathered = _all_gather(stats.contiguous(), self.group)
+        """``[4, *S]`` this shard's ``(row_max, log_s, logp, H)`` of tokens ``ids [*S]`` (ids of the whole vocabulary)
+        -> the whole vocabulary's (one all-gather)."""
+        gathered = all_gather_ranks(stats.contiguous(), self.group)
         return torch.stack(combine_shard_stats(gathered, target_owner(ids, self.shards), temperature))
 
 
 class VocabParallelTokenStats(torch.autograd.Function):
-    """``(logits_shard [..., V_r], ids, valid, kernels, temperature, group, shards) -> (logp, H)`` of the whole
+    """``(logits_shard [..., V_r], ids, valid, kernels, temperature, vocab_parallel) -> (logp, H)`` of the whole
     vocabulary's ``softmax(logits / T)`` on every rank; the backward writes only this shard's gradient."""
 
     @staticmethod
-    def forward(ctx, logits, ids, valid, kernels: Backend, temperature: float, group, shards: VocabShards):
+    def forward(ctx, logits, ids, valid, kernels: Backend, temperature: float, vocab_parallel: VocabParallel):
         if logits.stride(-1) != 1:
             logits = logits.contiguous()
-        local_ids = ids.long() - shards.offset  # outside [0, V_r) where another shard holds the target
-        row_max, log_s, logp, entropy = kernels.forward(logits, local_ids, valid, temperature)
-        gathered = _all_gather(torch.stack([row_max, log_s, logp, entropy]), group)
-        owner = torch.where(valid, target_owner(ids, shards), torch.zeros_like(ids, dtype=torch.int64))
-        row_max, log_s, logp, entropy = combine_shard_stats(gathered, owner, temperature)
+        local_ids = ids.long() - vocab_parallel.shards.offset  # outside [0, V_r) where another shard holds the target
+        shard_stats = torch.stack(kernels.forward(logits, local_ids, valid, temperature))
+        # Masked positions (any id, even a pad value) are zeroed below.
+        row_max, log_s, logp, entropy = vocab_parallel.combine(shard_stats, ids, temperature)
         zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
         row_max, log_s, logp, entropy = (torch.where(valid, t, zero) for t in (row_max, log_s, logp, entropy))
         ctx.save_for_backward(logits, local_ids, valid, row_max, log_s, logp, entropy)
@@ -175,7 +188,7 @@ class VocabParallelTokenStats(torch.autograd.Function):
         ctx.kernels.backward(
             logits, local_ids, valid, row_max, log_s, logp, entropy, grad_logp, grad_entropy, out, ctx.temperature
         )
-        return out, None, None, None, None, None, None
+        return out, None, None, None, None, None
 
 
 def vocab_parallel_token_stats(
@@ -184,7 +197,8 @@ def vocab_parallel_token_stats(
     """``(logp, H, shards)``: the whole vocabulary's statistics from this rank's ``logits [N, L, V_r]`` shard;
     differentiable with respect to the shard."""
     shards = exchange_shards(group, logits.shape[-1], tuple(ids.shape), logits.dtype, logits.device, "logits")
-    logp, entropy = VocabParallelTokenStats.apply(logits, ids, valid, kernels, float(temperature), group, shards)
+    vocab_parallel = VocabParallel(group, shards)
+    logp, entropy = VocabParallelTokenStats.apply(logits, ids, valid, kernels, float(temperature), vocab_parallel)
     return logp, entropy, shards
 
 

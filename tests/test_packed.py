@@ -57,16 +57,8 @@ def flat(tensor, at):
     return tensor.reshape(tensor.shape[0] * tensor.shape[1], *tensor.shape[2:])[at]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_packed_logits_equal_the_padded_call(backend, dtype, name):
-    config = CONFIGS[name]
-    logits, ids, mask, adv, per_token, at, cu = packed_batch(dtype=dtype, seed=list(CONFIGS).index(name))
-    kwargs = kwargs_for(config, per_token, dtype)
-    padded_x = logits.clone().requires_grad_()
-    padded = gtpo_loss(padded_x, ids, mask, adv, group_size=4, config=config, backend=backend, **kwargs)
-    padded.loss.backward()
+def packed_call(logits, ids, mask, adv, at, cu, config, per_token, backend="auto"):
+    """``(loss output, packed logits)``: the packed call on the padded batch's packed tokens, backpropagated."""
     packed_x = flat(logits, at).clone().requires_grad_()
     packed = gtpo_loss(
         packed_x,
@@ -77,9 +69,23 @@ def test_packed_logits_equal_the_padded_call(backend, dtype, name):
         config=config,
         backend=backend,
         cu_seqlens=cu,
-        **{k: flat(v, at) for k, v in kwargs.items()},
+        **{k: flat(v, at) for k, v in per_token.items()},
     )
     packed.loss.backward()
+    return packed, packed_x
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_packed_logits_equal_the_padded_call(backend, dtype, name):
+    config = CONFIGS[name]
+    logits, ids, mask, adv, per_token, at, cu = packed_batch(dtype=dtype, seed=list(CONFIGS).index(name))
+    kwargs = kwargs_for(config, per_token, dtype)
+    padded_x = logits.clone().requires_grad_()
+    padded = gtpo_loss(padded_x, ids, mask, adv, group_size=4, config=config, backend=backend, **kwargs)
+    padded.loss.backward()
+    packed, packed_x = packed_call(logits, ids, mask, adv, at, cu, config, kwargs, backend)
     torch.testing.assert_close(packed.loss, padded.loss, rtol=1e-6, atol=1e-9)
     torch.testing.assert_close(packed_x.grad, flat(padded_x.grad, at), rtol=1e-6, atol=1e-9)
     assert float(flat(padded_x.grad, at).abs().sum()) > 0  # not a vacuous comparison
@@ -96,19 +102,7 @@ def test_packed_float64_equals_the_oracle(name):
     oracle_x = logits.clone().requires_grad_()
     oracle = reference_gtpo_loss(oracle_x, ids, mask, adv.double(), group_size=4, config=config, **kwargs)
     oracle.loss.backward()
-    packed_x = flat(logits, at).clone().requires_grad_()
-    packed = gtpo_loss(
-        packed_x,
-        flat(ids, at),
-        flat(mask, at),
-        adv.double(),
-        group_size=4,
-        config=config,
-        cu_seqlens=cu,
-        temperature=1.0,
-        **{k: flat(v, at) for k, v in kwargs.items()},
-    )
-    packed.loss.backward()
+    packed, packed_x = packed_call(logits, ids, mask, adv.double(), at, cu, config, kwargs)
     torch.testing.assert_close(packed.loss, oracle.loss.detach(), rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(packed_x.grad, flat(oracle_x.grad, at), rtol=1e-10, atol=1e-12)
 
