@@ -81,7 +81,7 @@ def tolerance(case: str) -> float:
 def test_ranks_against_the_whole_vocabulary_oracle(world, tmp_path):
     """Logits shards (padded and packed) and head shards (the fused path: the shard's weight and bias gradients,
     and the hidden states' summed over the group), each case's oracle gradient non-zero and every shard holding
-    targets; a 4-integer header and one gather of the statistics per forward (the fused path: one per chunk of
+    targets; a header of a few integers and one gather of the statistics per forward (the fused path: one per chunk of
     its walk), none in the backward; bad input gets the same clear error on every rank."""
     ranks = launch(world, tmp_path / "results.json")
     cases = ranks["cases"]
