@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -15,6 +17,9 @@ def compute_advantages(
         group_size: ``G``.
         normalize_std: divide by the group's (unbiased) standard deviation plus ``eps``
             (standard GRPO). A group of one has advantage 0 either way.
+        eps: added to the std; a finite number > 0.
+
+    Raises ``ValueError`` for a NaN or infinite reward (one host read of the ``[N]`` rewards).
 
     Returns:
         ``[N]`` advantages, ``A_i = R_i - mean_group(R)`` (optionally ``/ (std + eps)``).
@@ -35,6 +40,20 @@ def compute_advantages(
         raise ValueError(
             f"compute_advantages: group_size ({group_size!r}) must be a positive int dividing the "
             f"number of rewards ({rewards.numel()})"
+        )
+    if normalize_std and (
+        isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (math.isfinite(eps) and eps > 0)
+    ):
+        raise ValueError(
+            f"compute_advantages: eps must be a finite number > 0 with normalize_std=True (a group whose rewards "
+            f"are all equal has std 0), got {eps!r}"
+        )
+    # One host read of [N] rewards: a NaN or inf reward would make its whole group's advantages NaN.
+    if not bool(torch.isfinite(rewards).all()):
+        bad = int((~torch.isfinite(rewards)).nonzero()[0, 0])
+        raise ValueError(
+            f"compute_advantages: rewards must be finite, but rewards[{bad}] = {float(rewards[bad])}; "
+            f"check the reward function's output for that completion"
         )
     grouped = rewards.view(-1, group_size)
     centred = grouped - grouped.mean(dim=1, keepdim=True)

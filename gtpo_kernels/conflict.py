@@ -7,6 +7,7 @@ the losses' ``conflict=`` argument.
 
 from __future__ import annotations
 
+import math
 from typing import Tuple
 
 import torch
@@ -47,6 +48,11 @@ def conflict_weights(
         like the rows.
     """
     shape = validation.check_ids(completion_ids)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (math.isfinite(weight) and weight > 0):
+        raise ValueError(
+            f"conflict_weights: weight must be a finite number > 0 (W, config.conflict_weight; 1 leaves conflict "
+            f"tokens unweighted), got {weight!r}"
+        )
     validation.check_same_device(completion_ids=completion_ids, completion_mask=completion_mask, advantages=advantages)
     checks = validation.DeferredChecks(validate and not torch.compiler.is_compiling())
     valid = validation.check_mask(completion_mask, shape, checks)

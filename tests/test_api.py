@@ -124,6 +124,76 @@ def test_old_and_ref_logprobs_shapes(batch):
         call(logits, ids, mask, adv, ref_logprobs=ids)
 
 
+@pytest.mark.parametrize("entry", ["logits", "fused_linear"])
+@pytest.mark.parametrize("name", ["old_logprobs", "ref_logprobs", "sampling_logprobs"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")], ids=["nan", "+inf", "-inf"])
+def test_non_finite_given_logprobs_are_named(batch, entry, name, value):
+    """A NaN or infinite old / reference log-prob at an unmasked position is refused on both entry points; the
+    sampler's may be NaN (not reported: weight 1) but not infinite. The same value at a masked position is ignored."""
+    logits, ids, mask, adv = batch
+    config = {
+        "old_logprobs": GTPOConfig(),
+        "ref_logprobs": GTPOConfig(kl_beta=0.1),
+        "sampling_logprobs": GTPOConfig(sampling_correction="token_truncate"),
+    }[name]
+    given = torch.log_softmax(logits, -1).gather(-1, ids[..., None]).squeeze(-1) - 0.1
+    hidden = weight = None
+    if entry == "fused_linear":
+        weight = torch.randn(11, 8, generator=torch.Generator().manual_seed(3))
+        hidden = torch.randn(6, 5, 8, generator=torch.Generator().manual_seed(4))
+
+    def run(values):
+        kwargs = {name: values, "config": config, "group_size": 3}
+        if name != "old_logprobs":
+            kwargs["old_logprobs"] = given
+        if entry == "logits":
+            return gtpo_loss(logits, ids, mask, adv, **kwargs)
+        return gtpo_kernels.fused_linear_gtpo_loss(hidden, weight, ids, mask, adv, **kwargs)
+
+    masked = given.clone()
+    masked[~mask] = value
+    assert torch.isfinite(run(masked).loss)
+    bad = given.clone()
+    bad[1, 0] = value
+    if name == "sampling_logprobs" and math.isnan(value):
+        assert torch.isfinite(run(bad).loss)  # not reported by the sampler
+        return
+    allowed = r"finite or NaN \(not reported by the sampler\)" if name == "sampling_logprobs" else "finite"
+    with pytest.raises(ValueError, match=rf"{name} must be {allowed} at unmasked positions, but {name}\[1, 0\]"):
+        run(bad)
+
+
+@pytest.mark.parametrize("backend", registered())
+def test_ids_beyond_int32_are_not_wrapped_into_the_vocabulary(batch, backend):
+    """2**32 + 5 is not token 5: every backend refuses it (the Triton kernels take int32 ids)."""
+    logits, ids, mask, adv = batch
+    bad = ids.clone()
+    bad[2, 0] = 2**32 + 5
+    with pytest.raises(ValueError, match=r"completion_ids\[2, 0\] = 4294967301"):
+        call(logits, bad, mask, adv, backend=backend)
+    with pytest.raises(ValueError, match=r"completion_ids\[2, 0\] = 4294967301"):
+        gtpo_kernels.token_logprobs_and_entropy(logits, bad, mask, backend=backend)
+
+
+@pytest.mark.parametrize("entry", ["logits", "fused_linear"])
+def test_an_empty_batch_gives_a_zero_loss(entry):
+    """N = 0 completions: loss 0, gradients of the inputs' (empty) shapes, metrics with nothing counted."""
+    ids, mask, adv = torch.zeros(0, 4, dtype=torch.long), torch.zeros(0, 4, dtype=torch.bool), torch.zeros(0)
+    if entry == "logits":
+        inputs = [torch.randn(0, 4, 11, requires_grad=True)]
+        out = gtpo_loss(*inputs, ids, mask, adv, group_size=2, config=GTPOConfig(warn_no_signal=False))
+    else:
+        inputs = [torch.randn(0, 4, 8, requires_grad=True), torch.randn(11, 8, requires_grad=True)]
+        out = gtpo_kernels.fused_linear_gtpo_loss(
+            *inputs, ids, mask, adv, group_size=2, config=GTPOConfig(warn_no_signal=False)
+        )
+    out.loss.backward()
+    assert out.loss.item() == 0.0
+    for x in inputs:
+        assert x.grad is not None and x.grad.shape == x.shape and not x.grad.any()
+    assert float(out.metrics.num_tokens) == 0 and out.metrics.completion_entropy.shape == (0,)
+
+
 def test_kl_needs_reference(batch):
     logits, ids, mask, adv = batch
     with pytest.raises(ValueError, match="kl_beta = 0.1 needs ref_logprobs"):
@@ -294,6 +364,20 @@ def test_compute_advantages_errors():
         compute_advantages(torch.ones(6), 4)
     with pytest.raises(ValueError, match=r"1-D tensor \[N\]"):
         compute_advantages(torch.ones(2, 3), 3)
+    with pytest.raises(ValueError, match=r"rewards must be finite, but rewards\[4\] = nan"):
+        compute_advantages(torch.tensor([1.0, 0.0, 1.0, 0.0, float("nan"), 1.0]), 3)
+    with pytest.raises(ValueError, match=r"rewards must be finite, but rewards\[0\] = inf"):
+        compute_advantages(torch.tensor([float("inf"), 0.0]), 2)
+    for eps in (0.0, -1e-4, float("nan")):
+        with pytest.raises(ValueError, match="eps must be a finite number > 0"):
+            compute_advantages(torch.ones(4), 2, normalize_std=True, eps=eps)
+
+
+@pytest.mark.parametrize("weight", [0.0, -2.0, float("nan"), float("inf"), True])
+def test_conflict_weight_must_be_positive_and_finite(batch, weight):
+    _, ids, mask, adv = batch
+    with pytest.raises(ValueError, match="conflict_weights: weight must be a finite number > 0"):
+        gtpo_kernels.conflict_weights(ids, mask, adv, 3, weight)
 
 
 def test_compute_advantages_single_completion_groups():

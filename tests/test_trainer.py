@@ -6,6 +6,7 @@ import math
 import os
 import re
 import signal
+import warnings
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ datasets = pytest.importorskip("datasets")
 from trainer import train as train_module  # noqa: E402
 from trainer.config import ConfigError, TrainConfig, parse_args  # noqa: E402
 from trainer.data import arithmetic_problems, gsm8k_final_answer, load_problems  # noqa: E402
+from trainer.distributed import Distributed  # noqa: E402
 from trainer.rewards import correctness_reward, extract_answer, format_reward, parse_number  # noqa: E402
 
 
@@ -466,6 +468,7 @@ def test_cli_errors_are_one_line(tmp_path):
         (["--entropy-bonus", "-1"], "--entropy-bonus must be a number >= 0"),
         (["--off-policy-mask-threshold", "-0.5"], "--off-policy-mask-threshold must be a number >= 0"),
         (["--top-entropy-quantile", "0"], "--top-entropy-quantile must be a number in (0, 1]"),
+        (["--weight-decay", "-0.1"], "--weight-decay must be a number >= 0 (AdamW's decoupled weight decay)"),
         (["--config", "CONFIG"], "--learning-rate must be a positive number"),
         (["--dataset", "missing.jsonl"], "dataset 'missing.jsonl' is neither"),
         (["--model", "./nowhere"], "is not a local folder"),
@@ -541,11 +544,25 @@ def test_help_shows_each_default_once():
         (dict(prompts_per_step=3, grad_accum_steps=2), "--grad-accum-steps must divide"),
         (dict(learning_rate=-1.0), "--learning-rate must be a positive number"),
         (dict(difficulty=9), "--difficulty must be between 1 and 4"),
+        (dict(weight_decay=float("nan")), "--weight-decay must be a number >= 0"),
     ],
 )
 def test_bad_config_values(kwargs, match):
     with pytest.raises(ValueError, match=match):
         TrainConfig(**kwargs)
+
+
+def test_fsdp_in_one_process_says_it_does_nothing():
+    """--fsdp without torchrun: the model trains unsharded, and the run says so instead of ignoring the flag."""
+    from trainer.distributed import wrap
+
+    module = torch.nn.Linear(2, 2)
+    one_process = Distributed.start("cpu")
+    with pytest.warns(RuntimeWarning, match="--fsdp has no effect in one process"):
+        assert wrap(module, [], one_process, fsdp=True) is module
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert wrap(module, [], one_process, fsdp=False) is module
 
 
 def test_bad_model_path_is_a_clear_error(tmp_path):

@@ -106,6 +106,10 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise bad(name, "must be a positive number")
+        if not (
+            isinstance(self.weight_decay, (int, float)) and math.isfinite(self.weight_decay) and self.weight_decay >= 0
+        ):
+            raise bad("weight_decay", "must be a number >= 0 (AdamW's decoupled weight decay)")
         if self.max_minutes is not None and not self.max_minutes > 0:
             raise bad("max_minutes", "must be positive")
         if self.loss_chunk_mib is not None and not (isinstance(self.loss_chunk_mib, int) and self.loss_chunk_mib > 0):

@@ -9,6 +9,7 @@ CUDA (one GPU per process, ``LOCAL_RANK``); several nodes through torchrun's own
 from __future__ import annotations
 
 import os
+import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Optional
@@ -74,6 +75,13 @@ def wrap(module: torch.nn.Module, decoder_layers, dist_: Distributed, fsdp: bool
     """``module`` (whose forward computes the loss) as the processes train it: itself for one process (there
     is nothing to shard or synchronise), DDP by default, FSDP2 with ``fsdp``."""
     if dist_.world == 1:
+        if fsdp:
+            warnings.warn(
+                "gtpo-train: --fsdp has no effect in one process (FSDP2 shards the parameters across processes: "
+                "start the run with torchrun --nproc_per_node N); training the model unsharded",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         return module
     if fsdp:
         from torch.distributed.fsdp import fully_shard

@@ -261,12 +261,20 @@ def _log2e_over(temperature: float) -> float:
     return 1.4426950408889634 / temperature
 
 
+def _ids_int32(ids: torch.Tensor) -> torch.Tensor:
+    """The kernels' int32 ids. An id outside int32's range becomes -1 (outside every vocabulary, so its
+    log-prob is NaN and the caller's check names it) instead of wrapping into range: 2**32 + 5 is not 5."""
+    if ids.dtype == torch.int64:
+        ids = torch.where((ids < 0) | (ids > torch.iinfo(torch.int32).max), -1, ids)
+    return ids.to(torch.int32).contiguous()
+
+
 def forward(logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, temperature: float = 1.0):
     """``logits [N, L, V]`` (last dim contiguous), ``ids, valid [N, L]`` -> ``(row_max, log_s, logp, H)``
     float32 ``[N, L]`` of softmax(logits / T), zeros where masked; NaN log-probs for ids outside ``[0, V)``
     and for NaN or +inf logits. Each program streams its own row: no chunk budget."""
     n_rows, length, vocab = logits.shape
-    ids = ids.to(torch.int32).contiguous()
+    ids = _ids_int32(ids)
     valid = valid.contiguous()
     row_max, log_s, logp, entropy = (
         torch.empty((n_rows, length), dtype=torch.float32, device=logits.device) for _ in range(4)
@@ -318,7 +326,7 @@ def backward(
         _token_stats_backward_kernel[(n_rows * length,)](
             logits,
             out,
-            ids.to(torch.int32).contiguous(),
+            _ids_int32(ids),
             valid.contiguous(),
             row_max.float().contiguous(),
             log_s.float().contiguous(),
