@@ -12,11 +12,14 @@ import platform
 import statistics
 import threading
 import time
+import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, List, Optional
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from gtpo_kernels import GTPOConfig
 from gtpo_kernels.backends.cpu_extension import extension_error
@@ -155,7 +158,7 @@ class Timing:
     forward_ms: float
     backward_ms: float
     total_ms: float
-    peak_extra_mb: float
+    peak_extra_mib: float
 
 
 def measure(
@@ -269,7 +272,7 @@ class Row:
     forward_ms: Optional[float] = None
     backward_ms: Optional[float] = None
     total_ms: Optional[float] = None
-    peak_extra_mb: Optional[float] = None
+    peak_extra_mib: Optional[float] = None
     extra: dict = field(default_factory=dict)
     error: Optional[str] = None
 
@@ -284,19 +287,19 @@ def measure_into(row: Row, make_input, forward, device: torch.device, reps: int)
             torch.cuda.empty_cache()
         return None
     row.forward_ms, row.backward_ms, row.total_ms = t.forward_ms, t.backward_ms, t.total_ms
-    row.peak_extra_mb = t.peak_extra_mb
+    row.peak_extra_mib = t.peak_extra_mib
     return t
 
 
 def markdown_table(rows: List[Row], columns: List[str]) -> str:
-    header = "| impl | T | V | dtype | fwd ms | bwd ms | fwd+bwd ms | peak extra MB | " + " | ".join(columns) + " |"
+    header = "| impl | T | V | dtype | fwd ms | bwd ms | fwd+bwd ms | peak extra MiB | " + " | ".join(columns) + " |"
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     fmt = lambda v: "" if v is None else (f"{v:.2f}" if isinstance(v, float) else str(v))
     for r in rows:
         if r.error:
             cells = [r.impl, r.tokens, r.vocab, r.dtype, f"error: {r.error}", "", "", ""] + [""] * len(columns)
         else:
-            cells = [r.impl, r.tokens, r.vocab, r.dtype, r.forward_ms, r.backward_ms, r.total_ms, r.peak_extra_mb] + [
+            cells = [r.impl, r.tokens, r.vocab, r.dtype, r.forward_ms, r.backward_ms, r.total_ms, r.peak_extra_mib] + [
                 r.extra.get(c) for c in columns
             ]
         lines.append("| " + " | ".join(fmt(c) for c in cells) + " |")
@@ -346,3 +349,41 @@ def plot_time_vs_vocab(name: str, rows: List[Row], title: str) -> Optional[Path]
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+class PeakTensorMemory(TorchDispatchMode):
+    """Bytes of tensor storage created inside the ``with`` block and alive at once, at the peak.
+
+    Every op's outputs are counted once per new storage (outputs that share an input's storage, such as
+    views and in-place results, are not new) and uncounted when the storage is freed. ``largest`` is the
+    largest single new storage. Exact and deterministic, unlike the resident set."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = self.largest = 0
+        self._tracked = set()
+
+    def _free(self, key, nbytes):
+        self._tracked.discard(key)
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {
+            id(t.untyped_storage())
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor) and t.device.type != "meta"
+        }
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            storage = t.untyped_storage()
+            key = id(storage)
+            if key in inputs or key in self._tracked or storage.nbytes() == 0:
+                continue
+            self._tracked.add(key)
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+            self.largest = max(self.largest, storage.nbytes())
+            weakref.finalize(storage, self._free, key, storage.nbytes())
+        return out

@@ -1,4 +1,4 @@
-"""Entry point: ``python -m bench [logits|fused_linear|cpu_kernels|accuracy|kernels|isa|layouts] [options]``
+"""Entry point: ``python -m bench [logits|fused_linear|cpu_kernels|accuracy|kernels|isa|layouts|fused_work] [options]``
 (``python -m bench --help`` lists them; ``python -m bench NAME --help`` gives one's options)."""
 
 import sys
@@ -11,6 +11,7 @@ BENCHMARKS = {
     "kernels": "bench.kernels",
     "isa": "bench.isa",
     "layouts": "bench.layouts",
+    "fused_work": "bench.fused_work",
 }
 SUMMARIES = {
     "logits": "the loss on materialised logits: eager and compiled PyTorch, our backends, Liger (the default)",
@@ -20,6 +21,7 @@ SUMMARIES = {
     "kernels": "the Triton kernels alone against the copy bandwidth, and a BLOCK_V x num_warps sweep (GPU)",
     "isa": "static sm_90 SASS instruction counts of our kernels and Liger's, no GPU needed",
     "layouts": "packed (cu_seqlens) and vocab-parallel (vocab_group) calls against the padded whole-vocabulary one",
+    "fused_work": "the fused loss under no_grad and in its backward, against an earlier commit (--before REV)",
 }
 
 

@@ -213,10 +213,12 @@ def fused_linear_gtpo_loss(
         return None if value is None else torch.as_tensor(value, dtype=torch.float64, device=device)
 
     rows = rows.replace(num_sequences=as_count(num_sequences), num_tokens=as_count(num_tokens))
+    # Under torch.no_grad (an evaluation, TRL's prediction_step) no gradient is computed at all.
+    grad_enabled = torch.is_grad_enabled()
     need_grads = [
-        hidden_states.requires_grad,
-        lm_head_weight.requires_grad,
-        lm_head_bias is not None and lm_head_bias.requires_grad,
+        grad_enabled and hidden_states.requires_grad,
+        grad_enabled and lm_head_weight.requires_grad,
+        grad_enabled and lm_head_bias is not None and lm_head_bias.requires_grad,
     ]
     with torch.autocast(device.type, enabled=False):
         if vocab_parallel is None and entropy_quantile_group is None:
@@ -229,7 +231,7 @@ def fused_linear_gtpo_loss(
                 _config_json(config),
                 backend_,
                 compute_dtype,
-                row_lengths,
+                row_lengths or None,  # N = 0: an empty list would not match its gradient's structure (None)
                 need_grads,
             )
         else:  # eager only: a process group does not fit an operator's schema
@@ -263,6 +265,7 @@ class _EagerFusedLoss(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, walk, need_grads):
         with torch.no_grad():
             outputs = walk()
+        ctx.set_materialize_grads(False)  # only the loss is differentiated (custom_ops._fused_setup)
         ctx.save_for_backward(outputs[1], outputs[2], outputs[3])
         ctx.needed = [need and (i != 2 or bias is not None) for i, need in enumerate(need_grads)]
         ctx.num_inputs = 5

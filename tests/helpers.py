@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import os
-import weakref
 from typing import Optional
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
+from bench.common import PeakTensorMemory  # noqa: F401 (re-exported for the tests)
 from gtpo_kernels import GTPOLossOutput, GTPOMetrics
 from gtpo_kernels.reference import reference_loss_from_token_stats
 
@@ -192,41 +190,3 @@ def random_batch(
         rewards = torch.randint(0, 3, (n,), generator=g).double()
     advantages = (rewards.view(-1, group_size) - rewards.view(-1, group_size).mean(1, keepdim=True)).view(-1)
     return logits.to(dtype), ids, mask, advantages.to(torch.float32 if dtype != torch.float64 else dtype)
-
-
-class PeakTensorMemory(TorchDispatchMode):
-    """Bytes of tensor storage created inside the ``with`` block and alive at once, at the peak.
-
-    Every op's outputs are counted once per new storage (outputs that share an input's storage, such as
-    views and in-place results, are not new) and uncounted when the storage is freed. ``largest`` is the
-    largest single new storage. Exact and deterministic, unlike the resident set."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = self.largest = 0
-        self._tracked = set()
-
-    def _free(self, key, nbytes):
-        self._tracked.discard(key)
-        self.live -= nbytes
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {
-            id(t.untyped_storage())
-            for t in tree_flatten((args, kwargs))[0]
-            if isinstance(t, torch.Tensor) and t.device.type != "meta"
-        }
-        for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
-                continue
-            storage = t.untyped_storage()
-            key = id(storage)
-            if key in inputs or key in self._tracked or storage.nbytes() == 0:
-                continue
-            self._tracked.add(key)
-            self.live += storage.nbytes()
-            self.peak = max(self.peak, self.live)
-            self.largest = max(self.largest, storage.nbytes())
-            weakref.finalize(storage, self._free, key, storage.nbytes())
-        return out

@@ -297,6 +297,36 @@ def test_gradient_scales_with_incoming_gradient():
     assert_rel_close(hx.grad, 3.0 * dh_ref, RTOL[torch.float32], "3 * d_hidden")
 
 
+def test_no_grad_computes_no_gradient():
+    """Under torch.no_grad (an evaluation, TRL's prediction_step) a head that requires grad costs no d_weight, no
+    d_hidden: no storage the size of either is made (the walk's logits chunk is smaller here), the same loss."""
+    h, w, b, ids, mask, adv = make(seed=11, hidden=64)
+    hx, wx = h.float().requires_grad_(), w.float().requires_grad_()
+    expected = fused_linear_gtpo_loss(hx, wx, ids, mask, adv, group_size=G, backend="cpu").loss.detach()
+    with torch.no_grad(), PeakTensorMemory() as memory:
+        out = fused_linear_gtpo_loss(hx, wx, ids, mask, adv, group_size=G, backend="cpu")
+    assert out.loss.grad_fn is None and out.loss.item() == expected.item()
+    assert memory.largest < min(wx.numel(), hx.numel()) * 4, memory.largest
+
+
+def test_backward_hands_on_the_stored_gradients_without_a_copy():
+    """The backward scales the gradients the forward stored in place: no new storage the size of d_weight or
+    d_hidden at the backward's peak, the values still those of the incoming gradient (3 x), and a second backward
+    of the same forward refused in one line."""
+    h, w, b, ids, mask, adv = make(seed=10, hidden=64)
+    hx, wx = h.float().requires_grad_(), w.float().requires_grad_()
+    out = fused_linear_gtpo_loss(hx, wx, ids, mask, adv, group_size=G, backend="cpu")
+    scaled = 3.0 * out.loss
+    with PeakTensorMemory() as memory:
+        scaled.backward(retain_graph=True)
+    assert memory.largest < min(wx.numel(), hx.numel()) * 4, memory.largest
+    _, dh_ref, dw_ref, _ = reference(h, w, None, ids, mask, adv, GTPOConfig())
+    assert_rel_close(hx.grad, 3.0 * dh_ref, RTOL[torch.float32], "3 * d_hidden")
+    assert_rel_close(wx.grad, 3.0 * dw_ref, RTOL[torch.float32], "3 * d_weight")
+    with pytest.raises(RuntimeError, match="backward ran twice on one forward"):
+        scaled.backward()
+
+
 def test_autocast_runs_products_in_bf16():
     h, w, b, ids, mask, adv = make(seed=11)
     hx, wx = h.float().requires_grad_(), w.float().requires_grad_()

@@ -1,0 +1,147 @@
+"""What the fused ``hidden @ lm_head`` loss costs where no gradient is wanted, and in its backward: this checkout
+against an earlier commit, side by side in one run.
+
+    python -m bench fused_work --before REV [--tokens 2048 --hidden 576 --vocab 49152 --dtype float32]
+
+Rows, for each source (``REV``, checked out in a scratch worktree, and this checkout):
+  no_grad forward   the loss under ``torch.no_grad()`` with a head that requires grad (an evaluation, TRL's
+                    ``prediction_step``): wall time, and the largest and peak new tensor storage of the call
+  backward          ``loss.backward()`` after a forward with grad: wall time, and the largest and peak new
+                    storage during the backward (the gradients themselves were made by the forward)
+Memory is counted exactly, per tensor storage created by an operator (`common.PeakTensorMemory`), in a run
+of its own; times are medians of ``--reps``, the two sources alternating in separate processes (C++ backend).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import RESULTS, PeakTensorMemory, environment
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def worker(tokens: int, hidden: int, vocab: int, dtype_name: str, what: str) -> dict:
+    """One measurement in this process, with the ``gtpo_kernels`` imported before this module (`measure`)."""
+    import gtpo_kernels
+
+    assert str(gtpo_kernels.__file__).startswith(os.environ["GTPO_SOURCE"]), gtpo_kernels.__file__
+
+    torch.manual_seed(0)
+    dtype = getattr(torch, dtype_name)
+    n = 16
+    length = tokens // n
+    h = torch.randn(n, length, hidden, dtype=dtype).requires_grad_()
+    w = (torch.randn(vocab, hidden) / hidden**0.5).to(dtype).requires_grad_()
+    ids = torch.randint(0, vocab, (n, length))
+    mask = torch.ones(n, length, dtype=torch.bool)
+    adv = torch.randn(n)
+
+    def loss():
+        return gtpo_kernels.fused_linear_gtpo_loss(h, w, ids, mask, adv, group_size=8, backend="cpu").loss
+
+    if what == "no_grad":
+        with torch.no_grad():
+            loss()  # warm
+            start = time.perf_counter()
+            loss()
+            seconds = time.perf_counter() - start
+            with PeakTensorMemory() as memory:
+                loss()
+    else:
+        loss().backward()  # warm
+        out = loss()
+        start = time.perf_counter()
+        out.backward()
+        seconds = time.perf_counter() - start
+        out = loss()
+        with PeakTensorMemory() as memory:
+            out.backward()
+    return {"ms": 1e3 * seconds, "largest_mib": memory.largest / 2**20, "peak_mib": memory.peak / 2**20}
+
+
+def measure(source: Path, args, what: str) -> dict:
+    # The source's gtpo_kernels first (its submodules then come from its own folder), this checkout's bench after.
+    code = (
+        f"import sys, json; sys.path.insert(0, {str(source)!r}); import gtpo_kernels; "
+        f"sys.path[0] = {str(ROOT)!r}; from bench.fused_work import worker; "
+        f"print(json.dumps(worker({args.tokens}, {args.hidden}, {args.vocab}, {args.dtype!r}, {what!r})))"
+    )
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), GTPO_SOURCE=str(source))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd="/")
+    if proc.returncode:
+        raise RuntimeError(f"{source}: {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def worktree(rev: str, dest: Path) -> Path:
+    """``rev`` checked out at ``dest``, with this checkout's built C++ extension (the kernels' source must agree)."""
+    subprocess.run(["git", "worktree", "add", "--detach", str(dest), rev], cwd=ROOT, check=True, capture_output=True)
+    diff = subprocess.run(["git", "diff", "--quiet", rev, "--", "csrc"], cwd=ROOT)
+    if diff.returncode:
+        raise SystemExit(f"csrc/ differs between {rev} and this checkout: build {rev} in an environment of its own")
+    for built in (ROOT / "gtpo_kernels" / "backends").glob("_cpu_*.so"):
+        shutil.copy2(built, dest / "gtpo_kernels" / "backends" / built.name)
+    return dest
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench fused_work", description=__doc__.splitlines()[0])
+    p.add_argument("--before", required=True, help="the commit to compare with (e.g. HEAD~1)")
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--hidden", type=int, default=576)
+    p.add_argument("--vocab", type=int, default=49152)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--name", default="fused-work-cpu", help="the table's file name (in bench/results/local/)")
+    args = p.parse_args(argv)
+    rev = subprocess.run(["git", "rev-parse", "--short", args.before], cwd=ROOT, capture_output=True, text=True)
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    with tempfile.TemporaryDirectory(prefix="gtpo-before-") as scratch:
+        before = worktree(args.before, Path(scratch) / "before")
+        try:
+            sources = {f"before ({rev.stdout.strip()})": before, f"after ({head.stdout.strip()} + tree)": ROOT}
+            results = {name: {w: [] for w in ("no_grad", "backward")} for name in sources}
+            for _ in range(args.reps):
+                for what in ("no_grad", "backward"):
+                    for name, source in sources.items():  # alternating: both see the same machine
+                        results[name][what].append(measure(source, args, what))
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(before)], cwd=ROOT, capture_output=True)
+    lines = [
+        f"`python -m bench fused_work --before {args.before}`: fused_linear_gtpo_loss, C++ backend, T = {args.tokens}, "
+        f"H = {args.hidden}, V = {args.vocab}, {args.dtype}, {args.threads} threads; times the median of {args.reps}. "
+        "Memory: exact, the storage of every tensor an operator made outside the fused operator plus that "
+        "operator's outputs (its chunk of logits, internal, is not seen; it is the same in both sources).",
+        "",
+        "| source | what | ms | largest new storage MiB | peak new storage MiB |",
+        "|---|---|---|---|---|",
+    ]
+    for name in sources:
+        for what in ("no_grad", "backward"):
+            runs = results[name][what]
+            ms = statistics.median(r["ms"] for r in runs)
+            label = "no_grad forward" if what == "no_grad" else "backward"
+            lines.append(f"| {name} | {label} | {ms:.1f} | {runs[0]['largest_mib']:.1f} | {runs[0]['peak_mib']:.1f} |")
+    env = "\n".join(f"- {k}: {v}" for k, v in environment(torch.device("cpu")).items())
+    text = f"# {args.name}\n\n{env}\n\n" + "\n".join(lines) + "\n"
+    print(text)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{args.name}.md").write_text(text)
+    print(f"written: {RESULTS / (args.name + '.md')}")
+
+
+if __name__ == "__main__":
+    main()
