@@ -66,12 +66,29 @@ def main(model_dir: str, out_file: str, fsdp: bool) -> None:
     # The trainer's optimiser at a training-sized rate (Adam's normalisation turns the rounding of gradient
     # entries near 0 into updates of up to 1e-3 lr whatever their size).
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-4)
+    gradients = {}  # the whole gradient the optimiser steps with (FSDP2's shards gathered), by parameter name
+
+    def keep_gradients(optimizer, args, kwargs):
+        for name, p in policy.named_parameters():
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            gradients[name.removeprefix("module.")] = g.detach().clone()
+
+    optimizer.register_step_pre_hook(keep_gradients)
     with full_parameters(policy):
         old_logprobs, _ = token_stats(model, batch, config)
     result = update(policy, optimizer, batch, loss_config, config, dist, old_logprobs, initial_entropy=5.0)
     model_state, _ = full_state(policy, None)
     if dist.is_main:
-        torch.save({"params": model_state, "loss": result["loss"], "metrics": result["metrics"].to_dict()}, out_file)
+        torch.save(
+            {
+                "params": model_state,
+                "gradients": gradients,
+                "grad_norm": result["grad_norm"],
+                "loss": result["loss"],
+                "metrics": result["metrics"].to_dict(),
+            },
+            out_file,
+        )
     dist.close()
 
 

@@ -66,6 +66,13 @@ def test_two_processes_update_as_one(tiny_model_dir, tmp_path, fsdp):
     a, b = torch.load(one), torch.load(two)
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
     assert a["metrics"] == pytest.approx(b["metrics"], rel=1e-6)
+    # The gradient the optimiser stepped with, every entry to 1e-6 of the largest (float32 sums in another order).
+    assert a["gradients"].keys() == b["gradients"].keys() and a["gradients"]
+    largest = max(float(g.abs().max()) for g in a["gradients"].values())
+    assert largest > 0
+    for name, g in a["gradients"].items():
+        torch.testing.assert_close(b["gradients"][name], g, rtol=0, atol=1e-6 * largest, msg=name)
+    assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6)
     assert a["params"].keys() == b["params"].keys()
     initial = __import__("transformers").AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
     updates = {
@@ -74,9 +81,9 @@ def test_two_processes_update_as_one(tiny_model_dir, tmp_path, fsdp):
     }
     step = max(float(one.abs().max()) for one, _ in updates.values())
     assert step > 0  # it did update
-    # The two updates agree to 1 % of the largest step (Adam turns the rounding of gradient entries near 0
-    # into steps of up to 1e-3 of the learning rate whatever their size): a bound that scales with the
-    # learning rate instead of a fixed 1e-6.
+    # The two updates (after AdamW) agree to 1 % of the largest step: Adam turns the rounding of gradient entries
+    # near 0 into steps of up to 1e-3 of the learning rate whatever their size, so the gradients above carry the
+    # 1e-6 bar and the weights this one.
     for name, (one, two) in updates.items():
         torch.testing.assert_close(two, one, rtol=0, atol=1e-2 * step, msg=name)
 
