@@ -20,7 +20,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import gtpo_kernels  # noqa: E402
-from gtpo_kernels import GTPOConfig, conflict_weights, fused_linear_gtpo_loss, gtpo_loss  # noqa: E402
+from gtpo_kernels import GTPOConfig, GTPOMetrics, conflict_weights, fused_linear_gtpo_loss, gtpo_loss  # noqa: E402
 from gtpo_kernels.backends import registered  # noqa: E402
 from gtpo_kernels.reference import reference_gtpo_loss, token_logprobs_and_entropy  # noqa: E402
 from gtpo_kernels.vocab_parallel import shard_sizes  # noqa: E402
@@ -104,7 +104,7 @@ def one_case(rank, sizes, group, backend, dtype, config, *, temperature=1.0, see
     n = ids.shape[0]
     bounds = [round(i * n / parts) for i in range(parts + 1)]
     lam, n_conflict = conflict_weights(ids, mask, adv, 4, config.conflict_weight)
-    loss = 0.0
+    loss, metrics = 0.0, []
     for r0, r1 in zip(bounds, bounds[1:]):
         rows = slice(r0, r1)
         with Collectives() as forward:
@@ -127,7 +127,8 @@ def one_case(rank, sizes, group, backend, dtype, config, *, temperature=1.0, see
         forward_count += forward.count
         backward_count += backward.count
         loss = loss + out.loss.detach()
-    entropy = out.metrics.entropy if parts == 1 else oracle.metrics.entropy  # a slice's own metrics otherwise
+        metrics.append(out.metrics)
+    entropy = GTPOMetrics.merge(metrics).entropy  # the slices' token-weighted entropies, as a trainer merges them
     grad = relative(shard.grad, shard_of(x64.grad, sizes, rank))
     return report(loss, entropy, oracle, grad, (forward_count / parts, backward_count), x64.grad, (ids, mask, sizes))
 
@@ -143,6 +144,17 @@ def report(loss, entropy, oracle, grad_error, collectives, oracle_grad, batch):
         "backward_collectives": collectives[1],
         "signal": float(oracle_grad.abs().sum() > 0),
         "shards_without_targets": shards_without_targets(*batch),
+    }
+
+
+def statistics_report(mine, logp, entropy, forward_collectives):
+    """A no-grad statistics case: its log-probs' and entropies' errors against the oracle's, its collectives, and
+    whether the oracle's values say anything (not all zero)."""
+    return {
+        "logp": relative(mine[0], logp),
+        "entropy": relative(mine[1], entropy),
+        "forward_collectives": forward_collectives,
+        "nonzero": float(bool(logp.abs().sum() > 0 and entropy.abs().sum() > 0)),
     }
 
 
@@ -345,14 +357,7 @@ def main(out_path):
     logp, entropy = token_logprobs_and_entropy(logits.double(), ids)
     with Collectives() as forward:
         mine = gtpo_kernels.token_logprobs_and_entropy(shard_of(logits, uneven, rank), ids, vocab_group=group)
-    results["auto/float32/token_logprobs_and_entropy"] = {
-        "loss": relative(mine[0], logp),
-        "grad": relative(mine[1], entropy),
-        "entropy": 0.0,
-        "forward_collectives": forward.count,
-        "backward_collectives": 0.0,
-        "signal": 1.0,
-    }
+    results["auto/float32/token_logprobs_and_entropy"] = statistics_report(mine, logp, entropy, forward.count)
     g = torch.Generator().manual_seed(2)
     hidden, weight = torch.randn(6, 4, 16, generator=g), 2.0 * torch.randn(37, 16, generator=g)
     logp, entropy = token_logprobs_and_entropy((hidden @ weight.T).double(), ids)
@@ -361,14 +366,9 @@ def main(out_path):
         mine = gtpo_kernels.fused_linear_token_logprobs_and_entropy(
             hidden, weight[start : start + uneven[rank]], ids, vocab_group=group, max_chunk_bytes=5 * 20 * 4
         )
-    results["cpu/float32/fused_linear_token_logprobs_and_entropy/chunked"] = {
-        "loss": relative(mine[0], logp),
-        "grad": relative(mine[1], entropy),
-        "entropy": 0.0,
-        "forward_collectives": forward.count,
-        "backward_collectives": 0.0,
-        "signal": 1.0,
-    }
+    results["cpu/float32/fused_linear_token_logprobs_and_entropy/chunked"] = statistics_report(
+        mine, logp, entropy, forward.count
+    )
     worst = {}
     for case, errors in results.items():
         values = torch.tensor(list(errors.values()), dtype=torch.float64)
