@@ -70,10 +70,12 @@ def launch(world: int, out) -> dict:
     return json.loads(out.read_text())
 
 
-def tolerance(case: str) -> float:
+def tolerance(case: str, name: str) -> float:
+    """float64 cases 1e-10; otherwise what is accumulated in float32 (the loss, log-probs, entropies) 1e-5 whatever
+    the logits' dtype, and the gradient of bf16/fp16 logits, rounded to their dtype, 1e-2."""
     if "float64" in case:
         return 1e-10
-    return 1e-5 if "float32" in case else 1e-2
+    return 1e-5 if "float32" in case or name != "grad" else 1e-2
 
 
 # One test per launch (a fixture shared by several tests would launch once per xdist worker).
@@ -99,7 +101,7 @@ def test_ranks_against_the_whole_vocabulary_oracle(world, tmp_path):
             assert errors["backward_collectives"] == 0, case
             names = ("loss", "grad", "entropy")
         for name in names:
-            assert errors[name] <= tolerance(case), (world, case, name, errors[name])
+            assert errors[name] <= tolerance(case, name), (world, case, name, errors[name])
         if "chunked" in case:
             assert errors["forward_collectives"] > 2, case
         else:

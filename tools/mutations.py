@@ -1,0 +1,324 @@
+"""The mutation check: each "seen failing with X removed" claim of the project, held as data and re-run.
+
+    python -m tools.mutations                 # every mutant; writes tools/mutations-report.md
+    python -m tools.mutations --only NAME ... # some of them (the report is printed, not written)
+    python -m tools.mutations --list          # the mutants and the tests each must fail
+
+Each `Mutant` names a file, a piece of its text and what to put in its place (the bug a test claims to catch), and
+the tests that must then fail. For each one the check copies the working tree to a scratch folder, applies the
+change there (refusing a mutant whose text is not found exactly once: the code moved, so the claim must be
+re-aimed), runs those tests with pytest, and calls the mutant *killed* when pytest reports failures (exit 1). Exit 0
+(the tests still pass: the claim is false) and any other exit (collection error, timeout) are reported as such.
+
+It runs on demand, not in CI (a few minutes a mutant for the torchrun and TRL tests). A test that guards a fix
+belongs here, with the break it was seen to catch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Tuple
+
+ROOT = Path(__file__).resolve().parents[1]
+REPORT = ROOT / "tools" / "mutations-report.md"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    file: str  # relative to the repository root
+    old: str  # found exactly once in the file
+    new: str
+    tests: Tuple[str, ...]  # pytest's arguments: node ids or files relative to the root (and -k EXPR)
+    claim: str  # what the tests must notice
+
+
+MUTANTS: Tuple[Mutant, ...] = (
+    # ---------------------------------------------------------------- the trainer on several processes
+    Mutant(
+        "trainer: no world-size factor on the loss",
+        "trainer/train.py",
+        "(out.loss * dist.world).backward()",
+        "out.loss.backward()",
+        ("tests/test_trainer_distributed.py::test_two_processes_update_as_one",),
+        "DDP averages the processes' gradients: without the factor two processes take half the one-process step",
+    ),
+    # ---------------------------------------------------------------- vocabulary-parallel and packed inputs
+    Mutant(
+        "vocab-parallel: the entropy combination without its - log w_r term",
+        "gtpo_kernels/vocab_parallel.py",
+        "share * (entropy - log_share)",
+        "share * entropy",
+        ("tests/test_vocab_parallel.py::test_ranks_against_the_whole_vocabulary_oracle[2 ranks]",),
+        "the mixture's entropy is sum_r w_r (H_r - log w_r)",
+    ),
+    Mutant(
+        "torch backend: the target's gradient written at column 0 for an id outside [0, V)",
+        "gtpo_kernels/backends/torch_backend.py",
+        "torch.where(in_vocab[rows, pos, None], target, grad.gather(-1, at))",
+        "target",
+        ("tests/test_vocab_parallel.py::test_ranks_against_the_whole_vocabulary_oracle[2 ranks]",),
+        "a neighbour shard's target is not this shard's column 0",
+    ),
+    Mutant(
+        "packed: the fused walk writes d_hidden at the padded rows",
+        "gtpo_kernels/fused_chunks.py",
+        "return self.flat[t0:t1] if self.packed is None else self.packed[t0:t1]",
+        "return self.flat[t0:t1]",
+        ("tests/test_packed.py::test_packed_hidden_states_equal_the_padded_fused_call",),
+        "packed hidden states' gradient lands at each token's packed row",
+    ),
+    Mutant(
+        "packed: each position reads the next packed token",
+        "gtpo_kernels/packed.py",
+        "return self.pad(torch.arange(self.rows.numel(), device=self.rows.device))",
+        "return self.pad((torch.arange(self.rows.numel(), device=self.rows.device) + 1) % self.rows.numel())",
+        ("tests/test_packed.py::test_packed_hidden_states_equal_the_padded_fused_call",),
+        "the packed log-probs are those of the padded call, not shifted by one",
+    ),
+    Mutant(
+        "packed: the padded layout's tokens shifted by one position",
+        "gtpo_kernels/packed.py",
+        "return out.index_put((self.rows, self.positions), packed)",
+        "return out.index_put((self.rows, (self.positions + 1) % self.shape[1]), packed)",
+        ("tests/test_packed.py::test_packed_logits_equal_the_padded_call",),
+        "packed logits equal the padded call",
+    ),
+    # ---------------------------------------------------------------- TRL
+    Mutant(
+        "trl: top_entropy_quantile without every process's group",
+        "gtpo_kernels/integrations/trl.py",
+        'loss_inputs["entropy_quantile_group"] = torch.distributed.group.WORLD',
+        'loss_inputs["entropy_quantile_group"] = None',
+        ("tests/test_trl_distributed.py",),
+        "TRL's entropy quantile is over every process's tokens",
+    ),
+    Mutant(
+        "trl: the row count doubled",
+        "gtpo_kernels/integrations/trl.py",
+        "num_sequences = rows * self.current_gradient_accumulation_steps",
+        "num_sequences = 2 * rows * self.current_gradient_accumulation_steps",
+        ("tests/test_trl.py::test_from_grpo_config_trains_as_grpo_trainer",),
+        "GTPOTrainer's step equals GRPOTrainer's",
+    ),
+    Mutant(
+        "trl: the adaptive entropy bonus without its gate",
+        "gtpo_kernels/integrations/trl.py",
+        "applied = self.entropy_coef if self._last_world_entropy <= self.args.entropy_target else 0.0",
+        "applied = self.entropy_coef",
+        ("tests/test_trl.py::test_the_adaptive_entropy_bonus_trains_as_grpo_trainer",),
+        "TRL applies the bonus only while the entropy is below its target",
+    ),
+    Mutant(
+        "trl: a MoE policy without its router loss",
+        "gtpo_kernels/integrations/trl.py",
+        "loss = loss + self.router_aux_loss_coef * router_loss / steps",
+        "loss = loss",
+        ("tests/test_trl.py::test_moe_router_loss_is_added_as_grpo_trainer_adds_it",),
+        "the router's load-balancing loss is added as TRL adds it",
+    ),
+    Mutant(
+        "trl: a bf16 head under cast_lm_head_to_fp32",
+        "gtpo_kernels/integrations/trl.py",
+        "head_precision = torch.autocast(hidden.device.type, enabled=False)",
+        "head_precision = nullcontext()",
+        ("tests/test_trl.py::test_a_float32_head_under_bf16_autocast_trains_as_grpo_trainer",),
+        "TRL's float32 head: its gradients agree to 5e-7 of the largest, a bf16 head's are 1.2e-2 off",
+    ),
+    # ---------------------------------------------------------------- the objective
+    Mutant(
+        "vespo: the advantage's sign flipped in choosing k and lambda",
+        "gtpo_kernels/objective.py",
+        "nonneg = (masked.shaped >= 0)[:, None]",
+        "nonneg = (masked.shaped < 0)[:, None]",
+        ("tests/test_ratio_functions.py::test_vespo_by_hand",),
+        "VESPO's k and lambda follow the sign of the shaped advantage",
+    ),
+    Mutant(
+        "vespo: the sampler's weights left out of phi",
+        "gtpo_kernels/objective.py",
+        "log_w = log_w + (torch.clamp(torch.log(sampler), LOG_1E_8, 20.0) * masked.mask).sum(dim=1, keepdim=True)",
+        "log_w = log_w",
+        ("tests/test_parity.py", "-k", "vespo"),
+        "TRL folds the sampler's token weights into VESPO's log w",
+    ),
+    Mutant(
+        "cispo: the cap dropped",
+        "gtpo_kernels/objective.py",
+        "return ratio if cap is None else torch.clamp(ratio, max=cap)",
+        "return ratio",
+        ("tests/test_ratio_functions.py::test_cispo_by_hand",),
+        "CISPO caps the ratio's weight at cispo_ratio_max",
+    ),
+    Mutant(
+        "rows: a slice without the call's counts",
+        "gtpo_kernels/rows.py",
+        "num_tokens=self.valid.sum() if self.num_tokens is None else self.num_tokens,",
+        "num_tokens=self.num_tokens,",
+        ("tests/test_rows.py",),
+        "slices of a call keep its whole-batch token count, so they add up",
+    ),
+    # ---------------------------------------------------------------- this stop's fixes (issue 36)
+    Mutant(
+        "fused backward: a copy of every stored gradient",
+        "gtpo_kernels/custom_ops.py",
+        "(g.mul_(grad_loss.to(g.dtype)) if in_place else g * grad_loss.to(g.dtype))",
+        "g * grad_loss.to(g.dtype)",
+        ("tests/test_fused_linear.py::test_backward_hands_on_the_stored_gradients_without_a_copy",),
+        "the backward makes no d_weight- or d_hidden-sized storage",
+    ),
+    Mutant(
+        "fused backward: zero gradients materialised for the unused outputs",
+        "gtpo_kernels/custom_ops.py",
+        "    ctx.set_materialize_grads(False)\n    ctx.save_for_backward(output[1], output[2], output[3])",
+        "    ctx.save_for_backward(output[1], output[2], output[3])",
+        ("tests/test_fused_linear.py::test_backward_hands_on_the_stored_gradients_without_a_copy",),
+        "the backward makes no d_weight- or d_hidden-sized storage",
+    ),
+    Mutant(
+        "fused forward: gradients computed under torch.no_grad",
+        "gtpo_kernels/fused_linear.py",
+        "grad_enabled = torch.is_grad_enabled()",
+        "grad_enabled = True",
+        ("tests/test_fused_linear.py::test_no_grad_computes_no_gradient",),
+        "an evaluation pays no backward",
+    ),
+    Mutant(
+        "validation: isfinite of the whole head on every call",
+        "gtpo_kernels/validation.py",
+        "checks.add(~(torch.isfinite(low) & torch.isfinite(high)), explain)",
+        "checks.add(~torch.isfinite(tensor).all(), explain)",
+        ("tests/test_fused_linear.py::test_no_grad_computes_no_gradient",),
+        "the finite check of the head makes no copy of it",
+    ),
+    Mutant(
+        "triton: ids beyond int32 wrap into the vocabulary",
+        "gtpo_kernels/backends/triton_token_stats.py",
+        "ids = torch.where((ids < 0) | (ids > torch.iinfo(torch.int32).max), -1, ids)",
+        "pass",
+        ("tests/test_api.py::test_ids_beyond_int32_are_not_wrapped_into_the_vocabulary",),
+        "2**32 + 5 is refused, not read as token 5",
+    ),
+    Mutant(
+        "validation: old, reference and sampler log-probs not checked",
+        "gtpo_kernels/validation.py",
+        "            add_logprobs_check(checks, name, logprobs, valid)\n",
+        "",
+        ("tests/test_api.py::test_non_finite_given_logprobs_are_named",),
+        "a NaN or infinite given log-prob is named, not a NaN loss",
+    ),
+    Mutant(
+        "advantages: NaN rewards accepted",
+        "gtpo_kernels/advantages.py",
+        "if not bool(torch.isfinite(rewards).all()):",
+        "if False:",
+        ("tests/test_api.py::test_compute_advantages_errors",),
+        "a NaN reward is named",
+    ),
+)
+
+
+def scratch_copy(dest: Path) -> None:
+    """The working tree (built extensions included) without git's folder, virtual environments or caches."""
+    ignore = shutil.ignore_patterns(".git", ".venv", "__pycache__", ".pytest_cache", ".hypothesis", "runs", "build")
+    shutil.copytree(ROOT, dest, ignore=ignore, symlinks=True)
+
+
+def apply(mutant: Mutant, tree: Path) -> None:
+    path = tree / mutant.file
+    text = path.read_text()
+    count = text.count(mutant.old)
+    if count != 1:
+        raise LookupError(f"{mutant.file}: the mutant's text occurs {count} times (re-aim it at the code as it is)")
+    path.write_text(text.replace(mutant.old, mutant.new))
+
+
+def run_tests(mutant: Mutant, tree: Path, timeout: float) -> Tuple[str, float, str]:
+    """``(verdict, seconds, last lines of pytest's output)``."""
+    env = dict(os.environ, PYTHONPATH=str(tree), TRITON_INTERPRET="1", PYTHONDONTWRITEBYTECODE="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *mutant.tests]
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return "timeout", time.monotonic() - start, ""
+    seconds = time.monotonic() - start
+    tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-3:])
+    verdict = {0: "SURVIVED", 1: "killed"}.get(proc.returncode, f"error (pytest exit {proc.returncode})")
+    return verdict, seconds, tail
+
+
+def check(mutants: List[Mutant], timeout: float) -> List[Tuple[Mutant, str, float, str]]:
+    results = []
+    with tempfile.TemporaryDirectory(prefix="gtpo-mutants-") as scratch:
+        pristine = Path(scratch) / "pristine"
+        scratch_copy(pristine)
+        for mutant in mutants:
+            tree = Path(scratch) / "tree"
+            if tree.exists():
+                shutil.rmtree(tree)
+            shutil.copytree(pristine, tree, symlinks=True)
+            try:
+                apply(mutant, tree)
+            except LookupError as exc:
+                results.append((mutant, f"stale: {exc}", 0.0, ""))
+                continue
+            verdict, seconds, tail = run_tests(mutant, tree, timeout)
+            print(f"{verdict:>10}  {seconds:6.1f} s  {mutant.name}", flush=True)
+            results.append((mutant, verdict, seconds, tail))
+    return results
+
+
+def report(results, command: str) -> str:
+    killed = sum(verdict == "killed" for _, verdict, _, _ in results)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    lines = [
+        "# Mutation check",
+        "",
+        f"`{command}` at commit {commit.stdout.strip() or '?'} (with the working tree as it was), "
+        f"{time.strftime('%Y-%m-%d')}: **{killed} of {len(results)} mutants killed**.",
+        "",
+        "| mutant | file | tests that must fail | verdict | seconds |",
+        "|---|---|---|---|---|",
+    ]
+    for mutant, verdict, seconds, _ in results:
+        tests = "<br>".join(f"`{t}`" for t in mutant.tests)
+        lines.append(f"| {mutant.name} | `{mutant.file}` | {tests} | {verdict} | {seconds:.0f} |")
+    lines += ["", "What each mutant breaks, and what its tests hold:", ""]
+    lines += [f"- **{mutant.name}**: {mutant.claim}." for mutant, _, _, _ in results]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.mutations", description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="+", metavar="TEXT", help="the mutants whose name contains one of these")
+    parser.add_argument("--list", action="store_true", help="list the mutants and their tests, run nothing")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per mutant (default 900)")
+    args = parser.parse_args(argv)
+    mutants = [m for m in MUTANTS if not args.only or any(text in m.name for text in args.only)]
+    if args.list:
+        for m in mutants:
+            print(f"{m.name}\n    {m.file}\n    " + "\n    ".join(m.tests))
+        return 0
+    if not mutants:
+        parser.error(f"no mutant's name contains any of {args.only}")
+    results = check(mutants, args.timeout)
+    text = report(results, "python -m tools.mutations" + (" --only ..." if args.only else ""))
+    if args.only:
+        print(text)
+    else:
+        REPORT.write_text(text)
+        print(f"report: {REPORT.relative_to(ROOT)}")
+    return 0 if all(verdict == "killed" for _, verdict, _, _ in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
