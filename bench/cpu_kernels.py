@@ -58,14 +58,14 @@ def main(argv=None) -> None:
         ref = {r.impl: r for r in shape_rows}
         eager, compiled = ref.get("reference-eager"), ref.get("reference-compile")
         for r in shape_rows:
-            if r.total_ms and eager and eager.peak_extra_mb:
-                r.extra["memory vs eager"] = r.peak_extra_mb / eager.peak_extra_mb
+            if r.total_ms and eager and eager.peak_extra_mib:
+                r.extra["memory vs eager"] = r.peak_extra_mib / eager.peak_extra_mib
             if r.impl.startswith("gtpo-cpu") and r.total_ms and eager and compiled:
                 r.extra["targets met"] = (
                     "yes"
                     if eager.total_ms / r.total_ms >= 4
                     and r.total_ms < compiled.total_ms
-                    and r.peak_extra_mb <= eager.peak_extra_mb / 4
+                    and r.peak_extra_mib <= eager.peak_extra_mib / 4
                     else "no"
                 )
         fwd_ms, read_ms = forward_vs_read(tokens, vocab, dtype)

@@ -11,7 +11,8 @@
 #                                        # (results named *-dryrun, in bench/results/gpu-check-dryrun/)
 #
 # At most 8 files land in $OUT: gpu_check.log, tests.xml, kernels.json, logits-h200.md, logits-compile-h200.md,
-# fused-linear-h200.md, layouts-h200.md. Exits non-zero if any step failed.
+# fused-linear-h200.md, layouts-h200.md, summary.md (whether the CUDA tests were green, in plain words). Exits
+# non-zero if any step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DRY=0
@@ -62,6 +63,8 @@ else
 fi
 # Keep within the 8 files the device tool brings back: each table's .md holds every number of its .json.
 rm -f "$OUT"/*.png "$OUT"/logits*.json "$OUT"/fused-linear*.json "$OUT"/layouts*.json
+# The verdict first in summary.md (the 8th file): were the CUDA tests green, which steps failed.
+$PY -m bench.gpu_summary "$OUT" "${FAILED[@]}" | tee -a "$LOG"
 echo "results: $OUT"
 if [ ${#FAILED[@]} -ne 0 ]; then
   echo "failed steps: ${FAILED[*]}" | tee -a "$LOG"

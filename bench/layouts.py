@@ -84,7 +84,7 @@ def worker(args) -> None:
 
             measure_into(row, make_input, loss_of, device, args.reps)
         dist.barrier()
-        fields = ("forward_ms", "backward_ms", "total_ms", "peak_extra_mb")
+        fields = ("forward_ms", "backward_ms", "total_ms", "peak_extra_mib")
         times = torch.tensor([getattr(row, f) or 0.0 for f in fields], dtype=torch.float64, device=device)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the slowest rank's times, the largest peak
         if everyone and row.error is None:
@@ -97,8 +97,8 @@ def worker(args) -> None:
         for r in table:
             if r.total_ms and base.total_ms:
                 r.extra["time vs padded"] = r.total_ms / base.total_ms
-                r.extra["peak vs padded"] = r.peak_extra_mb / base.peak_extra_mb if base.peak_extra_mb else None
-            print(f"{r.impl:>22}: " + (r.error or f"fwd+bwd {r.total_ms:9.2f} ms, peak +{r.peak_extra_mb:8.1f} MB"))
+                r.extra["peak vs padded"] = r.peak_extra_mib / base.peak_extra_mib if base.peak_extra_mib else None
+            print(f"{r.impl:>22}: " + (r.error or f"fwd+bwd {r.total_ms:9.2f} ms, peak +{r.peak_extra_mib:8.1f} MiB"))
         env = environment(device)
         env["processes"] = world
         env["threads_per_process"] = torch.get_num_threads()

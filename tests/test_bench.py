@@ -58,3 +58,30 @@ def test_layouts_benchmark_harness(tmp_path):
     assert set(rows) == {"padded", "packed", "vocab-parallel", "vocab-parallel-packed"}
     assert all(r["error"] is None and r["total_ms"] > 0 for r in rows.values())
     assert rows["vocab-parallel"]["extra"]["ranks"] == 2 and rows["padded"]["extra"]["time vs padded"] == 1.0
+
+
+def test_gpu_summary_says_plainly_whether_the_cuda_tests_were_green(tmp_path):
+    """bench/gpu_check.sh's verdict: green only with a JUnit file, tests that ran, none failed and the step passed."""
+    from bench.gpu_summary import tests_verdict
+
+    junit = tmp_path / "tests.xml"
+    assert tests_verdict(junit, False).startswith("CUDA tests: NOT GREEN: no JUnit file")
+
+    def write(failures: int, skipped: int = 0, tests: int = 3) -> None:
+        cases = "".join(
+            f'<testcase classname="tests.t" name="c{i}">{"<failure/>" if i < failures else ""}</testcase>'
+            for i in range(tests)
+        )
+        junit.write_text(
+            f'<testsuites><testsuite tests="{tests}" failures="{failures}" errors="0" skipped="{skipped}">'
+            f"{cases}</testsuite></testsuites>"
+        )
+
+    write(failures=1)
+    verdict = tests_verdict(junit, False)
+    assert verdict.startswith("CUDA tests: NOT GREEN: 2 passed, 1 failed") and "tests.t::c0" in verdict
+    write(failures=0)
+    assert tests_verdict(junit, False) == "CUDA tests: GREEN: 3 passed, 0 failed, 0 errors, 0 skipped"
+    assert tests_verdict(junit, True).startswith("CUDA tests: NOT GREEN")  # the step itself failed
+    write(failures=0, skipped=3)
+    assert tests_verdict(junit, False).startswith("CUDA tests: NOT GREEN: 0 passed")  # nothing ran
