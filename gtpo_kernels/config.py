@@ -161,9 +161,11 @@ class GTPOConfig:
         max_completion_length: the generation cap. When set, ``dr_grpo`` divides by
             ``num_sequences * max_completion_length`` (TRL's and Liger's convention), so the loss does
             not depend on how much padding a batch happens to carry.
-        max_chunk_bytes: the one memory knob: bytes of float32 logits that one chunk of work may hold,
-            in every path (the ``"torch"`` backend's token chunks, the fused ``hidden @ lm_head`` chunks
-            and its statistics function). ``None``: 4 MiB on the CPU for the torch backend's elementwise
+        max_chunk_bytes: bytes of float32 logits that one chunk of work may hold: the ``"torch"`` backend's
+            token chunks in `gtpo_loss`, and the chunks of ``hidden @ lm_head`` in `fused_linear_gtpo_loss`
+            (`fused_linear_token_logprobs_and_entropy` takes its own ``max_chunk_bytes=``). Not read by
+            `token_logprobs_and_entropy`, nor by the ``"torch"`` backend's passes inside a fused chunk: both
+            keep the backend's default. ``None``: 4 MiB on the CPU for the torch backend's elementwise
             passes, and 256 MiB for the fused path's GEMMs on the CPU or 2 GiB on a GPU (a constant,
             never the free memory, so that gradients are bitwise reproducible; lower it on a small GPU).
         inplace_backward: write the gradient of the logits into the logits' own storage during

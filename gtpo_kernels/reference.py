@@ -317,7 +317,7 @@ def reference_loss_from_token_stats(
         loss = sum(row_losses) / (sequences * (config.max_completion_length or length))
     if config.entropy_bonus > 0:  # TRL's bonus: minus the token mean of every unmasked (kept) token's entropy
         entropies = [entropy[i, t] for i in range(n_rows) for t in range(length) if bool(valid[i, t])]
-        entropies = [h for h in entropies if float(h) >= entropy_floor]
+        entropies = [h for h in entropies if float(h.detach()) >= entropy_floor]
         loss = loss - config.entropy_bonus * sum(entropies) / (max(1, tokens) * kept_share)
     if not isinstance(loss, torch.Tensor):  # no rows at all
         loss = logp.sum() * 0

@@ -266,7 +266,8 @@ def test_garbage_at_masked_positions_is_ignored(batch):
 def test_all_masked_batch_gives_zero_loss_and_zero_grad(batch, preset):
     logits, ids, mask, adv = batch
     x = logits.clone().requires_grad_()
-    out = call(x, ids, torch.zeros_like(mask), adv, config=GTPOConfig(preset=preset))
+    # Its no-signal warning is expected (tests/test_first_hour.py pins it): off here.
+    out = call(x, ids, torch.zeros_like(mask), adv, config=GTPOConfig(preset=preset, warn_no_signal=False))
     out.loss.backward()
     assert out.loss.item() == 0.0
     assert torch.equal(x.grad, torch.zeros_like(x))
