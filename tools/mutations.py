@@ -51,7 +51,44 @@ MUTANTS: Tuple[Mutant, ...] = (
         ("tests/test_trainer_distributed.py::test_two_processes_update_as_one",),
         "DDP averages the processes' gradients: without the factor two processes take half the one-process step",
     ),
+    Mutant(
+        "trainer: the world-size factor off by 1e-4 on two processes",
+        "trainer/train.py",
+        "(out.loss * dist.world).backward()",
+        "(out.loss * dist.world * (1 + 1e-4 * (dist.world - 1))).backward()",
+        ("tests/test_trainer_distributed.py::test_two_processes_update_as_one",),
+        "the gradient the optimiser steps with is held to 1e-6 (AdamW's update, held to 1 % of the step, cannot "
+        "see this)",
+    ),
+    Mutant(
+        "trainer: --weight-decay not checked",
+        "trainer/config.py",
+        'raise bad("weight_decay", "must be a number >= 0 (AdamW\'s decoupled weight decay)")',
+        "pass",
+        (
+            "tests/test_trainer.py::test_bad_config_values",
+            "tests/test_trainer.py::test_every_bad_setting_stops_before_loading_in_one_line",
+        ),
+        "a negative or NaN weight decay stops the run in one line",
+    ),
+    Mutant(
+        "trainer: --fsdp in one process ignored without a word",
+        "trainer/distributed.py",
+        "        if fsdp:\n            warnings.warn(",
+        "        if False:\n            warnings.warn(",
+        ("tests/test_trainer.py::test_fsdp_in_one_process_says_it_does_nothing",),
+        "--fsdp without torchrun says that it does nothing",
+    ),
     # ---------------------------------------------------------------- vocabulary-parallel and packed inputs
+    Mutant(
+        "metrics: merged entropy weighted by completions instead of tokens",
+        "gtpo_kernels/result.py",
+        '    "entropy": "num_tokens",',
+        '    "entropy": "num_sequences",',
+        ("tests/test_vocab_parallel.py::test_ranks_against_the_whole_vocabulary_oracle[2 ranks]",),
+        "a sliced call's merged entropy is the whole batch's token mean (the ranks' sliced cases compared the oracle's "
+        "with itself before)",
+    ),
     Mutant(
         "vocab-parallel: the entropy combination without its - log w_r term",
         "gtpo_kernels/vocab_parallel.py",
@@ -214,6 +251,14 @@ MUTANTS: Tuple[Mutant, ...] = (
         "",
         ("tests/test_api.py::test_non_finite_given_logprobs_are_named",),
         "a NaN or infinite given log-prob is named, not a NaN loss",
+    ),
+    Mutant(
+        "conflict_weights: a negative or NaN weight accepted",
+        "gtpo_kernels/conflict.py",
+        "not (math.isfinite(weight) and weight > 0):",
+        "False:",
+        ("tests/test_api.py::test_conflict_weight_must_be_positive_and_finite",),
+        "conflict_weights(weight=) must be finite and > 0",
     ),
     Mutant(
         "advantages: NaN rewards accepted",
