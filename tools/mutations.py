@@ -170,6 +170,74 @@ MUTANTS: Tuple[Mutant, ...] = (
         ("tests/test_trl.py::test_a_float32_head_under_bf16_autocast_trains_as_grpo_trainer",),
         "TRL's float32 head: its gradients agree to 5e-7 of the largest, a bf16 head's are 1.2e-2 off",
     ),
+    # ---------------------------------------------------------------- TRL's own GRPO tests (issue 37)
+    Mutant(
+        "trl: an all-truncated window counted as 0 tokens",
+        "gtpo_kernels/integrations/trl.py",
+        "windows = windows.clamp(min=1.0) / self.accelerator.num_processes",
+        "windows = windows / self.accelerator.num_processes",
+        ("tests/test_trl_training_loop.py::test_a_step_whose_completions_are_all_truncated_is_a_zero_step",),
+        "a step whose completions are all truncated is a zero step, not an error",
+    ),
+    Mutant(
+        "trl: bnpo's micro-batch of no tokens counted as 0",
+        "gtpo_kernels/integrations/trl.py",
+        "_loss_mask(inputs).sum().to(torch.float64).clamp(min=1.0) * steps",
+        "_loss_mask(inputs).sum().to(torch.float64) * steps",
+        ("tests/test_trl_training_loop.py::test_a_step_whose_completions_are_all_truncated_is_a_zero_step",),
+        "bnpo's all-truncated micro-batch is a zero step",
+    ),
+    Mutant(
+        "trl: policy_loss not logged",
+        "gtpo_kernels/integrations/trl.py",
+        "self._log_policy_loss(out, config, num_tokens, mode)",
+        "pass",
+        ("tests/test_trl_training_loop.py::test_policy_loss_is_logged_beside_the_entropy_bonus",),
+        "TRL's policy_loss is logged beside the entropy bonus, with GRPOTrainer's values",
+    ),
+    Mutant(
+        "trl: policy_loss with the bonus left in",
+        "gtpo_kernels/integrations/trl.py",
+        "policy = out.loss.detach().double() + bonus",
+        "policy = out.loss.detach().double()",
+        ("tests/test_trl_training_loop.py::test_policy_loss_is_logged_beside_the_entropy_bonus",),
+        "policy_loss is the loss without the entropy bonus",
+    ),
+    Mutant(
+        "hf: PEFT's wrapped head not unwrapped",
+        "gtpo_kernels/hf/model_config.py",
+        'if saved is not None and hasattr(head, "original_module"):',
+        "if False:",
+        ("tests/test_trl_training_loop.py::test_a_head_kept_trainable_under_peft_trains_as_grpo_trainer",),
+        "a head kept trainable under PEFT (modules_to_save) trains as in GRPOTrainer",
+    ),
+    Mutant(
+        "trl: from_grpo_config's token means divided by each window's exact count",
+        "gtpo_kernels/integrations/trl.py",
+        "        self._gtpo_trl_token_average = (\n            config.preset",
+        "        self._gtpo_trl_token_average = False and (\n            config.preset",
+        (
+            "tests/test_trl_training_loop.py::test_steps_per_generation_over_accumulation_trains_as_grpo_trainer",
+            "-k",
+            "dapo-2 or cispo-2",
+        ),
+        "TRL's average window for its token means: GRPOTrainer's gradients to 1e-5 (8-10 % off otherwise)",
+    ),
+    Mutant(
+        "trl: steps spanning generation batches refused under a token mean",
+        "gtpo_kernels/integrations/trl.py",
+        '        self._gtpo_local_tokens = self.args.loss_type == "bnpo"\n',
+        '        self._gtpo_local_tokens = self.args.loss_type == "bnpo"\n'
+        '        if config.loss_reduction == "token_mean" and self.args.steps_per_generation % '
+        "self.args.gradient_accumulation_steps:\n"
+        '            raise ValueError("token_mean needs each optimiser step\'s token count")\n',
+        (
+            "tests/test_trl_training_loop.py::test_steps_per_generation_over_accumulation_trains_as_grpo_trainer",
+            "-k",
+            "dapo-3",
+        ),
+        "steps_per_generation 4 over accumulation 3 trains as GRPOTrainer",
+    ),
     # ---------------------------------------------------------------- the objective
     Mutant(
         "vespo: the advantage's sign flipped in choosing k and lambda",

@@ -13,7 +13,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from .model_config import text_config, unwrap
+from .model_config import linear_head, text_config, unwrap
 
 # Config attributes that, when set to something other than 1, transform the logits after lm_head:
 # attribute -> (what it does, the transform). Gemma 2/3 soft-cap, Cohere scales, Granite divides, Falcon-H1
@@ -96,8 +96,8 @@ def _check_head(model, transform: Callable, what: str, advice: str, probe: bool 
     """A linear head and a decoder, and (once per model, unless ``probe`` is off) the model's logits equal to
     ``transform(head(final hidden states))`` on a few tokens; ``what`` and ``advice`` word the errors."""
     base = unwrap(model)
-    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
-    if not isinstance(head, torch.nn.Linear) or not hasattr(base, "get_decoder"):
+    head = linear_head(base)
+    if head is None or not hasattr(base, "get_decoder"):
         raise ValueError(
             f"{type(base).__name__} has no linear lm_head and decoder (get_output_embeddings(), "
             f"get_decoder()){advice + ' instead' if advice else ''}"
@@ -186,5 +186,5 @@ def causal_lm_hidden_states(
     check_hidden_states_supported(model, allow_unknown)
     base = unwrap(model)
     outputs = decoder_of(base)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **model_kwargs)
-    head = base.get_output_embeddings()
+    head = linear_head(base)
     return outputs.last_hidden_state, head.weight, head.bias

@@ -10,7 +10,7 @@ from typing import Optional, Tuple
 import torch
 
 from .head import causal_lm_hidden_states, check_hidden_states_supported, decoder_of
-from .model_config import text_config, unwrap
+from .model_config import linear_head, text_config, unwrap
 
 # RoPE variants whose frequencies depend on the longest position of the forward call: a prompt pass and a
 # completion pass on its cache may pick different frequencies where one row in a single pass would not.
@@ -210,5 +210,5 @@ def grouped_completion_hidden_states(
     )
     last_prompt = prompt.last_hidden_state[:, -1:].repeat_interleave(group_size, 0)
     hidden = torch.cat([last_prompt, completion.last_hidden_state[:, :-1]], dim=1)
-    head = base.get_output_embeddings()
+    head = linear_head(base)
     return hidden, head.weight, head.bias

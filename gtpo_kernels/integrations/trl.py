@@ -36,6 +36,7 @@ import logging
 import math
 import sys
 import types
+import warnings
 from contextlib import nullcontext
 from typing import Optional
 
@@ -46,6 +47,7 @@ from ..config import GTPOConfig
 from ..conflict import conflict_weights
 from ..fused_linear import fused_linear_gtpo_loss, fused_linear_token_logprobs_and_entropy
 from ..hf import decoder_of, head_logit_transform
+from ..hf.model_config import linear_head, unwrap
 from ..result import GTPOMetrics
 from ..rows import LossRows
 from .trl_settings import check_settings, with_trl_loss_terms
@@ -71,7 +73,7 @@ METRIC_NAMES = (
 def _lm_head(model):
     """The output embedding's weight and bias, whole: FSDP2 shards them (DTensor), DeepSpeed ZeRO-3
     partitions them (gathered for the duration of the ``with``)."""
-    head = model.get_output_embeddings()
+    head = linear_head(unwrap(model))
     weight, bias = head.weight, head.bias
     try:
         from torch.distributed.tensor import DTensor
@@ -219,21 +221,22 @@ class GTPOTrainer(GRPOTrainer):
         # TRL's 'bnpo' divides each micro-batch by its own tokens (a local normaliser, by its definition not
         # exact across micro-batches); every other token mean by its optimiser step's.
         self._gtpo_local_tokens = self.args.loss_type == "bnpo"
-        if (
-            config.loss_reduction == "token_mean"
-            and not self._gtpo_local_tokens
-            and self.args.steps_per_generation % self.args.gradient_accumulation_steps
-        ):
-            raise ValueError(
-                f"GTPOTrainer: loss_reduction='token_mean' needs each optimiser step's token count, which is known "
-                f"only when an optimiser step's micro-batches come from one generation batch: "
-                f"GRPOConfig(steps_per_generation={self.args.steps_per_generation}) must be a multiple of "
-                f"gradient_accumulation_steps={self.args.gradient_accumulation_steps}"
-            )
+        # A token mean divides by its optimiser step's tokens, exactly, when the step's micro-batches come from one
+        # generation batch. TRL's 'dapo', 'cispo' and 'vespo' divide instead by the generation batch's tokens times
+        # gradient_accumulation_steps / steps_per_generation (an average window): the grpo preset (TRL's loss, what
+        # from_grpo_config gives) keeps TRL's count, to train as GRPOTrainer does; GTPO's presets keep the exact
+        # one. Any config takes TRL's count when a step spans generation batches (steps_per_generation not a
+        # multiple of the accumulation steps: the exact count is not known in time).
+        self._gtpo_trl_token_average = (
+            config.preset == "grpo"
+            and config.loss_reduction == "token_mean"
+            and self.args.loss_type in ("dapo", "cispo", "vespo")
+        )
         self.gtpo_config = config
         self._gtpo_initial_entropy: Optional[float] = None
         # mode -> (metric sums, clip extremes) of the loss calls since the last log, on the device
         self._gtpo_pending = {}
+        self._gtpo_pending_policy = {}  # mode -> [sum of the calls' policy_loss, calls], on the device
         base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         add_gtpo_head(base, self)
         if self.ref_model is not None:
@@ -315,11 +318,13 @@ class GTPOTrainer(GRPOTrainer):
         processes and divided by their number (DDP averages the processes' gradients). One all-reduce of a
         few numbers per generation batch, no host sync."""
         accumulation = self.args.gradient_accumulation_steps
-        if len(slices) % accumulation:
-            return  # windows span generation batches: only row counts are exact (token_mean is refused)
+        if len(slices) % accumulation or self._gtpo_trl_token_average:
+            return  # windows span generation batches, or TRL's average window: `whole_batch_counts`
         tokens = torch.stack([_loss_mask(part).sum() for part in slices]).to(torch.float64)
         windows = self.accelerator.reduce(tokens.view(-1, accumulation).sum(dim=1), reduction="sum")
-        windows = windows / self.accelerator.num_processes
+        # A window whose completions are all masked (mask_truncated_completions, every one truncated) trains nothing:
+        # its count is 1, as GRPOTrainer clamps it, so the step is a zero step instead of an error.
+        windows = windows.clamp(min=1.0) / self.accelerator.num_processes
         for k, part in enumerate(slices):
             rows = part["completion_ids"].shape[0]
             part["gtpo_window_tokens"] = windows[k // accumulation].expand(rows).clone()
@@ -332,14 +337,15 @@ class GTPOTrainer(GRPOTrainer):
         the window's tokens that `attach_window_counts` gave every row (for TRL's 'bnpo', the call's own tokens).
         In evaluation, the call's own batch."""
         rows = inputs["completion_ids"].shape[0]
-        if self._gtpo_local_tokens:  # BNPO: this call's tokens, times the accumulation steps it is averaged over
+        if self._gtpo_local_tokens:  # BNPO: this call's tokens (at least 1, as TRL), times the accumulation steps
             steps = self.current_gradient_accumulation_steps if mode == "train" else 1
-            return rows * steps, _loss_mask(inputs).sum().to(torch.float64) * steps
+            return rows * steps, _loss_mask(inputs).sum().to(torch.float64).clamp(min=1.0) * steps
         if mode == "train":
             num_sequences = rows * self.current_gradient_accumulation_steps
             if "gtpo_window_tokens" in inputs:
                 return num_sequences, inputs["gtpo_window_tokens"][0]
-            # A batch that did not come through _prepare_inputs (e.g. a test's): TRL's own average.
+            # TRL's own average window (from_grpo_config's token means; a step spanning generation batches; a batch
+            # that did not come through _prepare_inputs, e.g. a test's).
             tokens = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
             return num_sequences, tokens * self.current_gradient_accumulation_steps / self.args.steps_per_generation
         return rows, inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
@@ -386,11 +392,29 @@ class GTPOTrainer(GRPOTrainer):
             loss = loss + self.router_aux_loss_coef * router_loss / steps
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(router_loss).mean().item())
         self._log_gtpo_metrics(out.metrics, mode)
+        if getattr(self, "_entropy_bonus_enabled", False) or config.entropy_bonus > 0:
+            self._log_policy_loss(out, config, num_tokens, mode)
         if self.use_adaptive_entropy and mode == "train":
             self._update_entropy_controller(out.metrics)
         elif config.entropy_bonus and mode == "train" and self.accelerator.sync_gradients:
             self._metrics["train"]["entropy_coef"].append(config.entropy_bonus)  # as TRL logs its static one
         return loss
+
+    def _log_policy_loss(self, out, config: GTPOConfig, num_tokens, mode: str) -> None:
+        """TRL's ``policy_loss`` beside an entropy bonus: the call's loss without the bonus, on TRL's scale (a token
+        mean's share of its window as it is; the other reductions' micro-batch mean, before TRL divides it by the
+        accumulation steps). Kept on the device with the other metrics, read at the log."""
+        metrics = out.metrics
+        if config.top_entropy_quantile < 1:
+            return  # the bonus then averages the kept tokens only, whose entropies the metrics do not hold
+        tokens = torch.as_tensor(num_tokens, dtype=torch.float64, device=metrics.entropy.device).clamp(min=1.0)
+        bonus = config.entropy_bonus * metrics.entropy.detach().double() * metrics.num_tokens / tokens
+        policy = out.loss.detach().double() + bonus
+        if not (config.loss_reduction == "token_mean" and not self._gtpo_local_tokens) and mode == "train":
+            policy = policy * self.current_gradient_accumulation_steps
+        pending = self._gtpo_pending_policy.get(mode)
+        entry = torch.stack([policy, torch.ones_like(policy)])
+        self._gtpo_pending_policy[mode] = entry if pending is None else pending + entry
 
     def _update_entropy_controller(self, metrics: GTPOMetrics) -> None:
         """TRL's adaptive entropy bonus: the window's token-weighted entropy (this call's sums added to the
@@ -453,7 +477,11 @@ class GTPOTrainer(GRPOTrainer):
         pending = self._gtpo_pending.pop(mode, None)
         if pending is None:
             return
-        per_process = self.accelerator.gather(torch.cat(pending)[None])  # [processes, sums + 2 extremes]
+        policy = self._gtpo_pending_policy.pop(mode, None)
+        policy = pending[0].new_zeros(2) if policy is None else policy.to(pending[0])
+        per_process = self.accelerator.gather(torch.cat([*pending, policy])[None])  # [processes, sums, 2 extremes, 2]
+        policy = per_process[:, -2:].sum(0)  # TRL: each call's mean over processes, then the mean over calls
+        per_process = per_process[:, :-2]
         extremes = per_process[:, -2:].amin(dim=0)
         extremes = torch.where(torch.isinf(extremes), torch.full_like(extremes, math.nan), extremes)
         totals = per_process[:, :-2].sum(0)
@@ -483,9 +511,21 @@ class GTPOTrainer(GRPOTrainer):
             values["cispo_clip_ratio"] = merged.clip_high_fraction
         if vespo:
             values["vespo/phi_seq_mean"] = merged.vespo_weight_mean
-        read = torch.stack([v.to(torch.float64) for v in values.values()]).tolist()  # the one host read
+        values["policy_loss"] = policy[0] / policy[1].clamp(min=1)
+        read = torch.stack([v.to(torch.float64) for v in values.values()] + [policy[1], merged.num_tokens])
+        *read, calls, tokens = read.tolist()  # the one host read
+        if not calls:
+            values.pop("policy_loss")
         for name, value in zip(values, read):
             self._metrics[mode][name].append(value)
+        if mode == "train" and not tokens:
+            warnings.warn(
+                "GTPOTrainer: every completion since the last log was masked out of the loss (with "
+                "mask_truncated_completions, every one reached max_completion_length): those optimiser steps "
+                "trained nothing; raise max_completion_length, or let the model learn to stop",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def log(self, logs, *args, **kwargs):
         self._flush_gtpo_metrics("train" if self.model.training else "eval")  # the mode TRL's log reports

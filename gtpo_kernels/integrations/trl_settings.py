@@ -258,8 +258,9 @@ SETTINGS: Dict[str, Setting] = {
     "pad_to_multiple_of": Setting(IRRELEVANT, "padding (masked out of the loss)"),
     "generation_batch_size": Setting(
         HONOURED,
-        "the generation batch, split into steps_per_generation slices; each "
-        "optimiser step's counts are exact across them",
+        "the generation batch, split into steps_per_generation slices; the grpo preset's token means take "
+        "TRL's average window, GTPO's presets each optimiser step's exact count (TRL's when a step spans "
+        "generation batches)",
     ),
     "steps_per_generation": Setting(HONOURED, "as generation_batch_size"),
     "temperature": Setting(HONOURED, "the loss's statistics are those of softmax(logits / temperature)"),
