@@ -79,6 +79,22 @@ MUTANTS: Tuple[Mutant, ...] = (
         ("tests/test_trainer.py::test_fsdp_in_one_process_says_it_does_nothing",),
         "--fsdp without torchrun says that it does nothing",
     ),
+    Mutant(
+        "trainer: every stop finishes the run",
+        "trainer/stopping.py",
+        "return self.reason is StopReason.TIME_CAP",
+        "return True",
+        ("tests/test_trainer.py::test_only_the_time_cap_finishes_a_stopped_run",),
+        "only the time cap evaluates and saves a stopped run as finished",
+    ),
+    Mutant(
+        "packaging: gtpo_kernels.hf left out of the wheel",
+        "pyproject.toml",
+        '    "gtpo_kernels.hf",\n',
+        "",
+        ("tests/test_packaging.py::test_the_wheel_has_no_top_level_trainer_package",),
+        "every module of the source tree is in the built wheel",
+    ),
     # ---------------------------------------------------------------- vocabulary-parallel and packed inputs
     Mutant(
         "metrics: merged entropy weighted by completions instead of tokens",
@@ -169,6 +185,14 @@ MUTANTS: Tuple[Mutant, ...] = (
         "head_precision = nullcontext()",
         ("tests/test_trl.py::test_a_float32_head_under_bf16_autocast_trains_as_grpo_trainer",),
         "TRL's float32 head: its gradients agree to 5e-7 of the largest, a bf16 head's are 1.2e-2 off",
+    ),
+    Mutant(
+        "trl: TRL's batch-std advantages replaced by the group's",
+        "gtpo_kernels/integrations/trl.py",
+        'self.scale_rewards = ("batch" if batch_std else "group") if',
+        'self.scale_rewards = "group" if',
+        ("tests/test_trl.py::test_vllm_importance_sampling_trains_as_grpo_trainer", "-k", "batch-std"),
+        "scale_rewards='batch' trains as GRPOTrainer's",
     ),
     # ---------------------------------------------------------------- TRL's own GRPO tests (issue 37)
     Mutant(
@@ -264,6 +288,22 @@ MUTANTS: Tuple[Mutant, ...] = (
         "CISPO caps the ratio's weight at cispo_ratio_max",
     ),
     Mutant(
+        "objective: the entropy bonus over the call's own tokens",
+        "gtpo_kernels/objective.py",
+        "    tokens = _batch_tokens(rows, masked.lengths)\n    return tokens if masked.kept_share",
+        "    tokens = masked.lengths.sum().clamp(min=1)\n    return tokens if masked.kept_share",
+        ("tests/test_sliced_batches.py::test_trls_terms_add_up_across_slices",),
+        "the bonus is the optimiser step's token mean: slices of a batch add up",
+    ),
+    Mutant(
+        "objective: top_entropy_quantile's mask left off the policy term",
+        "gtpo_kernels/objective.py",
+        "token_advantage = token_advantage * masked.high_entropy",
+        "token_advantage = token_advantage",
+        ("tests/test_top_entropy.py",),
+        "the policy term acts on the tokens at or above the quantile only",
+    ),
+    Mutant(
         "rows: a slice without the call's counts",
         "gtpo_kernels/rows.py",
         "num_tokens=self.valid.sum() if self.num_tokens is None else self.num_tokens,",
@@ -340,9 +380,22 @@ MUTANTS: Tuple[Mutant, ...] = (
 
 
 def scratch_copy(dest: Path) -> None:
-    """The working tree (built extensions included) without git's folder, virtual environments or caches."""
-    ignore = shutil.ignore_patterns(".git", ".venv", "__pycache__", ".pytest_cache", ".hypothesis", "runs", "build")
-    shutil.copytree(ROOT, dest, ignore=ignore, symlinks=True)
+    """The working tree as git sees it (tracked files, and untracked ones it does not ignore) plus the built C++
+    extension: no build output or egg-info that would stand in for what the tree itself says (a stale
+    egg-info once let a package left off pyproject's list into the wheel)."""
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split("\0")
+    built = [p.relative_to(ROOT).as_posix() for p in (ROOT / "gtpo_kernels" / "backends").glob("_cpu_*.so")]
+    for name in [n for n in listed if n] + built:
+        source = ROOT / name
+        if source.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, dest / name)
 
 
 def apply(mutant: Mutant, tree: Path) -> None:
@@ -390,14 +443,20 @@ def check(mutants: List[Mutant], timeout: float) -> List[Tuple[Mutant, str, floa
     return results
 
 
-def report(results, command: str) -> str:
-    killed = sum(verdict == "killed" for _, verdict, _, _ in results)
+def source_state() -> str:
+    """The commit the working tree stands on, and whether it has uncommitted changes (taken before the copy)."""
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=ROOT).returncode != 0
+    return (commit.stdout.strip() or "?") + (" with uncommitted changes" if dirty else "")
+
+
+def report(results, command: str, source: str) -> str:
+    killed = sum(verdict == "killed" for _, verdict, _, _ in results)
     lines = [
         "# Mutation check",
         "",
-        f"`{command}` at commit {commit.stdout.strip() or '?'} (with the working tree as it was), "
-        f"{time.strftime('%Y-%m-%d')}: **{killed} of {len(results)} mutants killed**.",
+        f"`{command}` on the working tree at {source}, {time.strftime('%Y-%m-%d')}: "
+        f"**{killed} of {len(results)} mutants killed**.",
         "",
         "| mutant | file | tests that must fail | verdict | seconds |",
         "|---|---|---|---|---|",
@@ -423,8 +482,9 @@ def main(argv=None) -> int:
         return 0
     if not mutants:
         parser.error(f"no mutant's name contains any of {args.only}")
+    source = source_state()
     results = check(mutants, args.timeout)
-    text = report(results, "python -m tools.mutations" + (" --only ..." if args.only else ""))
+    text = report(results, "python -m tools.mutations" + (" --only ..." if args.only else ""), source)
     if args.only:
         print(text)
     else:
