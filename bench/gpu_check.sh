@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check, one command: versions, the CUDA tests, kernel timings against the copy bandwidth, a
-# BLOCK_V x num_warps sweep, the logits and fused-linear benchmark rows (the torch.compile reference
+# BLOCK_V x num_warps x num_stages sweep, the logits and fused-linear benchmark rows (the torch.compile reference
 # last, under its own timeout). Each step has a timeout and writes its results as it goes, so a run cut
-# short keeps what it measured. Sized for 7 minutes on an H200, cold compiles included (the step
-# timeouts add up to 395 s).
+# short keeps what it measured. Sized for 8 minutes on an H200, cold compiles included (the step
+# timeouts add up to 470 s).
 #
 #   bash bench/gpu_check.sh              # results in $OUT (default bench/results/gpu-check/)
 #   OUT=/some/dir bash bench/gpu_check.sh
@@ -51,7 +51,7 @@ else
   # torch and cpu backends' rows run on the CPU), no failure cap, the failures summarised at the end (-rfE).
   step tests 170 env GTPO_TEST_CUDA=1 $PY -m pytest -q -rfE -p no:cacheprovider --junitxml="$OUT/tests.xml" \
     tests -k "triton or cuda"
-  step kernels 45 $PY -m bench kernels --out "$OUT/kernels.json"
+  step kernels 120 $PY -m bench kernels --out "$OUT/kernels.json"  # 36 launch configurations, compiled
   step logits 45 $PY -m bench logits --tokens 16384 --vocab 151936 --dtype bfloat16 --no-compile --name logits-h200
   step fused-linear 50 $PY -m bench fused_linear --only fused-triton materialised-triton liger-fused-grpo \
     --name fused-linear-h200
@@ -64,7 +64,7 @@ fi
 # Keep within the 8 files the device tool brings back: each table's .md holds every number of its .json.
 rm -f "$OUT"/*.png "$OUT"/logits*.json "$OUT"/fused-linear*.json "$OUT"/layouts*.json
 # The verdict first in summary.md (the 8th file): were the CUDA tests green, which steps failed.
-$PY -m bench.gpu_summary "$OUT" "${FAILED[@]}" | tee -a "$LOG"
+$PY -m bench.gpu_summary "$OUT" $([ $DRY -eq 1 ] && echo --dry-run) "${FAILED[@]}" | tee -a "$LOG"
 echo "results: $OUT"
 if [ ${#FAILED[@]} -ne 0 ]; then
   echo "failed steps: ${FAILED[*]}" | tee -a "$LOG"

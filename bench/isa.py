@@ -93,7 +93,7 @@ def ours(vocab: int):
     from gtpo_kernels.backends import triton_token_stats as k
 
     rows = []
-    block, warps = k.launch_config(vocab, k._FORWARD_LAUNCH)
+    block, warps, stages = k.launch_config(vocab, k._FORWARD_LAUNCH)
     common = {
         "logits_ptr": "*bf16",
         "ids_ptr": "*i32",
@@ -114,12 +114,14 @@ def ours(vocab: int):
             "inv_temperature": "fp32",
             "scale": "fp32",
             "BLOCK_V": "constexpr",
+            "INTERPRETED": "constexpr",
         },
-        {"BLOCK_V": block},
+        {"BLOCK_V": block, "INTERPRETED": False},
         warps,
+        stages,
     )
     rows.append(("gtpo forward", forward, block, warps))
-    block, warps = k.launch_config(vocab, k._BACKWARD_LAUNCH)
+    block, warps, stages = k.launch_config(vocab, k._BACKWARD_LAUNCH)
     backward = compile_kernel(
         k._token_stats_backward_kernel,
         {
@@ -147,6 +149,7 @@ def ours(vocab: int):
         },
         {"BLOCK_V": block, "HAS_GRAD_ENTROPY": False, "INTERPRETED": False, "EMULATE_BF16_ROUNDING": False},
         warps,
+        stages,
     )
     rows.append(("gtpo backward", backward, block, warps))
     return rows

@@ -3,9 +3,9 @@
 At the headline shape (T = 16384 tokens, V = 151936, bf16) with every token valid and with 70 % valid,
 times the forward kernel (one read of the logits) and the backward kernel (one read, one write), next
 to the measured device-to-device copy bandwidth: the floor is 2 T_valid V bytes forward and 4 T_valid V
-backward (bf16). Then a small sweep of ``BLOCK_V`` x ``num_warps`` for the launch table in
-``gtpo_kernels/backends/triton_token_stats.py``. Every result is appended to the JSON file as it comes,
-so a run cut short keeps what it measured.
+backward (bf16). Then a sweep of ``BLOCK_V`` (1024, 2048, 4096) x ``num_warps`` (1, 2, 4, 8: Liger's forward
+runs 1 warp) x ``num_stages`` (1, 2, 3) for the launch tables in ``gtpo_kernels/backends/triton_token_stats.py``.
+Every result is appended to the JSON file as it comes, so a run cut short keeps what it measured.
 
 ``--dry-run`` runs the same code on tiny CPU shapes under Triton's interpreter (timings meaningless).
 """
@@ -101,25 +101,26 @@ def main(argv=None) -> None:
         save(row)
 
     valid = torch.ones(1, tokens, dtype=torch.bool, device=device)
-    blocks, warp_counts = ((128, 256), (4,)) if args.dry_run else ((1024, 2048, 4096, 8192), (4, 8, 16))
-    for block in blocks:
-        for warps in warp_counts:
-            tables = kernels._FORWARD_LAUNCH, kernels._BACKWARD_LAUNCH
-            kernels._FORWARD_LAUNCH = kernels._BACKWARD_LAUNCH = ((1 << 62, block, warps),)
-            try:
-                stats = kernels.forward(logits, ids, valid)
-                row = {
-                    "step": "sweep",
-                    "BLOCK_V": block,
-                    "num_warps": warps,
-                    "forward_ms": ms(lambda: kernels.forward(logits, ids, valid)),
-                    "backward_ms": ms(lambda: kernels.backward(logits, ids, valid, *stats, c, None, out)),
-                }
-            except Exception as exc:  # noqa: BLE001 (a configuration that does not compile is a row)
-                row = {"step": "sweep", "BLOCK_V": block, "num_warps": warps, "error": str(exc)[:200]}
-            finally:
-                kernels._FORWARD_LAUNCH, kernels._BACKWARD_LAUNCH = tables
-            save(row)
+    if args.dry_run:  # the plumbing only: the interpreter ignores warps and stages
+        grid = [(128, 1, 1), (128, 4, 3), (256, 4, 3)]
+    else:
+        grid = [(b, w, s) for b in (1024, 2048, 4096) for w in (1, 2, 4, 8) for s in (1, 2, 3)]
+    for block, warps, stages in grid:
+        tables = kernels._FORWARD_LAUNCH, kernels._BACKWARD_LAUNCH
+        kernels._FORWARD_LAUNCH = kernels._BACKWARD_LAUNCH = ((1 << 62, block, warps, stages),)
+        config = {"step": "sweep", "BLOCK_V": block, "num_warps": warps, "num_stages": stages}
+        try:
+            stats = kernels.forward(logits, ids, valid)
+            row = {
+                **config,
+                "forward_ms": ms(lambda: kernels.forward(logits, ids, valid)),
+                "backward_ms": ms(lambda: kernels.backward(logits, ids, valid, *stats, c, None, out)),
+            }
+        except Exception as exc:  # noqa: BLE001 (a configuration that does not compile is a row)
+            row = {**config, "error": str(exc)[:200]}
+        finally:
+            kernels._FORWARD_LAUNCH, kernels._BACKWARD_LAUNCH = tables
+        save(row)
     print("wrote", out_path)
 
 

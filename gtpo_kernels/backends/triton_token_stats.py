@@ -37,20 +37,29 @@ from .triton_interpreter import triton_interpreted
 
 
 @triton.jit
-def _log1p(x):
-    """log(1 + x) without losing small x (Kahan): tl has no log1p."""
-    u = 1.0 + x
-    return tl.where(u == 1.0, x, tl.log(u) * x / tl.where(u == 1.0, 1.0, u - 1.0))
+def _log1p(x, INTERPRETED: tl.constexpr):
+    """log(1 + x) without losing small x: libdevice's log1pf on a GPU; under the interpreter, which has no
+    libdevice, Kahan's form (exact only as far as numpy's log is, which is accurate to an ulp: ``tl.log`` on a
+    GPU, ``lg2.approx``, is not, so the compiled kernels do not lean on it)."""
+    if INTERPRETED:
+        u = 1.0 + x
+        return tl.where(u == 1.0, x, tl.log(u) * x / tl.where(u == 1.0, 1.0, u - 1.0))
+    else:
+        return libdevice.log1p(x)
 
 
 @triton.jit
-def _expm1(x):
-    """exp(x) - 1 for x <= 0. Near 0 Kahan's form, which does not cancel; below -1/2 plain exp(x) - 1, which
-    does not cancel there either, and unlike Kahan's form stays exact where exp(x) is subnormal or 0 (its
-    log would have lost the digits: a confident row's off-target token at log p = -100)."""
-    u = tl.exp(x)
-    kahan = (u - 1.0) * x / tl.log(tl.where((u == 1.0) | (u == 0.0), 0.5, u))
-    return tl.where(x < -0.5, u - 1.0, tl.where(u == 1.0, x, kahan))
+def _expm1(x, INTERPRETED: tl.constexpr):
+    """exp(x) - 1 for x <= 0: libdevice's expm1f on a GPU. Under the interpreter: near 0 Kahan's form, which
+    does not cancel; below -1/2 plain exp(x) - 1, which does not cancel there either, and unlike Kahan's form
+    stays exact where exp(x) is subnormal or 0 (its log would have lost the digits: a confident row's off-target
+    token at log p = -100)."""
+    if INTERPRETED:
+        u = tl.exp(x)
+        kahan = (u - 1.0) * x / tl.log(tl.where((u == 1.0) | (u == 0.0), 0.5, u))
+        return tl.where(x < -0.5, u - 1.0, tl.where(u == 1.0, x, kahan))
+    else:
+        return libdevice.expm1(x)
 
 
 @triton.jit
@@ -91,6 +100,7 @@ def _token_stats_forward_kernel(
     inv_temperature,
     scale,
     BLOCK_V: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     token = tl.program_id(0)
     if tl.load(valid_ptr + token) == 0:  # masked: zeros, logits never read
@@ -153,7 +163,7 @@ def _token_stats_forward_kernel(
     s_rest = tl.sum(s_lanes, axis=0)
     rest = s_rest * unshift  # sum_v 2^u_v over values below m, u = (z - m) * scale
     w = (tl.sum(w_lanes, axis=0) - r * s_rest) * unshift  # sum_v 2^u_v u_v
-    log_s = _log1p((top - 1.0) + rest)
+    log_s = _log1p((top - 1.0) + rest, INTERPRETED)
     entropy = log_s - w * 0.6931471805599453 / (top + rest)
     # An id outside [0, V) (the loss reports it) reads in bounds and gives NaN; so do NaN or +inf logits.
     target = tl.load(ids_ptr + token)
@@ -234,26 +244,29 @@ def _token_stats_backward_kernel(
     target = tl.load(ids_ptr + token)
     if (target >= 0) & (target < vocab):
         log_p_target = tl.load(logp_ptr + token)
-        grad_target = -c * _expm1(log_p_target)
+        grad_target = -c * _expm1(log_p_target, INTERPRETED)
         if HAS_GRAD_ENTROPY:
             grad_target -= e * tl.exp(log_p_target) * (log_p_target + entropy)
         tl.debug_barrier()
         tl.store(grad_base + target.to(tl.int64), _round_for(grad_target, grad_ptr, EMULATE_BF16_ROUNDING))
 
 
-# (BLOCK_V, num_warps) by vocabulary size, for the forward and the backward apart. For V > 8192 from the
-# H200 sweep of 2026-11-30 (bf16, T = 16384, V = 151936; `python -m bench kernels --sweep`): forward fastest
-# at 2048 x 4 warps (16 warps was the slowest everywhere), backward at 4096 x 16 and 2048 x 8 (within 1 %).
-# Smaller vocabularies take a block that covers them. Under the interpreter only BLOCK_V matters.
-_FORWARD_LAUNCH = ((1024, 1024, 4), (1 << 62, 2048, 4))
-_BACKWARD_LAUNCH = ((1024, 1024, 4), (8192, 2048, 8), (1 << 62, 4096, 16))
+# (vocabulary limit, BLOCK_V, num_warps, num_stages), for the forward and the backward apart. For V > 8192 from
+# the H200 sweep of 2026-11-30 (bf16, T = 16384, V = 151936; `python -m bench kernels`): forward fastest at
+# 2048 x 4 warps (16 warps was the slowest everywhere), backward at 4096 x 16 and 2048 x 8 (within 1 %); that
+# sweep ran 4-16 warps at Triton's default 3 stages only (Liger's forward runs 1 warp, 2 stages): the GPU check
+# now sweeps 1-8 warps and 1-3 stages. Smaller vocabularies take a block that covers them. Under the
+# interpreter only BLOCK_V matters.
+_FORWARD_LAUNCH = ((1024, 1024, 4, 3), (1 << 62, 2048, 4, 3))
+_BACKWARD_LAUNCH = ((1024, 1024, 4, 3), (8192, 2048, 8, 3), (1 << 62, 4096, 16, 3))
 
 
 def launch_config(vocab: int, table=None):
-    """``(BLOCK_V, num_warps)`` for a vocabulary of ``vocab`` (the forward's table unless ``table`` is given)."""
-    for limit, block, warps in table or _FORWARD_LAUNCH:
+    """``(BLOCK_V, num_warps, num_stages)`` for a vocabulary of ``vocab`` (the forward's table unless ``table`` is
+    given)."""
+    for limit, block, warps, stages in table or _FORWARD_LAUNCH:
         if vocab <= limit:
-            return min(block, triton.next_power_of_2(vocab)), warps
+            return min(block, triton.next_power_of_2(vocab)), warps, stages
     raise AssertionError("unreachable")
 
 
@@ -280,7 +293,7 @@ def forward(logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, temper
         torch.empty((n_rows, length), dtype=torch.float32, device=logits.device) for _ in range(4)
     )
     if logp.numel():
-        block, warps = launch_config(vocab, _FORWARD_LAUNCH)
+        block, warps, stages = launch_config(vocab, _FORWARD_LAUNCH)
         _token_stats_forward_kernel[(n_rows * length,)](
             logits,
             ids,
@@ -296,7 +309,9 @@ def forward(logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, temper
             1.0 / temperature,
             _log2e_over(temperature),
             BLOCK_V=block,
+            INTERPRETED=triton_interpreted(),
             num_warps=warps,
+            num_stages=stages,
         )
     return row_max, log_s, logp, entropy
 
@@ -320,7 +335,7 @@ def backward(
         raise ValueError("triton backward needs logits and out with a contiguous last dimension")
     n_rows, length, vocab = logits.shape
     if logp.numel():
-        block, warps = launch_config(vocab, _BACKWARD_LAUNCH)
+        block, warps, stages = launch_config(vocab, _BACKWARD_LAUNCH)
         has_grad_entropy = grad_entropy is not None
         grad_entropy = grad_entropy.float().contiguous() if has_grad_entropy else logp
         _token_stats_backward_kernel[(n_rows * length,)](
@@ -346,5 +361,6 @@ def backward(
             INTERPRETED=triton_interpreted(),
             EMULATE_BF16_ROUNDING=out.dtype == torch.bfloat16 and triton_interpreted(),
             num_warps=warps,
+            num_stages=stages,
         )
     return out
