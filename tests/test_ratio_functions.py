@@ -34,7 +34,7 @@ def one_token(backend, advantage, ratio, **knobs):
     )
     out.loss.backward()
     # d loss / d z_y = c (1 - p_y) at the target with p_y = 1/V: c = grad / (1 - 1/V)
-    return float(out.loss), float(logits.grad[0, 0, 2]) / (1 - 1 / V)
+    return float(out.loss.detach()), float(logits.grad[0, 0, 2]) / (1 - 1 / V)
 
 
 @pytest.mark.parametrize("backend", list(registered()))

@@ -1,6 +1,8 @@
 """`GTPOTrainer` (TRL's GRPOTrainer with the GTPO loss) on a tiny Llama, on the CPU. Skipped without the
 ``trl`` extra (``pip install -e ".[trl]"``); CI installs it."""
 
+import math
+
 import pytest
 import torch
 
@@ -118,7 +120,13 @@ def assert_equals_loss_on_the_logits(trainer, config):
     # a sum over completions is over every process's (one here)
     (expected.loss * (trainer.accelerator.num_processes if config.loss_reduction == "sum" else 1)).backward()
     torch.testing.assert_close(loss, expected.loss.detach(), rtol=1e-5, atol=1e-7)
+    assert any(g.abs().max() > 0 for g in grads.values())  # a gradient to compare, not zeros on both sides
     assert_same_grads(grads, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
+
+
+# The official preset without its entropy filter: the tiny random model's completions are all above the filter's
+# 0.7 nats, which would leave no gradient to compare (the conflict weights and the entropy shaping still act).
+OFFICIAL_UNFILTERED = GTPOConfig(preset="official", entropy_threshold=math.inf)
 
 
 def with_old_and_ref_logprobs(trainer, inputs, seed, spread=0.3, old_above=False, ref=True):
@@ -138,7 +146,7 @@ def with_old_and_ref_logprobs(trainer, inputs, seed, spread=0.3, old_above=False
 
 @pytest.mark.parametrize("preset", ["paper", "official"])
 def test_loss_equals_gtpo_loss_on_the_logits(tiny_model_dir, tmp_path, preset):
-    config = GTPOConfig(preset=preset)
+    config = GTPOConfig(preset=preset) if preset == "paper" else OFFICIAL_UNFILTERED
     trainer = make_trainer(tiny_model_dir, tmp_path, gtpo_config=config)
     assert_equals_loss_on_the_logits(trainer, config)
     trainer._flush_gtpo_metrics("train")  # what TRL's log() does first
@@ -309,7 +317,7 @@ def test_two_processes_windows_are_exact(tiny_model_dir, tmp_path, monkeypatch):
 def test_tool_mask_takes_tool_outputs_out_of_the_loss(tiny_model_dir, tmp_path):
     """TRL's tool_mask leaves holes inside completions: those tokens take no part in the loss; the conflict
     weights are those of the completions as generated (computed at scoring time on completion_mask)."""
-    config = GTPOConfig(preset="official")
+    config = OFFICIAL_UNFILTERED
     trainer = make_trainer(tiny_model_dir, tmp_path, gtpo_config=config)
     inputs = fixed_inputs(trainer.model.config.vocab_size, seed=7)
     tool_mask = torch.ones_like(inputs["completion_mask"])
@@ -329,6 +337,7 @@ def test_tool_mask_takes_tool_outputs_out_of_the_loss(tiny_model_dir, tmp_path):
     )
     expected.loss.backward()
     torch.testing.assert_close(loss, expected.loss.detach(), rtol=1e-5, atol=1e-7)
+    assert any(g.abs().max() > 0 for g in grads.values())
     assert_same_grads(grads, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
 
 
@@ -914,7 +923,7 @@ def test_transformed_logits_take_the_chunked_logits_path(tiny_model_dir, tmp_pat
     model_dir = tmp_path / family
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    gtpo = GTPOConfig(preset="official", max_chunk_bytes=4 * 6 * len(tokenizer) * 4)  # 4 rows of logits a chunk
+    gtpo = OFFICIAL_UNFILTERED.replace(max_chunk_bytes=4 * 6 * len(tokenizer) * 4)  # 4 rows of logits a chunk
     with caplog.at_level(logging.INFO, logger="gtpo_kernels.integrations.trl"):
         trainer = make_trainer(str(model_dir), tmp_path, gtpo_config=gtpo)
     assert any("takes the logits path" in r.message for r in caplog.records)
