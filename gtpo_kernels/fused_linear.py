@@ -193,7 +193,9 @@ def fused_linear_gtpo_loss(
     stat_dtype = stats_dtype(compute_dtype)
     rows = with_conflict_weights(rows.replace(advantages=rows.advantages.detach().to(stat_dtype)), config, backend_)
     valid = rows.valid
-    if config.warn_no_signal and not signal_beyond_advantages(config, ref_logprobs is not None):
+    # GTPO's entropy shift gives a tied group -gamma Hbar, a signal the statistics decide: no claim before them.
+    shift = config.entropy_mode == "advantage_shift" and config.entropy_coef > 0
+    if config.warn_no_signal and not shift and not signal_beyond_advantages(config, ref_logprobs is not None):
         # What is known before the statistics: no unmasked token with a non-zero advantage and conflict weight.
         weight = advantages.detach()[:, None] * (1 if rows.lambda_ is None else rows.lambda_)
         checks.add_warning(

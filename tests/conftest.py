@@ -54,3 +54,31 @@ def tiny_model_dir(tmp_path_factory):
     model.save_pretrained(path)
     fast.save_pretrained(path)
     return str(path)
+
+
+# --- the no-signal audit: `python -m pytest --no-signal-is-error` -------------------------------------------------
+# A loss call without signal has loss and gradient exactly 0, so a comparison of it with a reference compares zeros.
+# With this option every such call fails its test (the warning, once per process by design, is reset per test);
+# tests whose point is a call without signal pass warn_no_signal=False or catch the warning.
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--no-signal-is-error",
+        action="store_true",
+        help="fail every test whose loss call has no learning signal (its comparisons would be of zeros)",
+    )
+
+
+def pytest_configure(config):
+    if config.getoption("--no-signal-is-error", default=False):
+        config.addinivalue_line("filterwarnings", "error:gtpo_kernels. this loss call has no learning signal")
+
+
+@pytest.fixture(autouse=True)
+def _no_signal_warned_afresh(request):
+    if request.config.getoption("--no-signal-is-error"):
+        from gtpo_kernels import validation
+
+        validation._WARNED.discard("no_signal")
+    yield

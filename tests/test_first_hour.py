@@ -52,9 +52,11 @@ def test_a_call_without_signal_warns_once_and_says_why(monkeypatch, entry):
             config=config,
         )
         reason = "entropy filter"
-    else:  # every group's rewards equal: no advantage
+    else:  # every group's rewards equal: no advantage (under the grpo preset: GTPO's entropy shift would give
+        # tied groups -gamma Hbar, which only the statistics can rule out; the fused path then does not warn early)
         hidden, weight = torch.randn(4, 5, 8, generator=g), torch.randn(50, 8, generator=g)
-        call = lambda config=None: fused_linear_gtpo_loss(
+        grpo = GTPOConfig(preset="grpo")
+        call = lambda config=grpo: fused_linear_gtpo_loss(
             hidden,
             weight,
             ids,
@@ -72,7 +74,7 @@ def test_a_call_without_signal_warns_once_and_says_why(monkeypatch, entry):
         warnings.simplefilter("error")
         call()  # once per process
         monkeypatch.setattr(validation, "_WARNED", set())
-        call(GTPOConfig(warn_no_signal=False))  # and off with the knob
+        call(GTPOConfig(preset="grpo", warn_no_signal=False))  # and off with the knob
 
 
 def test_package_reports_its_backends():

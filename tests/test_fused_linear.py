@@ -2,6 +2,7 @@
 applied to ``hidden @ W.T + b``."""
 
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -320,6 +321,23 @@ def test_gradient_scales_with_incoming_gradient():
     (3.0 * out.loss).backward()
     _, dh_ref, _, _ = reference(h, w, None, ids, mask, adv, GTPOConfig())
     assert_rel_close(hx.grad, 3.0 * dh_ref, RTOL[torch.float32], "3 * d_hidden")
+
+
+def test_tied_groups_under_the_entropy_shift_are_not_called_signal_free():
+    """Every group tied (advantages all 0): the paper preset's shift still gives each kept completion -gamma Hbar, so
+    the loss and gradient are not 0 and the call must not warn that they are (the fused path said so before its
+    statistics, from the raw advantages alone)."""
+    h, w, b, ids, mask, adv = make(seed=10, hidden=64)
+    assert not adv.any()
+    w = 3 * w
+    hx = h.float().requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = fused_linear_gtpo_loss(hx, w.float(), ids, mask, adv, group_size=G, backend="cpu")
+    out.loss.backward()
+    _, dh_ref, _, _ = reference(h, w, None, ids, mask, adv, GTPOConfig())
+    assert dh_ref.abs().max() > 0 and float(out.loss.detach()) != 0
+    assert_rel_close(hx.grad, dh_ref, RTOL[torch.float32], "d_hidden")
 
 
 def test_no_grad_computes_no_gradient():
