@@ -8,6 +8,7 @@ OUT=tools/suite-time.md
 LOG=$(mktemp)
 cpu=$(lscpu | sed -n 's/^Model name: *//p' | head -1)
 flags=$(grep -m1 -o -w -E 'avx512_bf16|amx_bf16|avx512f|avx2' /proc/cpuinfo | sort -u | tr '\n' ' ')
+state="commit $(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo ' (with uncommitted changes)')"
 start=$(date +%s)
 python -m pytest -q -n 2 -p no:cacheprovider --durations=15 >"$LOG" 2>&1
 rc=$?
@@ -18,7 +19,7 @@ seconds=$(( $(date +%s) - start ))
   echo "\`bash tools/time_suite.sh\` (the README's test command, \`python -m pytest -q -n 2\`, with \`--durations=15\`)."
   echo
   echo "- machine: $cpu, $(nproc) cores, $(free -g | awk '/Mem:/ {print $2}') GiB; CPU flags seen: ${flags:-none of avx2/avx512f/avx512_bf16/amx_bf16}"
-  echo "- when: $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --short HEAD)$(git diff --quiet || echo ' (with uncommitted changes)')"
+  echo "- when: $(date -u '+%Y-%m-%d %H:%M UTC'), $state"
   echo "- installed: $(python -c 'import torch, importlib.util as u; print("torch", torch.__version__, "| trl", "yes" if u.find_spec("trl") else "no", "| verl", "yes" if u.find_spec("verl") else "no")')"
   echo "- pytest exit status: $rc; wall time: $((seconds / 60)) min $((seconds % 60)) s"
   echo
