@@ -18,7 +18,7 @@ SUMMARIES = {
     "fused_linear": "the fused hidden @ lm_head loss against materialised logits, against the FLOP floor",
     "cpu_kernels": "the C++ kernels at their target shapes, against eager and compiled PyTorch",
     "accuracy": "per-token statistics and the logits' gradient against float64, every backend",
-    "kernels": "the Triton kernels alone against the copy bandwidth, and a BLOCK_V x num_warps sweep (GPU)",
+    "kernels": "the Triton kernels alone against the copy bandwidth, and a BLOCK_V x warps x stages sweep (GPU)",
     "isa": "static sm_90 SASS instruction counts of our kernels and Liger's, no GPU needed",
     "layouts": "packed (cu_seqlens) and vocab-parallel (vocab_group) calls against the padded whole-vocabulary one",
     "fused_work": "the fused loss under no_grad and in its backward, against an earlier commit (--before REV)",

@@ -474,6 +474,11 @@ def report(results, command: str, source: str) -> str:
         lines.append(f"| {mutant.name} | `{mutant.file}` | {tests} | {verdict} | {seconds:.0f} |")
     lines += ["", "What each mutant breaks, and what its tests hold:", ""]
     lines += [f"- **{mutant.name}**: {mutant.claim}." for mutant, _, _, _ in results]
+    # A mutant not killed: the last lines pytest printed, so that the report says why (a survivor, a collection
+    # error in the mutated code, a timeout).
+    unkilled = [(mutant, verdict, tail) for mutant, verdict, _, tail in results if verdict != "killed"]
+    for mutant, verdict, tail in unkilled:
+        lines += ["", f"**{mutant.name}** ({verdict}):", "", "```", tail or "(no output)", "```"]
     return "\n".join(lines) + "\n"
 
 

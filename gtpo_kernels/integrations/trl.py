@@ -410,7 +410,9 @@ class GTPOTrainer(GRPOTrainer):
         tokens = torch.as_tensor(num_tokens, dtype=torch.float64, device=metrics.entropy.device).clamp(min=1.0)
         bonus = config.entropy_bonus * metrics.entropy.detach().double() * metrics.num_tokens / tokens
         policy = out.loss.detach().double() + bonus
-        if not (config.loss_reduction == "token_mean" and not self._gtpo_local_tokens) and mode == "train":
+        # TRL divides every policy loss but a token mean over its window by the accumulation steps after logging it.
+        window_share = config.loss_reduction == "token_mean" and not self._gtpo_local_tokens
+        if mode == "train" and not window_share:
             policy = policy * self.current_gradient_accumulation_steps
         pending = self._gtpo_pending_policy.get(mode)
         entry = torch.stack([policy, torch.ones_like(policy)])
