@@ -1,10 +1,20 @@
 """`GTPOConfig`: every knob of the GTPO loss, filled from a preset, validated, immutable.
 
-A preset fills only the knobs the user did not set: a knob left at its default (``PRESET``, the string
-``"<from the preset>"``, in the class's signature, never in an instance) takes the preset's value, and any value
-given, ``None`` included, wins. The config is frozen, so it is validated once and cannot drift afterwards; change it
-with ``config.replace(**changes)`` (or ``dataclasses.replace``), which re-resolves the preset: for example
-``GTPOConfig(entropy_coef=0.05).replace(preset="grpo")`` is the ``grpo`` preset with ``entropy_coef=0.05``.
+One rule, and no state beyond the fields: a preset fills the knobs left unset at construction. A knob left at its
+default (``PRESET``, the string ``"<from the preset>"``, in the class's signature, never in an instance) takes the
+preset's value; any value given, ``None`` included, wins. An instance holds only resolved values, so configs with
+equal fields are equal and behave the same everywhere.
+
+Changing a config (it is frozen, validated once):
+
+* ``config.replace(**changes)``: ``changes`` win; when ``preset`` changes, every knob the old preset governs whose
+  value is still the old preset's follows the new preset, and the others are kept (the user's choices):
+  ``GTPOConfig(entropy_coef=0.05).replace(preset="grpo")`` is the ``grpo`` preset with ``entropy_coef=0.05``.
+* ``dataclasses.replace(config, **changes)``: a copy of every field with ``changes`` (nothing is unset in a copy,
+  so a new ``preset`` fills nothing: it only relabels); use ``config.replace`` to switch presets.
+
+The fields come in three groups: the method (GTPO's knobs and the presets'), the terms of other trainers' losses
+(TRL's names in the docstrings), and execution (memory, checks).
 
 See ``docs/method.md`` for the definition and what each knob does.
 """
@@ -12,8 +22,8 @@ See ``docs/method.md`` for the definition and what each knob does.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
-from typing import Any, FrozenSet, Optional, Tuple
+from dataclasses import dataclass, fields
+from typing import Any, Optional, Tuple
 
 PRESETS = ("paper", "official", "grpo")
 REDUCTIONS = ("sequence_mean", "sum", "token_mean", "dr_grpo", "sequence_sum")
@@ -180,6 +190,7 @@ class GTPOConfig:
             statistics come after its one read); ``metrics.filtered_fraction`` says so.
     """
 
+    # ---- the method: GTPO's knobs (a preset fills those at PRESET)
     preset: str = "paper"
     normalize_advantages_by_std: Optional[bool] = PRESET
     entropy_threshold: Optional[float] = PRESET
@@ -193,6 +204,8 @@ class GTPOConfig:
     clip_eps_low: Optional[float] = PRESET
     clip_eps_high: Optional[float] = PRESET
     kl_beta: float = 0.0
+    max_completion_length: Optional[int] = None
+    # ---- the terms of other trainers' losses (TRL's GRPOTrainer and its relatives)
     ratio_cap: Optional[float] = None
     kl_ratio_weighted: bool = False
     entropy_bonus: float = 0.0
@@ -210,28 +223,16 @@ class GTPOConfig:
     sampling_ratio_max: Optional[float] = 3.0
     off_policy_mask_threshold: Optional[float] = None
     top_entropy_quantile: float = 1.0
-    max_completion_length: Optional[int] = None
+    # ---- execution: memory and checks (the loss's value does not depend on them)
     max_chunk_bytes: Optional[int] = None
     inplace_backward: bool = False
     validate_inputs: bool = True
     warn_no_signal: bool = True
-    # (knobs the user set, values filled in for the others) of the config this one was copied from by
-    # `dataclasses.replace`: lets the copy tell filled-in values from the user's own.
-    _origin: Optional[Tuple[FrozenSet[str], Tuple[Tuple[str, Any], ...]]] = field(
-        default=None, repr=False, compare=False
-    )
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
             raise ValueError(f"GTPOConfig: preset must be one of {PRESETS}, got {self.preset!r}")
         given = {name for name in PRESET_FIELDS if getattr(self, name) is not PRESET}
-        if self._origin is not None:
-            old_given, old_filled = self._origin[0], dict(self._origin[1])
-            for name in list(given):
-                # A value equal to what was filled in for the user (never set by them) was copied by
-                # `replace`, not chosen: the (new) preset fills it again.
-                if name not in old_given and _same(getattr(self, name), old_filled.get(name, PRESET)):
-                    given.discard(name)
         preset = _PRESET_VALUES[self.preset]
         for name in PRESET_FIELDS:
             if name not in given:
@@ -241,8 +242,6 @@ class GTPOConfig:
             # A preset without clipping: one side given means symmetric clipping.
             one = self.clip_eps_low if low_given else self.clip_eps_high
             object.__setattr__(self, "clip_eps_high" if low_given else "clip_eps_low", one)
-        filled = tuple((name, getattr(self, name)) for name in PRESET_FIELDS if name not in given)
-        object.__setattr__(self, "_origin", (frozenset(given), filled))
         self._validate()
 
     def _validate(self) -> None:
@@ -359,24 +358,38 @@ class GTPOConfig:
         return self.entropy_threshold is not None and self.entropy_threshold < math.inf
 
     def replace(self, **changes) -> GTPOConfig:
-        """A copy with ``changes``; knobs the user never set follow the (possibly new) preset."""
-        known = {f.name for f in fields(self) if f.name != "_origin"}
-        unknown = sorted(set(changes) - known)
+        """A copy with ``changes``. A new ``preset`` takes over every knob it governs whose value is still the old
+        preset's; the knobs set otherwise are kept (see the module's notes)."""
+        known = _field_names()
+        unknown = sorted(set(changes) - set(known))
         if unknown:
             raise ValueError(f"GTPOConfig.replace: unknown field(s) {unknown}; known fields are {sorted(known)}")
-        given = self._origin[0]
-        values = {name: getattr(self, name) for name in known if name not in PRESET_FIELDS or name in given}
+        values = self.to_dict()
+        new_preset = changes.get("preset", self.preset)
+        if new_preset != self.preset:
+            old = _PRESET_VALUES[self.preset]
+            for name in PRESET_FIELDS:
+                if _same(values[name], old[name]):
+                    del values[name]  # the old preset's value: the new preset fills it
         values.update(changes)
         return GTPOConfig(**values)
 
     def to_dict(self) -> dict:
         """Every knob's resolved value (``GTPOConfig.from_dict`` gives an equal config back)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "_origin"}
+        return {name: getattr(self, name) for name in _field_names()}
 
     @classmethod
     def from_dict(cls, values: dict) -> GTPOConfig:
-        known = {f.name for f in fields(cls) if f.name != "_origin"}
-        unknown = sorted(set(values) - known)
+        """A config from `to_dict`'s (or an earlier version's) values; an unknown field is refused."""
+        known = _field_names()
+        unknown = sorted(set(values) - set(known))
         if unknown:
             raise ValueError(f"GTPOConfig: unknown field(s) {unknown}; known fields are {sorted(known)}")
         return cls(**values)
+
+
+FIELD_NAMES = tuple(f.name for f in fields(GTPOConfig))  # every field, in the dataclass's order (a constant, traceable)
+
+
+def _field_names() -> Tuple[str, ...]:
+    return FIELD_NAMES

@@ -57,14 +57,52 @@ def test_errors_name_the_right_clip_field():
 
 def test_replace_re_resolves_the_preset():
     base = GTPOConfig(entropy_coef=0.05)  # paper, one knob set by the user
-    for grpo in (dataclasses.replace(base, preset="grpo"), base.replace(preset="grpo")):
-        # The user's knob survives; every other knob follows the new preset (no paper leftovers).
-        assert grpo.entropy_coef == 0.05
-        assert grpo == GTPOConfig(preset="grpo", entropy_coef=0.05)
-    assert dataclasses.replace(GTPOConfig(), preset="grpo") == GTPOConfig(preset="grpo")
-    # A symmetric clip filled in from one side follows that side when it changes.
-    c = GTPOConfig(clip_eps_low=0.2)
-    assert dataclasses.replace(c, clip_eps_low=0.1).clip_eps_high == 0.1
+    grpo = base.replace(preset="grpo")
+    # The user's knob survives; every other knob follows the new preset (no paper leftovers).
+    assert grpo.entropy_coef == 0.05
+    assert grpo == GTPOConfig(preset="grpo", entropy_coef=0.05)
+    assert GTPOConfig().replace(preset="grpo") == GTPOConfig(preset="grpo")
+
+
+def test_replace_keeps_an_explicit_value_and_depends_on_the_fields_only():
+    """An explicit change is never thrown away, even when it equals what the old preset filled in; configs with
+    equal fields replace alike (no state beyond the fields)."""
+    for replaced in (
+        dataclasses.replace(GTPOConfig(preset="paper"), preset="grpo", entropy_threshold=math.log(2)),
+        GTPOConfig(preset="paper").replace(preset="grpo", entropy_threshold=math.log(2)),
+    ):
+        assert replaced.entropy_threshold == math.log(2)
+    filled, given = GTPOConfig(preset="paper"), GTPOConfig(preset="paper", entropy_threshold=math.log(2))
+    assert filled == given
+    assert filled.replace(preset="grpo") == given.replace(preset="grpo")
+    assert dataclasses.replace(filled, kl_beta=0.1) == dataclasses.replace(given, kl_beta=0.1)
+    # dataclasses.replace copies every field: a new preset fills nothing in a copy (it relabels).
+    copied = dataclasses.replace(filled, preset="grpo")
+    assert copied.entropy_threshold == math.log(2) and copied.preset == "grpo"
+    assert [f.name for f in dataclasses.fields(GTPOConfig)] == list(GTPOConfig().to_dict())  # nothing private
+
+
+def test_configs_saved_by_earlier_versions_load():
+    """`to_dict` of an earlier version (every knob resolved, the fields in their old order) loads as an equal config;
+    a field this version does not know is refused in one line."""
+    saved = {
+        "preset": "grpo",
+        "normalize_advantages_by_std": True,
+        "entropy_threshold": None,
+        "entropy_gate": False,
+        "entropy_coef": 0.0,
+        "entropy_mode": "advantage_shift",
+        "use_conflict_weights": False,
+        "conflict_weight": 2.0,
+        "divide_by_conflict_count": False,
+        "loss_reduction": "sequence_mean",
+        "clip_eps_low": 0.2,
+        "clip_eps_high": 0.28,
+        "kl_beta": 0.05,
+    }
+    assert GTPOConfig.from_dict(saved) == GTPOConfig(preset="grpo", clip_eps_high=0.28, kl_beta=0.05)
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['_origin'\]"):
+        GTPOConfig.from_dict({**saved, "_origin": None})
 
 
 def test_replace_validates():

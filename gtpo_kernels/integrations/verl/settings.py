@@ -41,7 +41,7 @@ VERL_OWNED = {
 NOT_IN_VERL = ("ratio_cap", "kl_ratio_weighted")
 
 
-_NOT_READ = ("max_chunk_bytes", "inplace_backward", "validate_inputs", "warn_no_signal", "_origin")
+_NOT_READ = ("max_chunk_bytes", "inplace_backward", "validate_inputs", "warn_no_signal")
 
 
 def _plain(section) -> dict:
