@@ -126,7 +126,14 @@ def add_gtpo_head(model, trainer: GTPOTrainer) -> None:
         )
     previous_forward = model.forward
 
-    def forward(self, *args, gtpo_stats: Optional[int] = None, gtpo_loss: Optional[dict] = None, **kwargs):
+    def forward(
+        self,
+        *args,
+        gtpo_stats: Optional[int] = None,
+        gtpo_loss: Optional[dict] = None,
+        gtpo_temperature: Optional[torch.Tensor] = None,
+        **kwargs,
+    ):
         if gtpo_stats is None and gtpo_loss is None:
             return previous_forward(*args, **kwargs)
         kwargs["use_cache"] = False
@@ -146,6 +153,7 @@ def add_gtpo_head(model, trainer: GTPOTrainer) -> None:
             hidden, weight = hidden.float(), weight.float()
             bias = None if bias is None else bias.float()
             head_precision = torch.autocast(hidden.device.type, enabled=False)
+        temperature = trainer.temperature if gtpo_temperature is None else gtpo_temperature
         with gather, head_precision:
             if gtpo_stats is not None:
                 completion_ids = input_ids[:, -length:]
@@ -158,11 +166,11 @@ def add_gtpo_head(model, trainer: GTPOTrainer) -> None:
                         transform[1],
                         completion_ids,
                         mask,
-                        temperature=trainer.temperature,
+                        temperature=temperature,
                         max_chunk_bytes=trainer.gtpo_config.max_chunk_bytes,
                     )
                 return fused_linear_token_logprobs_and_entropy(
-                    hidden, weight, completion_ids, mask, lm_head_bias=bias, temperature=trainer.temperature
+                    hidden, weight, completion_ids, mask, lm_head_bias=bias, temperature=temperature
                 )
             inputs = dict(gtpo_loss)
             ids, mask, advantages = (
@@ -285,9 +293,12 @@ class GTPOTrainer(GRPOTrainer):
         compute_entropy=False,
         compute_aux_loss=False,
         pixel_values=None,
+        gtpo_temperature=None,
         **kwargs,
     ):
-        """Old and reference log-probs (and entropies) from the hidden states, in chunks of ``batch_size`` rows."""
+        """Old and reference log-probs (and entropies) from the hidden states, in chunks of ``batch_size`` rows;
+        ``gtpo_temperature [B]``: each completion's sampling temperature (default: ``args.temperature``), for a
+        rollout that samples at mixed temperatures (it passes them here and as the batch's ``gtpo_temperature``)."""
         if pixel_values is not None or compute_aux_loss:
             raise ValueError("GTPOTrainer supports text-only models without MoE auxiliary losses")
         batch_size = batch_size or input_ids.size(0)
@@ -297,7 +308,10 @@ class GTPOTrainer(GRPOTrainer):
                 rows = slice(start, start + batch_size)
                 with self.accelerator.autocast():
                     logp, entropy = model(
-                        input_ids=input_ids[rows], attention_mask=attention_mask[rows], gtpo_stats=logits_to_keep
+                        input_ids=input_ids[rows],
+                        attention_mask=attention_mask[rows],
+                        gtpo_stats=logits_to_keep,
+                        gtpo_temperature=None if gtpo_temperature is None else gtpo_temperature[rows],
                     )
                 logps.append(logp)
                 entropies.append(entropy)
@@ -376,7 +390,8 @@ class GTPOTrainer(GRPOTrainer):
             initial_entropy=self._gtpo_initial_entropy,
             num_sequences=num_sequences,
             num_tokens=num_tokens,
-            temperature=self.temperature,
+            # Each completion's own temperature where the rollout sampled at several (the batch's gtpo_temperature).
+            temperature=inputs.get("gtpo_temperature", self.temperature),
         )
         if config.top_entropy_quantile < 1 and self.accelerator.num_processes > 1:
             loss_inputs["entropy_quantile_group"] = torch.distributed.group.WORLD  # TRL's: every process's tokens
