@@ -2,8 +2,12 @@
 against an earlier commit, side by side in one run.
 
     python -m bench fused_work --before REV [--tokens 2048 --hidden 576 --vocab 49152 --dtype float32]
+    python -m bench fused_work --before REV --before-tree PATH   # REV installed and built at PATH
 
-Rows, for each source (``REV``, checked out in a scratch worktree, and this checkout):
+Rows, for each source (``REV``, checked out in a scratch worktree with this checkout's C++ build, or, when the C++
+kernels differ, ``--before-tree``: a checkout of ``REV`` with its own build; and this checkout):
+  step              one training step, forward and ``loss.backward()``: wall time, and the largest and peak new
+                    tensor storage
   no_grad forward   the loss under ``torch.no_grad()`` with a head that requires grad (an evaluation, TRL's
                     ``prediction_step``): wall time, and the largest and peak new tensor storage of the call
   backward          ``loss.backward()`` after a forward with grad: wall time, and the largest and peak new
@@ -51,7 +55,14 @@ def worker(tokens: int, hidden: int, vocab: int, dtype_name: str, what: str) -> 
     def loss():
         return gtpo_kernels.fused_linear_gtpo_loss(h, w, ids, mask, adv, group_size=8, backend="cpu").loss
 
-    if what == "no_grad":
+    if what == "step":
+        loss().backward()  # warm
+        start = time.perf_counter()
+        loss().backward()
+        seconds = time.perf_counter() - start
+        with PeakTensorMemory() as memory:
+            loss().backward()
+    elif what == "no_grad":
         with torch.no_grad():
             loss()  # warm
             start = time.perf_counter()
@@ -106,20 +117,29 @@ def main(argv=None) -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--name", default="fused-work-cpu", help="the table's file name (in bench/results/local/)")
+    p.add_argument("--before-tree", help="a checkout of --before with its own C++ build (when csrc/ differs)")
+    p.add_argument(
+        "--what", nargs="+", default=["step", "no_grad", "backward"], choices=["step", "no_grad", "backward"]
+    )
     args = p.parse_args(argv)
     rev = subprocess.run(["git", "rev-parse", "--short", args.before], cwd=ROOT, capture_output=True, text=True)
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     with tempfile.TemporaryDirectory(prefix="gtpo-before-") as scratch:
-        before = worktree(args.before, Path(scratch) / "before")
+        before = Path(args.before_tree) if args.before_tree else worktree(args.before, Path(scratch) / "before")
+        if args.before_tree:
+            at = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=before, capture_output=True, text=True)
+            if at.stdout.strip() != rev.stdout.strip():
+                raise SystemExit(f"--before-tree {before} is at {at.stdout.strip()}, not {args.before}")
         try:
             sources = {f"before ({rev.stdout.strip()})": before, f"after ({head.stdout.strip()} + tree)": ROOT}
-            results = {name: {w: [] for w in ("no_grad", "backward")} for name in sources}
+            results = {name: {w: [] for w in args.what} for name in sources}
             for _ in range(args.reps):
-                for what in ("no_grad", "backward"):
+                for what in args.what:
                     for name, source in sources.items():  # alternating: both see the same machine
                         results[name][what].append(measure(source, args, what))
         finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(before)], cwd=ROOT, capture_output=True)
+            if not args.before_tree:
+                subprocess.run(["git", "worktree", "remove", "--force", str(before)], cwd=ROOT, capture_output=True)
     lines = [
         f"`python -m bench fused_work --before {args.before}`: fused_linear_gtpo_loss, C++ backend, T = {args.tokens}, "
         f"H = {args.hidden}, V = {args.vocab}, {args.dtype}, {args.threads} threads; times the median of {args.reps}. "
@@ -129,12 +149,16 @@ def main(argv=None) -> None:
         "| source | what | ms | largest new storage MiB | peak new storage MiB |",
         "|---|---|---|---|---|",
     ]
-    for name in sources:
-        for what in ("no_grad", "backward"):
+    labels = {"step": "forward + backward", "no_grad": "no_grad forward", "backward": "backward"}
+    for what in args.what:
+        for name in sources:
             runs = results[name][what]
             ms = statistics.median(r["ms"] for r in runs)
-            label = "no_grad forward" if what == "no_grad" else "backward"
-            lines.append(f"| {name} | {label} | {ms:.1f} | {runs[0]['largest_mib']:.1f} | {runs[0]['peak_mib']:.1f} |")
+            lines.append(
+                f"| {name} | {labels[what]} | {ms:.1f} | {runs[0]['largest_mib']:.1f} | {runs[0]['peak_mib']:.1f} |"
+            )
+        first, second = (statistics.median(r["ms"] for r in results[name][what]) for name in sources)
+        lines.append(f"| after / before | {labels[what]} | {second / first:.3f} | | |")
     env = "\n".join(f"- {k}: {v}" for k, v in environment(torch.device("cpu")).items())
     text = f"# {args.name}\n\n{env}\n\n" + "\n".join(lines) + "\n"
     print(text)
