@@ -2,7 +2,8 @@
 //
 //   token_stats_forward(logits [N, L, V], ids [N, L], valid [N, L], inv_temperature) -> (row_max, log_s, logp, H)
 //       float32 [N, L], the statistics of softmax(logits * inv_temperature); zeros where masked;
-//       lse = row_max * inv_temperature + log_s
+//       lse = row_max * inv_temperature + log_s; inv_temperature: float32, one element (every token) or [N, L]
+//       (each token's: mixed-temperature rollouts), read per row inside the loop (no scaled copy of the logits)
 //   token_stats_backward(logits, ids, valid, row_max, log_s, logp, H, grad_logp, grad_H, inv_temperature, out)
 //       out = inv_temperature * (grad_logp (onehot(y) - p) + grad_H dH/du), dH/du = -p (log p + H),
 //       u = logits * inv_temperature; out may be logits itself (each element is read before written)
@@ -215,13 +216,33 @@ void dispatch_logits(at::ScalarType t, Fn&& fn) {
   }
 }
 
+// Each token's 1 / T: one value for every token (stride 0) or one per token ([N, L]).
+struct InvTemperature {
+  at::Tensor values;
+  const float* p;
+  int64_t stride;
+  float at(int64_t token) const { return p[token * stride]; }
+};
+
+InvTemperature inv_temperature_of(const at::Tensor& inv_temperature, int64_t tokens) {
+  auto values = inv_temperature.to(at::kFloat).contiguous();
+  TORCH_CHECK(values.numel() == 1 || values.numel() == tokens,
+              "inv_temperature must have one element or one per token [N, L], got ", values.numel());
+  if (values.numel() == 1) {
+    const float v = values.item<float>();
+    TORCH_CHECK(v > 0 && std::isfinite(v), "inv_temperature must be finite and > 0");
+  }
+  const float* p = values.data_ptr<float>();
+  return {values, p, values.numel() == 1 ? 0 : 1};
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_stats_forward(const at::Tensor& logits,
                                                                                const at::Tensor& ids,
                                                                                const at::Tensor& valid,
-                                                                               double inv_temperature) {
+                                                                               const at::Tensor& inv_temperature) {
   check_logits(logits, "logits");
-  TORCH_CHECK(inv_temperature > 0 && std::isfinite(inv_temperature), "inv_temperature must be finite and > 0");
   const int64_t n_rows = logits.size(0), length = logits.size(1), vocab = logits.size(2);
+  const InvTemperature inv = inv_temperature_of(inv_temperature, n_rows * length);
   auto ids_c = ids.to(at::kLong).contiguous();
   auto valid_c = valid.to(at::kBool).contiguous();
   TORCH_CHECK(ids_c.numel() == n_rows * length && valid_c.numel() == n_rows * length, "ids and valid must be [N, L]");
@@ -237,7 +258,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_stats_forward(c
   float* logp_p = logp.data_ptr<float>();
   float* entropy_p = entropy.data_ptr<float>();
   const int64_t s0 = logits.stride(0), s1 = logits.stride(1);
-  const float inv_t = static_cast<float>(inv_temperature);
 
   dispatch_logits(logits.scalar_type(), [&](auto* tag) {
     using scalar_t = std::remove_pointer_t<decltype(tag)>;
@@ -247,6 +267,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_stats_forward(c
       for (int64_t token = begin; token < end; ++token) {
         if (!valid_p[token]) continue;  // masked: zeros, logits never read
         const scalar_t* row = base + (token / length) * s0 + (token % length) * s1;
+        const float inv_t = inv.at(token);
         const RowStats st = row_stats(row, vocab, inv_t, buf.data());
         const int64_t y = ids_p[token];
         max_p[token] = st.shift;
@@ -267,13 +288,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_stats_forward(c
 void token_stats_backward(const at::Tensor& logits, const at::Tensor& ids, const at::Tensor& valid,
                           const at::Tensor& row_max, const at::Tensor& log_s, const at::Tensor& logp,
                           const at::Tensor& entropy, const at::Tensor& grad_logp,
-                          const at::Tensor& grad_entropy, double inv_temperature, at::Tensor out) {
+                          const at::Tensor& grad_entropy, const at::Tensor& inv_temperature, at::Tensor out) {
   check_logits(logits, "logits");
   check_logits(out, "out");
   TORCH_CHECK(out.sizes() == logits.sizes() && out.scalar_type() == logits.scalar_type(),
               "out must match logits in shape and dtype");
-  TORCH_CHECK(inv_temperature > 0 && std::isfinite(inv_temperature), "inv_temperature must be finite and > 0");
   const int64_t n_rows = logits.size(0), length = logits.size(1), vocab = logits.size(2);
+  const InvTemperature inv = inv_temperature_of(inv_temperature, n_rows * length);
   auto ids_c = ids.to(at::kLong).contiguous();
   auto valid_c = valid.to(at::kBool).contiguous();
   auto max_c = row_max.to(at::kFloat).contiguous();
@@ -289,7 +310,6 @@ void token_stats_backward(const at::Tensor& logits, const at::Tensor& ids, const
   const float* logp_p = logp_c.data_ptr<float>();
   const float *c_p = c_c.data_ptr<float>(), *e_p = e_c.data_ptr<float>();
   const int64_t s0 = logits.stride(0), s1 = logits.stride(1), o0 = out.stride(0), o1 = out.stride(1);
-  const float inv_t = static_cast<float>(inv_temperature);
 
   dispatch_logits(logits.scalar_type(), [&](auto* tag) {
     using scalar_t = std::remove_pointer_t<decltype(tag)>;
@@ -306,6 +326,7 @@ void token_stats_backward(const at::Tensor& logits, const at::Tensor& ids, const
         }
         const scalar_t* row = base + (token / length) * s0 + (token % length) * s1;
         const int64_t y = ids_p[token];
+        const float inv_t = inv.at(token);
         row_grad(row, out_row, vocab, (y >= 0 && y < vocab) ? y : int64_t(-1), logp_p[token], inv_t, max_p[token],
                  log_s_p[token], entropy_p[token], c_p[token] * inv_t, e_p[token] * inv_t, zbuf.data(), gbuf.data());
       }
@@ -369,10 +390,10 @@ std::tuple<at::Tensor, at::Tensor> conflict_weights(const at::Tensor& ids, const
 }  // namespace
 
 TORCH_LIBRARY(gtpo_cpu, m) {
-  m.def("token_stats_forward(Tensor logits, Tensor ids, Tensor valid, float inv_temperature) "
+  m.def("token_stats_forward(Tensor logits, Tensor ids, Tensor valid, Tensor inv_temperature) "
         "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def("token_stats_backward(Tensor logits, Tensor ids, Tensor valid, Tensor row_max, Tensor log_s, Tensor logp, "
-        "Tensor entropy, Tensor grad_logp, Tensor grad_entropy, float inv_temperature, Tensor(a!) out) -> ()");
+        "Tensor entropy, Tensor grad_logp, Tensor grad_entropy, Tensor inv_temperature, Tensor(a!) out) -> ()");
   m.def("conflict_weights(Tensor ids, Tensor lengths, Tensor advantages, int group_size, float weight) -> (Tensor, Tensor)");
   m.def("capability() -> str");
 }

@@ -3,6 +3,7 @@ registered operators)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -34,3 +35,18 @@ def first_derivative_only(backward):
         return tuple(next(guarded) if is_tensor else o for o, is_tensor in zip(outputs, flags))
 
     return wrapper
+
+
+# The dispatcher's exclude set of plain eager code (autocast off, nothing else excluded), read at import.
+_EAGER_EXCLUDE = torch._C._dispatch_tls_local_exclude_set()
+
+
+@contextlib.contextmanager
+def eager_autograd():
+    """A region where autograd records operations, also inside a registered operator's body: the dispatcher runs an
+    operator's implementation below autograd (and, inside a compiled graph, below every transform), where
+    ``torch.enable_grad`` alone records nothing. The fused walk differentiates each chunk's ``O(rows x L)`` objective
+    here (`objective.loss_and_gradients`), so that the loss's maths is written once."""
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), _EAGER_EXCLUDE):
+        with torch.enable_grad():
+            yield

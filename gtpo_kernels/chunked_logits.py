@@ -20,9 +20,10 @@ from .backends import chunk_budget
 from .config import GTPOConfig
 from .loss import loss_of_rows
 from .objective import entropy_floor
-from .result import GTPOLossOutput, GTPOMetrics
+from .result import ROW_METRICS, GTPOLossOutput, GTPOMetrics
 from .rows import LossRows
 from .token_stats import token_logprobs_and_entropy
+from .vocab_parallel import quantile_gather
 
 
 def _row_chunks(n_rows: int, length: int, vocab: int, device: torch.device, max_chunk_bytes: Optional[int]):
@@ -61,16 +62,13 @@ def transformed_logits_gtpo_loss(
             temperature=given.temperature,
             max_chunk_bytes=config.max_chunk_bytes,
         )
-        given = given.replace(entropy_floor=entropy_floor(entropy, valid, config, entropy_quantile_group))
+        given = given.replace(
+            entropy_floor=entropy_floor(entropy, valid, config, quantile_gather(entropy_quantile_group))
+        )
 
     def part(rows, h, w, b):
         out = loss_of_rows(transform(F.linear(h, w, b)), given.slice(rows), config)
-        m = out.metrics
-        rows_out = [m.completion_entropy] + [
-            torch.zeros_like(m.completion_entropy) if r is None else r
-            for r in (m.completion_clip_low, m.completion_clip_high)
-        ]
-        return out.loss, m.to_sums(), *rows_out
+        return out.loss, out.metrics.to_sums(), *(getattr(out.metrics, name) for name in ROW_METRICS)
 
     losses, sums, per_row = [], [], []
     for rows in _row_chunks(n_rows, length, weight.shape[0], hidden.device, config.max_chunk_bytes):
@@ -78,10 +76,8 @@ def transformed_logits_gtpo_loss(
         losses.append(outs[0])
         sums.append(outs[1].detach())
         per_row.append([o.detach() for o in outs[2:]])
-    metrics = GTPOMetrics.from_sums(torch.stack(sums).sum(0), parts=len(sums))
-    metrics.completion_entropy, metrics.completion_clip_low, metrics.completion_clip_high = (
-        torch.cat([p[k] for p in per_row]) for k in range(3)
-    )
+    rows_metrics = [torch.cat([p[k] for p in per_row]) for k in range(len(ROW_METRICS))]
+    metrics = GTPOMetrics.from_sums(torch.stack(sums).sum(0), parts=len(sums), per_row=rows_metrics)
     return GTPOLossOutput(torch.stack(losses).sum(), metrics)
 
 
@@ -94,7 +90,7 @@ def transformed_logits_token_stats(
     completion_ids,
     completion_mask=None,
     *,
-    temperature: float = 1.0,
+    temperature=1.0,
     max_chunk_bytes: Optional[int] = None,
 ):
     """``(logp [N, L], H [N, L])`` of ``transform(hidden @ weight.T + bias)``, in row chunks (no gradient)."""
@@ -103,7 +99,8 @@ def transformed_logits_token_stats(
     for rows in _row_chunks(n_rows, length, weight.shape[0], hidden.device, max_chunk_bytes):
         logits = transform(F.linear(hidden[rows], weight, bias))
         mask = None if completion_mask is None else completion_mask[rows]
-        logp, entropy = token_logprobs_and_entropy(logits, completion_ids[rows], mask, temperature=temperature)
+        row_temperature = temperature[rows] if isinstance(temperature, torch.Tensor) else temperature
+        logp, entropy = token_logprobs_and_entropy(logits, completion_ids[rows], mask, temperature=row_temperature)
         logps.append(logp)
         entropies.append(entropy)
     return torch.cat(logps), torch.cat(entropies)

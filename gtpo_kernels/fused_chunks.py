@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
 import torch
 
 from .backends import chunk_budget
 from .backends.base import Backend, stats_dtype
 from .config import GTPOConfig
-from .objective import entropy_floor, loss_from_token_stats, loss_gradients
+from .objective import entropy_floor, loss_and_gradients, loss_from_token_stats
+from .result import ROW_METRICS, GTPOMetrics
 from .rows import LossRows
-from .vocab_parallel import VocabParallel
+from .vocab_parallel import VocabParallel, quantile_gather
 
 WEIGHT_GRAD_SLICE_BYTES = 64 * 2**20  # temporary of one slice of d_W when it cannot accumulate in place
 
@@ -86,29 +87,6 @@ def chunk_logits(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) ->
     return h @ w.T if b is None else torch.addmm(b, h, w.T)
 
 
-def chunk_stats(kernels: Backend, logits: torch.Tensor, ids: torch.Tensor, temperature: float):
-    """``(row_max, log_s, logp, H)`` ``[t]`` of the rows of ``logits [t, V]`` (see `backends.base.Backend`)."""
-    everything = torch.ones((1, logits.shape[0]), dtype=torch.bool, device=logits.device)
-    return tuple(x[0] for x in kernels.forward(logits[None], ids[None], everything, temperature))
-
-
-def _gradient_in_place(kernels: Backend, logits, ids, stats, c, e, temperature: float) -> torch.Tensor:
-    """Overwrites ``logits [t, V]`` with the gradient ``c (onehot - p) + e dH/dz`` (for ``z / T``), from the
-    forward's ``stats = (row_max, log_s, logp, H)``."""
-    everything = torch.ones((1, logits.shape[0]), dtype=torch.bool, device=logits.device)
-    kernels.backward(
-        logits[None],
-        ids[None],
-        everything,
-        *(x[None] for x in stats),
-        c[None],
-        e[None],
-        logits[None],
-        temperature,
-    )
-    return logits
-
-
 @functools.cache
 def _addmm_out_dtype_works(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``addmm(acc, a, b, out_dtype=float32, out=acc)`` accumulates low-precision products into a
@@ -142,19 +120,153 @@ def _add_weight_grad(d_weight: torch.Tensor, dlogits: torch.Tensor, h: torch.Ten
 
 @dataclass(frozen=True)
 class Walk:
-    """How the fused walk runs: the backend's kernels, the matrix products' dtype, the call's tokens
-    (`unmasked_tokens`), which gradients to compute (hidden, weight, bias) and the process groups it talks to:
-    ``vocab_parallel``, the head is this rank's shard of the vocabulary (each chunk's shard statistics combined
-    over the group: one all-gather per chunk, the same chunks on every rank; the gradients the shard's, ``d_hidden``
-    its share, to be summed over the group); ``entropy_quantile_group``, the processes whose tokens
-    ``top_entropy_quantile``'s threshold spans."""
+    """How the fused walk runs: the backend's kernels (their own chunk budget set), the matrix products' dtype, the
+    call's tokens (`unmasked_tokens`), which gradients to compute (hidden, weight, bias), the chunks' budget
+    (``max_chunk_bytes``, `chunk_tokens_for`) and the process groups it talks to: ``vocab_parallel``, the head is
+    this rank's shard of the vocabulary (each chunk's shard statistics combined over the group: one all-gather per
+    chunk, the same chunks on every rank; the gradients the shard's, ``d_hidden`` its share, to be summed over the
+    group); ``entropy_quantile_group``, the processes whose tokens ``top_entropy_quantile``'s threshold spans."""
 
     kernels: Backend
     compute_dtype: torch.dtype
     tokens: Tokens
     need_grads: List[bool]
+    max_chunk_bytes: Optional[int] = None
     vocab_parallel: Optional[VocabParallel] = None
     entropy_quantile_group: object = None
+
+
+Temperature = Union[float, torch.Tensor]  # one for every token, or each token's ([N, L], float32)
+
+
+class ChunkWalk:
+    """The chunks of one call (whole completions, at most ``budget`` tokens each; a longer completion alone, in
+    pieces) and what is done to each: its logits ``h @ W.T + b``, their statistics into ``stats`` ``[4, N, L]``
+    (``row_max, log_s, logp, H``), and the gradient ``c (onehot - p) + e dH/dz`` written over them and taken into
+    ``d_hidden``, ``d_W`` (float32) and ``d_b``. Both fused entry points walk it: the loss (`fused_forward`) and the
+    statistics alone (`token_statistics`)."""
+
+    def __init__(self, hidden: torch.Tensor, head, ids: torch.Tensor, temperature: Temperature, walk: Walk) -> None:
+        weight, bias = head
+        self.hidden, self.walk, self.tokens = hidden, walk, walk.tokens
+        self.w = weight.to(walk.compute_dtype)
+        self.b = None if bias is None else bias.to(walk.compute_dtype)
+        vocab_parallel = walk.vocab_parallel
+        self.ids = ids
+        self.shard_ids = ids if vocab_parallel is None else ids - vocab_parallel.shards.offset
+        self.temperature = temperature
+        self.stat_dtype = stats_dtype(walk.compute_dtype)
+        self.stats = torch.zeros((4,) + tuple(ids.shape), dtype=self.stat_dtype, device=hidden.device)
+        # Every rank of a vocabulary group walks the same chunks (the largest shard's budget).
+        budget_vocab = weight.shape[0] if vocab_parallel is None else vocab_parallel.largest_shard
+        self.budget = chunk_tokens_for(budget_vocab, hidden.device, walk.max_chunk_bytes)
+        # Row ranges covering every row (an empty row's objective still counts it), N = 0 one empty range.
+        self.chunks = _chunks(self.tokens.offsets, self.budget) or [(0, ids.shape[0])]
+
+    def pieces(self, r0: int, r1: int) -> List[Tuple[int, int]]:
+        """Token ranges of rows ``[r0, r1)``: one, unless one completion is over budget."""
+        t_start, t_end = self.tokens.offsets[r0], self.tokens.offsets[r1]
+        return [(t, min(t_end, t + self.budget)) for t in range(t_start, t_end, self.budget)]
+
+    def _temperature(self, t0: int, t1: int) -> Temperature:
+        """Tokens ``[t0, t1)``'s temperature: the call's one, or each token's ``[1, t1 - t0]``."""
+        if not isinstance(self.temperature, torch.Tensor):
+            return self.temperature
+        return self.temperature.reshape(-1)[self.tokens.flat[t0:t1]][None]
+
+    def _inputs(self, t0: int, t1: int):
+        """Tokens ``[t0, t1)``: hidden states in the compute dtype, ids in this shard, temperatures."""
+        h = self.tokens.hidden_of(self.hidden, t0, t1).to(self.walk.compute_dtype)
+        return h, self.shard_ids.reshape(-1)[self.tokens.flat[t0:t1]], self._temperature(t0, t1)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return chunk_logits(h, self.w, self.b)
+
+    def statistics(self, r0: int, r1: int) -> Optional[torch.Tensor]:
+        """Rows ``[r0, r1)``'s statistics into ``stats``; returns their logits when they are one piece (else
+        ``None``: each piece's logits are computed again for the gradient)."""
+        pieces, logits = self.pieces(r0, r1), None
+        for t0, t1 in pieces:
+            h, y, temperature = self._inputs(t0, t1)
+            logits = self.logits(h)
+            everything = torch.ones((1, t1 - t0), dtype=torch.bool, device=h.device)
+            stats = self.walk.kernels.forward(logits[None], y[None], everything, temperature)
+            self.stats.view(4, -1)[:, self.tokens.flat[t0:t1]] = torch.stack([x[0] for x in stats]).to(self.stat_dtype)
+        if self.walk.vocab_parallel is not None and pieces:  # the shard's statistics -> the whole vocabulary's
+            t0, t1 = pieces[0][0], pieces[-1][1]
+            index = self.tokens.flat[t0:t1]
+            self.stats.view(4, -1)[:, index] = self.walk.vocab_parallel.combine(
+                self.stats.view(4, -1)[:, index], self.ids.reshape(-1)[index], self._temperature(t0, t1)
+            )
+        return logits if len(pieces) == 1 else None
+
+    def add_gradients(self, grads: Gradients, r0: int, r1: int, c, e, logits: Optional[torch.Tensor]) -> None:
+        """Rows ``[r0, r1)``'s gradient from ``c, e [r1 - r0, L]`` (d loss / d logp, d H), written over ``logits``
+        (one piece) or over each piece's logits computed again, into ``grads``."""
+        length = self.ids.shape[1]
+        for t0, t1 in self.pieces(r0, r1):
+            h, y, temperature = self._inputs(t0, t1)
+            piece_logits = self.logits(h) if logits is None else logits
+            index = self.tokens.flat[t0:t1]
+            local = index - r0 * length
+            everything = torch.ones((1, t1 - t0), dtype=torch.bool, device=h.device)
+            stats = self.stats.view(4, -1)[:, index]
+            self.walk.kernels.backward(
+                piece_logits[None],
+                y[None],
+                everything,
+                *(x[None] for x in stats),
+                c.reshape(-1)[local][None],
+                e.reshape(-1)[local][None],
+                piece_logits[None],
+                temperature,
+            )
+            grads.add(self.tokens, t0, t1, piece_logits, h, self.w)
+
+
+@dataclass
+class Gradients:
+    """The fused loss's gradients, filled chunk by chunk: ``d_hidden`` in the hidden states' dtype (contiguous,
+    whatever their strides), ``d_weight`` and ``d_bias`` accumulated in float32 (bf16 accumulation visibly shifts
+    training); ``None`` where not asked for."""
+
+    d_hidden: Optional[torch.Tensor]
+    d_weight: Optional[torch.Tensor]
+    d_bias: Optional[torch.Tensor]
+
+    @classmethod
+    def allocate(cls, hidden, weight, bias, need_grads: List[bool], stat_dtype: torch.dtype) -> Gradients:
+        device = hidden.device
+        return cls(
+            torch.zeros(hidden.shape, dtype=hidden.dtype, device=device) if need_grads[0] else None,
+            torch.zeros(weight.shape, dtype=stat_dtype, device=device) if need_grads[1] else None,
+            torch.zeros(weight.shape[0], dtype=stat_dtype, device=device)
+            if bias is not None and need_grads[2]
+            else None,
+        )
+
+    @property
+    def any(self) -> bool:
+        return any(g is not None for g in (self.d_hidden, self.d_weight, self.d_bias))
+
+    def add(self, tokens: Tokens, t0: int, t1: int, dlogits: torch.Tensor, h: torch.Tensor, w: torch.Tensor) -> None:
+        if self.d_hidden is not None:
+            hidden_size = self.d_hidden.shape[-1]
+            self.d_hidden.view(-1, hidden_size).index_copy_(
+                0, tokens.hidden_rows(t0, t1), (dlogits @ w).to(self.d_hidden.dtype)
+            )
+        if self.d_weight is not None:
+            _add_weight_grad(self.d_weight, dlogits, h)
+        if self.d_bias is not None:
+            self.d_bias.add_(dlogits.sum(dim=0, dtype=self.d_bias.dtype))
+
+
+def token_statistics(hidden: torch.Tensor, head, ids: torch.Tensor, temperature: Temperature, walk: Walk):
+    """``(logp, H)`` ``[N, L]`` of the head's logits, zeros where masked: the walk's statistics alone."""
+    chunks = ChunkWalk(hidden, head, ids, temperature, walk)
+    for r0, r1 in chunks.chunks:
+        chunks.statistics(r0, r1)
+    return chunks.stats[2], chunks.stats[3]
 
 
 def fused_forward(
@@ -166,121 +278,44 @@ def fused_forward(
 ) -> List[torch.Tensor]:
     """The body of ``gtpo_kernels::fused_linear_gtpo`` (`custom_ops`): the loss and its gradients in one walk over
     the chunks of ``walk.tokens`` (``hidden`` ``[N, L, H]``, or ``[T, H]`` packed), for the head ``(weight [V, H],
-    bias [V] or None)``. Returns ``[loss, d_hidden, d_weight, d_bias, logp, H, metric sums, completion entropy]``;
-    a gradient not in ``walk.need_grads`` is an empty tensor.
+    bias [V] or None)``. Returns ``[loss, d_hidden, d_weight, d_bias, metric sums, completion entropy [N],
+    completion clip low [N], completion clip high [N]]``; a gradient not in ``walk.need_grads`` is an empty tensor.
 
-    With ``top_entropy_quantile < 1`` the coefficients need the whole call's entropies (the threshold): a first
-    walk computes every chunk's statistics, a second each chunk's logits again and its gradient (``8 T H V``
-    FLOPs instead of ``6``)."""
-    kernels, compute_dtype, tokens, need_grads = walk.kernels, walk.compute_dtype, walk.tokens, walk.need_grads
-    vocab_parallel = walk.vocab_parallel
+    Each chunk's rows are one evaluation of the objective with the whole call's counts (`loss_and_gradients`): its
+    share of the loss, its metrics (merged over the chunks) and ``c, e``, the gradient with respect to its log-probs
+    and entropies. With ``top_entropy_quantile < 1`` the objective needs the whole call's entropies (the threshold):
+    a first walk computes every chunk's statistics, a second each chunk's logits again and its gradient
+    (``8 T H V`` FLOPs instead of ``6``)."""
     weight, bias = head
-    ids, temperature = rows.ids, rows.temperature
-    shard_ids = ids if vocab_parallel is None else ids - vocab_parallel.shards.offset
-    n_rows, length = ids.shape
-    hidden_size = hidden.shape[-1]
-    vocab = weight.shape[0]
-    device = hidden.device
-    need_hidden, need_weight = need_grads[0], need_grads[1]
-    need_bias = bias is not None and need_grads[2]
-    w = weight.to(compute_dtype)
-    b = None if bias is None else bias.to(compute_dtype)
-    stat_dtype = stats_dtype(compute_dtype)
-
-    # The coefficients of a chunk's rows use the whole call's counts.
-    whole = rows.replace(
-        num_sequences=n_rows if rows.num_sequences is None else rows.num_sequences,
-        num_tokens=tokens.offsets[-1] if rows.num_tokens is None else rows.num_tokens,
-    )
-    # Per token: row_max, log_s, logp, H (the backends' forward), for the whole call.
-    stats_all = torch.zeros((4, n_rows, length), dtype=stat_dtype, device=device)
-    logp_all, entropy_all = stats_all[2], stats_all[3]
-    # Contiguous whatever the input's strides (hidden is often a slice of the model's output).
-    d_hidden = torch.zeros(hidden.shape, dtype=hidden.dtype, device=device) if need_hidden else None
-    # Accumulated in float32 across chunks (bf16 accumulation visibly shifts training).
-    d_weight = torch.zeros((vocab, hidden_size), dtype=stat_dtype, device=device) if need_weight else None
-    d_bias = torch.zeros(vocab, dtype=stat_dtype, device=device) if need_bias else None
-
-    def rows_of(t0: int, t1: int):
-        return tokens.hidden_of(hidden, t0, t1).to(compute_dtype), shard_ids.reshape(-1)[tokens.flat[t0:t1]]
-
-    def coefficients(r0: int, r1: int):
-        """``(c, e)`` ``[r1 - r0, L]``: the gradient of the batch loss w.r.t. these rows' logp and H."""
-        return loss_gradients(logp_all[r0:r1], entropy_all[r0:r1], whole.slice(slice(r0, r1)), config)
-
-    def gradients(t0: int, t1: int, r0: int, c, e, logits=None):
-        """The gradient of tokens ``[t0, t1)`` (rows from ``r0``), into d_hidden, d_W and d_b."""
-        h, y = rows_of(t0, t1)
-        if logits is None:  # a piece of a completion longer than the budget: compute its logits again
-            logits = chunk_logits(h, w, b)
-        index = tokens.flat[t0:t1]
-        local = index - r0 * length
-        dlogits = _gradient_in_place(
-            kernels, logits, y, stats_all.view(4, -1)[:, index], c.reshape(-1)[local], e.reshape(-1)[local], temperature
-        )
-        if need_hidden:
-            d_hidden.view(-1, hidden_size).index_copy_(0, tokens.hidden_rows(t0, t1), (dlogits @ w).to(hidden.dtype))
-        if need_weight:
-            _add_weight_grad(d_weight, dlogits, h)
-        if need_bias:
-            d_bias.add_(dlogits.sum(dim=0, dtype=stat_dtype))
-
-    # Every rank of a vocabulary group walks the same chunks (the largest shard's budget).
-    budget_vocab = vocab if vocab_parallel is None else vocab_parallel.largest_shard
-    budget = chunk_tokens_for(budget_vocab, device, config.max_chunk_bytes)
-    chunks = [(r0, r1) for r0, r1 in _chunks(tokens.offsets, budget) if tokens.offsets[r0] < tokens.offsets[r1]]
-
-    def pieces_of(r0: int, r1: int):  # one piece, unless one completion is over budget
-        t_start, t_end = tokens.offsets[r0], tokens.offsets[r1]
-        return [(t, min(t_end, t + budget)) for t in range(t_start, t_end, budget)]
-
-    def statistics(r0: int, r1: int):
-        """The chunk's statistics into ``stats_all``; returns its logits when it is one piece (else ``None``)."""
-        logits = None
-        for t0, t1 in pieces_of(r0, r1):
-            h, y = rows_of(t0, t1)
-            logits = chunk_logits(h, w, b)
-            stats = torch.stack(chunk_stats(kernels, logits, y, temperature)).to(stat_dtype)
-            stats_all.view(4, -1)[:, tokens.flat[t0:t1]] = stats
-        if vocab_parallel is not None:  # this chunk's shard statistics -> the whole vocabulary's
-            index = tokens.flat[tokens.offsets[r0] : tokens.offsets[r1]]
-            stats_all.view(4, -1)[:, index] = vocab_parallel.combine(
-                stats_all.view(4, -1)[:, index], ids.reshape(-1)[index], temperature
-            )
-        return logits if len(pieces_of(r0, r1)) == 1 else None
-
-    def chunk_gradients(r0: int, r1: int, logits=None):
-        c, e = coefficients(r0, r1)
-        if logits is not None:
-            gradients(tokens.offsets[r0], tokens.offsets[r1], r0, c, e, logits)
-        else:
-            for t0, t1 in pieces_of(r0, r1):
-                gradients(t0, t1, r0, c, e)
-
-    if config.top_entropy_quantile < 1:
-        for r0, r1 in chunks:
-            statistics(r0, r1)
-        floor = entropy_floor(entropy_all, rows.valid, config, walk.entropy_quantile_group)
-        whole, rows = whole.replace(entropy_floor=floor), rows.replace(entropy_floor=floor)
-        for r0, r1 in chunks:
-            chunk_gradients(r0, r1)
-    else:
-        for r0, r1 in chunks:
-            chunk_gradients(r0, r1, statistics(r0, r1))
-
-    # The loss value and metrics from the whole call's statistics (cheap, O(N L)).
-    full = loss_from_token_stats(logp_all, entropy_all, rows, config)
+    chunks = ChunkWalk(hidden, head, rows.ids, rows.token_temperature, walk)
+    grads = Gradients.allocate(hidden, weight, bias, walk.need_grads, chunks.stat_dtype)
+    two_passes = config.top_entropy_quantile < 1
+    if two_passes:
+        for r0, r1 in chunks.chunks:
+            chunks.statistics(r0, r1)
+        gather = quantile_gather(walk.entropy_quantile_group)
+        rows = rows.replace(entropy_floor=entropy_floor(chunks.stats[3], rows.valid, config, gather))
+    parts = []
+    for r0, r1 in chunks.chunks:
+        logits = None if two_passes else chunks.statistics(r0, r1)
+        # A slice keeps the whole call's counts: the chunks' losses add up to the call's.
+        logp, entropy, part = chunks.stats[2, r0:r1], chunks.stats[3, r0:r1], rows.slice(slice(r0, r1))
+        if grads.any:
+            out, c, e = loss_and_gradients(logp, entropy, part, config)
+            chunks.add_gradients(grads, r0, r1, c, e, logits)
+        else:  # under torch.no_grad (an evaluation): the loss and metrics only
+            out = loss_from_token_stats(logp, entropy, part, config)
+        parts.append(out)
+    metrics = GTPOMetrics.merge([p.metrics for p in parts])
 
     def empty():  # a fresh one each time: an operator's outputs may not alias one another
         return hidden.new_empty((0,))
 
     return [
-        full.loss.detach().to(stat_dtype),
-        empty() if d_hidden is None else d_hidden,
-        empty() if d_weight is None else d_weight.to(weight.dtype),
-        empty() if d_bias is None else d_bias.to(bias.dtype),
-        logp_all.clone(),
-        entropy_all.clone(),
-        full.metrics.to_sums(),
-        full.metrics.completion_entropy.to(stat_dtype),
+        torch.stack([p.loss.detach() for p in parts]).sum().to(chunks.stat_dtype),
+        empty() if grads.d_hidden is None else grads.d_hidden,
+        empty() if grads.d_weight is None else grads.d_weight.to(weight.dtype),
+        empty() if grads.d_bias is None else grads.d_bias.to(bias.dtype),
+        metrics.to_sums(),
+        *(getattr(metrics, name).to(chunks.stat_dtype) for name in ROW_METRICS),
     ]

@@ -37,12 +37,13 @@ from .backends import get_backend, kernels_for, resolve_backend_name
 from .backends.base import stats_dtype
 from .config import GTPOConfig
 from .conflict import with_conflict_weights
-from .fused_chunks import Walk, chunk_logits, chunk_stats, chunk_tokens_for, fused_forward, unmasked_tokens
-from .objective import completion_clip_fractions, signal_beyond_advantages
+from .fused_chunks import Walk, token_statistics, unmasked_tokens
+from .objective import signal_beyond_advantages
 from .packed import padded_rows
 from .result import GTPOLossOutput, GTPOMetrics
 from .rows import Conflict, LossRows, checked_rows, resolved_config
-from .vocab_parallel import VocabParallel
+from .validation import token_temperature
+from .vocab_parallel import VocabParallel, group_name
 
 _CONFIG_FIELDS = tuple(GTPOConfig().to_dict())
 
@@ -125,7 +126,7 @@ def fused_linear_gtpo_loss(
     conflict: Optional[Conflict] = None,
     num_sequences=None,
     num_tokens=None,
-    temperature: float = 1.0,
+    temperature=1.0,
     backend: str = "auto",
     cu_seqlens: Optional[torch.Tensor] = None,
     vocab_group=None,
@@ -187,7 +188,7 @@ def fused_linear_gtpo_loss(
         given, packing = padded_rows(packed_hidden, "hidden_states", given, cu_seqlens)
         hidden_states, hidden_index = packed_hidden, packing.index()
         layout = packed_hidden.new_empty(()).expand(*packing.shape, packed_hidden.shape[-1])
-    rows, checks = checked_rows(layout, "hidden_states [N, L, H]", given, config)
+    rows, checks = checked_rows(layout, "hidden_states", given, config)
     device = hidden_states.device
     backend_ = resolve_backend_name(backend, device.type)
     stat_dtype = stats_dtype(compute_dtype)
@@ -223,60 +224,29 @@ def fused_linear_gtpo_loss(
         grad_enabled and lm_head_bias is not None and lm_head_bias.requires_grad,
     ]
     with torch.autocast(device.type, enabled=False):
-        if vocab_parallel is None and entropy_quantile_group is None:
-            outputs = custom_ops.fused_linear_gtpo(
-                hidden_states,
-                lm_head_weight,
-                lm_head_bias,
-                hidden_index,
-                *rows.op_args(),
-                _config_json(config),
-                backend_,
-                compute_dtype,
-                row_lengths or None,  # N = 0: an empty list would not match its gradient's structure (None)
-                need_grads,
-            )
-        else:  # eager only: a process group does not fit an operator's schema
-
-            def walk():
-                kernels = kernels_for(get_backend(backend_), compute_dtype)
-                tokens = unmasked_tokens(valid, row_lengths, hidden_index)
-                plan = Walk(kernels, compute_dtype, tokens, need_grads, vocab_parallel, entropy_quantile_group)
-                return fused_forward(hidden_states, (lm_head_weight, lm_head_bias), rows, config, plan)
-
-            outputs = _EagerFusedLoss.apply(hidden_states, lm_head_weight, lm_head_bias, walk, need_grads)
-    # The operator's outputs all carry its grad_fn; metrics are reports, never part of the graph.
-    loss, sums, completion_entropy = outputs[0], outputs[6].detach(), outputs[7].detach()
-    metrics = GTPOMetrics.from_sums(sums, has_kl=ref_logprobs is not None, has_vespo=config.ratio_function == "vespo")
-    metrics.completion_entropy = completion_entropy
-    if (
-        config.clipping or config.ratio_function == "cispo"
-    ) and old_logprobs is not None:  # per-row clip fractions from the call's statistics, O(N L)
-        metrics.completion_clip_low, metrics.completion_clip_high = completion_clip_fractions(
-            outputs[4], outputs[5], rows, config
+        outputs = custom_ops.fused_linear_gtpo(
+            hidden_states,
+            lm_head_weight,
+            lm_head_bias,
+            hidden_index,
+            *rows.op_args(),
+            _config_json(config),
+            backend_,
+            compute_dtype,
+            row_lengths or None,  # N = 0: an empty list would not match its gradient's structure (None)
+            group_name(vocab_group),
+            None if vocab_parallel is None else list(vocab_parallel.shards.sizes),
+            group_name(entropy_quantile_group),
+            need_grads,
         )
-    return GTPOLossOutput(loss, metrics)
-
-
-class _EagerFusedLoss(torch.autograd.Function):
-    """The fused walk as the registered operator's eager twin, for walks that talk to process groups (a vocabulary
-    shard, the entropy quantile's processes): the gradients computed in the forward, scaled by the incoming gradient
-    in the backward (`custom_ops`' own backward)."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, walk, need_grads):
-        with torch.no_grad():
-            outputs = walk()
-        ctx.set_materialize_grads(False)  # only the loss is differentiated (custom_ops._fused_setup)
-        ctx.save_for_backward(outputs[1], outputs[2], outputs[3])
-        ctx.needed = [need and (i != 2 or bias is not None) for i, need in enumerate(need_grads)]
-        ctx.num_inputs = 5
-        ctx.mark_non_differentiable(*outputs[1:])
-        return tuple(outputs)
-
-    @staticmethod
-    def backward(ctx, grad_loss, *unused):
-        return custom_ops.fused_gradients(ctx, grad_loss)
+    # The operator's outputs all carry its grad_fn; metrics are reports, never part of the graph.
+    metrics = GTPOMetrics.from_sums(
+        outputs[4].detach(),
+        has_kl=ref_logprobs is not None,
+        has_vespo=config.ratio_function == "vespo",
+        per_row=[values.detach() for values in outputs[5:]],
+    )
+    return GTPOLossOutput(outputs[0], metrics)
 
 
 @torch.no_grad()
@@ -287,7 +257,7 @@ def fused_linear_token_logprobs_and_entropy(
     completion_mask: Optional[torch.Tensor] = None,
     *,
     lm_head_bias: Optional[torch.Tensor] = None,
-    temperature: float = 1.0,
+    temperature=1.0,
     backend: str = "auto",
     max_chunk_bytes: Optional[int] = None,
     validate: bool = True,
@@ -298,7 +268,9 @@ def fused_linear_token_logprobs_and_entropy(
 
     Args:
         hidden_states: ``[N, L, H]``; ``completion_ids, completion_mask``: ``[N, L]`` (mask default: all).
-        max_chunk_bytes: float32 bytes of one chunk's logits (default as in `GTPOConfig.max_chunk_bytes`).
+        temperature: a float, or ``[N]`` each completion's (as for `gtpo_loss`).
+        max_chunk_bytes: float32 bytes of one chunk's logits, and of the ``"torch"`` backend's passes inside a
+            chunk (default as in `GTPOConfig.max_chunk_bytes`).
         vocab_group: the head is this rank's ``[V_r, H]`` shard of the vocabulary (`fused_linear_gtpo_loss`).
 
     Returns:
@@ -308,41 +280,31 @@ def fused_linear_token_logprobs_and_entropy(
     vocab = lm_head_weight.shape[0]
     checks = validation.DeferredChecks(validate and not torch.compiler.is_compiling())
     valid, temperature = validation.check_stats_inputs(
-        hidden_states, "hidden_states [N, L, H]", completion_ids, completion_mask, temperature, checks
+        hidden_states, "hidden_states", completion_ids, completion_mask, temperature, checks
     )
     if max_chunk_bytes is not None and not (isinstance(max_chunk_bytes, int) and max_chunk_bytes > 0):
         raise ValueError(f"max_chunk_bytes must be a positive int or None, got {max_chunk_bytes!r}")
     device = hidden_states.device
-    kernels = kernels_for(get_backend(resolve_backend_name(backend, device.type)), compute_dtype)
-    stat_dtype = stats_dtype(compute_dtype)
-    w = lm_head_weight.to(compute_dtype)
-    b = None if lm_head_bias is None else lm_head_bias.to(compute_dtype)
-    vocab_parallel, offset, budget_vocab = None, 0, vocab
+    kernels = kernels_for(get_backend(resolve_backend_name(backend, device.type)), compute_dtype, max_chunk_bytes)
+    vocab_parallel = None
     if vocab_group is not None:
         vocab_parallel = VocabParallel.of_head(
             vocab_group, vocab, valid.shape, hidden_states.shape[-1], compute_dtype, device
         )
-        vocab, offset = vocab_parallel.shards.vocab_size, vocab_parallel.shards.offset
-        budget_vocab = vocab_parallel.largest_shard
+        vocab = vocab_parallel.shards.vocab_size
     tokens = unmasked_tokens(
         valid,
         _read_checks_and_lengths(checks, hidden_states, lm_head_weight, lm_head_bias, completion_ids, valid, vocab),
     )
-    logp_all = torch.zeros(valid.shape, dtype=stat_dtype, device=device)
-    entropy_all = torch.zeros_like(logp_all)
-    budget = chunk_tokens_for(budget_vocab, device, max_chunk_bytes)
+    walk = Walk(kernels, compute_dtype, tokens, [False] * 3, max_chunk_bytes, vocab_parallel)
     with torch.autocast(device.type, enabled=False):
-        for t0 in range(0, tokens.offsets[-1], budget):
-            t1 = min(tokens.offsets[-1], t0 + budget)
-            h = hidden_states[tokens.rows[t0:t1], tokens.positions[t0:t1]].to(compute_dtype)
-            y = completion_ids.reshape(-1)[tokens.flat[t0:t1]]
-            stats = chunk_stats(kernels, chunk_logits(h, w, b), y - offset, temperature)
-            if vocab_parallel is not None:
-                stats = vocab_parallel.combine(torch.stack(stats).to(stat_dtype), y, temperature)
-            _, _, logp, entropy = stats
-            logp_all.view(-1).index_copy_(0, tokens.flat[t0:t1], logp.to(stat_dtype))
-            entropy_all.view(-1).index_copy_(0, tokens.flat[t0:t1], entropy.to(stat_dtype))
-    return logp_all, entropy_all
+        return token_statistics(
+            hidden_states,
+            (lm_head_weight, lm_head_bias),
+            completion_ids,
+            token_temperature(temperature, valid.shape),
+            walk,
+        )
 
 
 class FusedLinearGTPOLoss(nn.Module):

@@ -15,7 +15,8 @@ from .objective import entropy_floor, loss_from_token_stats
 from .packed import Packing, padded_rows
 from .result import GTPOLossOutput
 from .rows import Conflict, LossRows, checked_rows, resolved_config
-from .token_stats import token_stats_of_vocabulary
+from .token_stats import token_stats
+from .vocab_parallel import quantile_gather
 
 
 def gtpo_loss(
@@ -33,7 +34,7 @@ def gtpo_loss(
     conflict: Optional[Conflict] = None,
     num_sequences=None,
     num_tokens=None,
-    temperature: float = 1.0,
+    temperature=1.0,
     backend: str = "auto",
     vocab_group=None,
     cu_seqlens: Optional[torch.Tensor] = None,
@@ -69,7 +70,9 @@ def gtpo_loss(
             losses and gradients of calls over any partition of the batch's rows add up to the whole
             batch's.
         temperature: the sampling temperature ``T``: every statistic is that of ``softmax(logits / T)``,
-            computed inside the kernels (no scaled copy); the gradient is with respect to ``logits``.
+            computed inside the kernels (no scaled copy); the gradient is with respect to ``logits``. A float, or
+            an ``[N]`` tensor, each completion's own (mixed-temperature rollouts): a per-row scale read inside
+            the kernels.
         backend: ``"auto"`` (Triton for CUDA tensors, the C++ kernels for CPU tensors), ``"triton"``
             (fused kernels; on CPU tensors only under ``TRITON_INTERPRET=1``), ``"cpu"`` (C++ kernels)
             or ``"torch"`` (chunked plain PyTorch).
@@ -129,17 +132,19 @@ def loss_of_rows(
     config = resolved_config(config)
     # A packed call's rows are checked in their padded [N, L] layout (a free expanded view stands for the logits).
     layout = logits if packing is None else logits.new_empty(()).expand(*packing.shape, logits.shape[-1])
-    rows, checks = checked_rows(layout, "logits [N, L, V]", given, config)
+    rows, checks = checked_rows(layout, "logits", given, config)
     backend_ = resolve_backend_name(backend, logits.device.type)
-    ids, valid = rows.ids, rows.valid
+    ids, valid, temperature = rows.ids, rows.valid, rows.token_temperature
     if packing is not None:
         ids, valid = packing.unpad(ids)[None], packing.unpad(valid)[None]
-    logp, entropy, vocab_size = token_stats_of_vocabulary(
+        if isinstance(temperature, torch.Tensor):
+            temperature = packing.unpad(temperature)[None]
+    logp, entropy, vocab_size = token_stats(
         backend_,
         logits,
         ids,
         valid,
-        temperature=rows.temperature,
+        temperature=temperature,
         max_chunk_bytes=config.max_chunk_bytes,
         inplace=config.inplace_backward,
         vocab_group=vocab_group,
@@ -147,7 +152,7 @@ def loss_of_rows(
     if packing is not None:
         logp, entropy = packing.pad(logp[0]), packing.pad(entropy[0])
     if config.top_entropy_quantile < 1 and rows.entropy_floor is None:  # the whole call's (and group's) threshold
-        rows = rows.replace(entropy_floor=entropy_floor(entropy, rows.valid, config, quantile_group))
+        rows = rows.replace(entropy_floor=entropy_floor(entropy, rows.valid, config, quantile_gather(quantile_group)))
     # The kernels report ids outside the vocabulary, NaN/+inf logits and sampled -inf tokens as NaN statistics
     # (the same on every rank of a vocab_group: the statistics are the combined ones).
     validation.add_stats_check(checks, logp, entropy, rows.valid, rows.ids, vocab_size)

@@ -2,8 +2,10 @@
 
 Everything here is ``O(N L)``: the vocabulary-sized work (per-token log-prob and entropy) is done by a
 backend before this step, and its gradient with respect to ``logp`` and ``H`` is what the backends'
-backward turns into the gradient of the logits. Every entry point (`gtpo_loss`, the fused
-``hidden @ lm_head`` loss) runs this one function; `reference.py` is an independent float64 oracle for it.
+backward turns into the gradient of the logits. Every entry point runs this one function: `gtpo_loss`
+differentiates it through autograd, the fused ``hidden @ lm_head`` walk takes each chunk's gradient from it
+with `loss_and_gradients`. `reference.py` is an independent float64 oracle for it. It knows nothing of kernels
+or process groups: what it needs from them (the statistics, a gather for the entropy quantile) is handed in.
 
 All terms are per completion or per token except the reductions' denominators, which are taken from
 ``num_sequences`` / ``num_tokens`` when given: a call then returns its rows' exact share of the loss of
@@ -13,14 +15,14 @@ and gradient (docs/method.md, "Batches split across calls").
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
+from ._autograd import eager_autograd
 from .config import GTPOConfig
 from .result import GTPOLossOutput, GTPOMetrics
 from .rows import LossRows
-from .vocab_parallel import all_gather_ranks
 
 
 class _K3(torch.autograd.Function):
@@ -92,17 +94,24 @@ class _Masked:
         return torch.where(rows.valid, tensor.to(self.dtype), self.zero)
 
 
-def entropy_floor(token_entropy: torch.Tensor, valid: torch.Tensor, config: GTPOConfig, group=None):
+def entropy_floor(
+    token_entropy: torch.Tensor,
+    valid: torch.Tensor,
+    config: GTPOConfig,
+    gather: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+):
     """``(threshold, kept_share)`` 0-d tensors for ``config.top_entropy_quantile`` ``rho`` (``None`` when it is 1):
-    the ``1 - rho`` quantile of the unmasked tokens' entropies (of every process of ``group`` when given), and the
-    share of this call's unmasked tokens at or above it. No host synchronisation (a sort on the device)."""
+    the ``1 - rho`` quantile of the unmasked tokens' entropies, and the share of this call's unmasked tokens at or
+    above it. ``gather``: this call's values ``[n]`` (NaN for a masked token) -> every process's, NaN-padded
+    (`vocab_parallel.quantile_gather`), for a threshold over several processes. No host synchronisation (a sort
+    on the device)."""
     rho = config.top_entropy_quantile
     if rho >= 1:
         return None
     entropy = token_entropy.detach()
     values = torch.where(valid, entropy, torch.full_like(entropy, torch.nan)).reshape(-1)
-    if group is not None:
-        values = _gather_padded(values, group)
+    if gather is not None:
+        values = gather(values)
     threshold = _quantile(values, 1 - rho)
     kept = ((entropy >= threshold) & valid).sum().to(entropy.dtype)
     return threshold, kept / valid.sum().clamp(min=1).to(entropy.dtype)
@@ -119,15 +128,6 @@ def _quantile(values: torch.Tensor, q: float) -> torch.Tensor:
     high = position.ceil().long()
     value = torch.lerp(ordered[low], ordered[high], (position - low).to(values.dtype))
     return torch.where(count > 0, value, torch.full_like(value, torch.inf))
-
-
-def _gather_padded(values: torch.Tensor, group) -> torch.Tensor:
-    """Every process's ``values [n_r]`` of ``group``, each padded with NaN to the longest (one gather of the
-    lengths, one of the values)."""
-    sizes = all_gather_ranks(torch.tensor([values.numel()], device=values.device), group)
-    longest = int(sizes.max())
-    padded = torch.cat([values, values.new_full((longest - values.numel(),), torch.nan)])
-    return all_gather_ranks(padded, group).reshape(-1)
 
 
 def _shaping(masked: _Masked, rows: LossRows, config: GTPOConfig):
@@ -282,23 +282,6 @@ def cispo_clipped(ratio: torch.Tensor, token_advantage: torch.Tensor, config: GT
     return None if cap is None else (ratio > cap) & (token_advantage > 0)
 
 
-def completion_clip_fractions(token_logprobs, token_entropy, rows: LossRows, config: GTPOConfig):
-    """``(low [N], high [N])``: each completion's fraction of clipped tokens on each side (NaN for an empty
-    completion; 0 without clipping or on-policy), from a call's statistics: what `loss_from_token_stats`
-    reports, for a path (the fused one) whose operator returns the statistics but not these."""
-    masked = _Masked(token_logprobs.detach(), token_entropy.detach(), rows, config)
-    valid, lengths = rows.valid, masked.lengths
-    cispo = config.ratio_function == "cispo"
-    if not (config.clipping or cispo) or rows.old_logprobs is None:  # on-policy the ratio is 1 in value
-        return _row_fraction(None, valid, lengths), _row_fraction(None, valid, lengths)
-    ratio = masked.ratio(rows, config)
-    if cispo:
-        high = cispo_clipped(ratio, masked.token_advantage, config)
-        return _row_fraction(None, valid, lengths), _row_fraction(high, valid, lengths)
-    low, high = clip_flags(ratio, masked.token_advantage, config)
-    return _row_fraction(low, valid, lengths), _row_fraction(high, valid, lengths)
-
-
 def _row_fraction(flags, valid, lengths):
     """``[N]``: each row's fraction of unmasked tokens flagged (0 without flags), NaN for an empty row."""
     empty = torch.where(lengths > 0, torch.zeros_like(lengths), torch.full_like(lengths, float("nan")))
@@ -328,94 +311,10 @@ def _token_weights(rows: LossRows, lengths: torch.Tensor, config: GTPOConfig):
     return torch.where(valid, row[:, None], torch.zeros((), dtype=dtype, device=lengths.device))
 
 
-def loss_gradients(token_logprobs: torch.Tensor, token_entropy: torch.Tensor, rows: LossRows, config: GTPOConfig):
-    """``(c, e)`` ``[N, L]``: the gradient of `loss_from_token_stats` with respect to ``token_logprobs`` and
-    ``token_entropy``, in closed form (no autograd graph; what the fused path needs per chunk). Same
-    arguments; tested against autograd of `loss_from_token_stats`."""
-    masked = _Masked(token_logprobs, token_entropy, rows, config)
-    token_advantage, zero = masked.token_advantage, masked.zero
-    valid = rows.valid
-    weights = _token_weights(rows, masked.lengths, config)
-
-    # Policy term -min(min(rho, delta) a, clip(rho) a): its gradient is -a rho on the branch the min takes (ties
-    # go to the first, as torch.minimum does) where that branch is not flat: the first below the cap, the
-    # clipped one inside [1 - eps_low, 1 + eps_high] (torch.clamp passes the gradient at the bounds).
-    ratio = masked.ratio(rows, config)
-    if config.ratio_function != "clip":
-        c = _other_ratio_function_gradient(ratio, token_advantage, masked, rows, config)
-        return _finish_gradients(c, ratio, masked, rows, config, weights)
-    c = -token_advantage * ratio
-    first = ratio
-    if config.ratio_cap is not None:
-        first = torch.clamp(ratio, max=config.ratio_cap)
-        first_slope = ratio <= config.ratio_cap
-    else:
-        first_slope = torch.ones_like(valid)
-    if config.clipping:
-        low, high = config.clip_bounds
-        take_first = first * token_advantage <= torch.clamp(ratio, low, high) * token_advantage
-        slope = torch.where(take_first, first_slope, (ratio >= low) & (ratio <= high))
-    else:
-        slope = first_slope
-    c = torch.where(slope, c, zero)
-    return _finish_gradients(c, ratio, masked, rows, config, weights)
-
-
-def _other_ratio_function_gradient(ratio, token_advantage, masked: _Masked, rows: LossRows, config: GTPOConfig):
-    """d policy term / d logp for CISPO (``-sg(w) a``), VESPO (``-phi a``) and SAPO (``-4 a sigma'(x) rho``,
-    ``x = tau (rho - 1)``)."""
-    if config.ratio_function == "cispo":
-        return -token_advantage * _cispo_weight(ratio, config)
-    if config.ratio_function == "vespo":
-        return -token_advantage * vespo_weights(masked, rows, config)
-    gate = torch.sigmoid(_sapo_temperature(token_advantage, config) * (ratio - 1))
-    return -4 * token_advantage * gate * (1 - gate) * ratio
-
-
 def _sapo_temperature(token_advantage, config: GTPOConfig):
     """SAPO's temperature of each token, in the statistics' dtype (a float32 1.05 would be 5e-8 off in float64)."""
     positive = torch.full_like(token_advantage, config.sapo_temperature_pos)
     return torch.where(token_advantage > 0, positive, torch.full_like(token_advantage, config.sapo_temperature_neg))
-
-
-def _finish_gradients(c, ratio, masked: _Masked, rows: LossRows, config: GTPOConfig, weights):
-    """The policy term's gradient ``c`` weighted by the sampler's correction, plus the KL's and the penalty's."""
-    logp = masked.logp
-    weight = policy_weights(masked, rows, config)
-    if weight is not None:
-        c = c * weight
-    c = c * weights
-    # One ratio per completion (GSPO) depends on each of its tokens' log-probs through their mean: the policy
-    # term's gradient with respect to the ratio is spread over the completion (CISPO's weight is detached).
-    sequence = config.importance_sampling_level == "sequence"
-    if sequence and config.ratio_function not in ("cispo", "vespo"):
-        c = _row_share(c, masked)
-    if rows.ref_logprobs is not None and config.kl_beta:
-        d = masked.given(rows, rows.ref_logprobs) - logp
-        if config.kl_ratio_weighted:
-            # rho k3(d): d/d logp = rho (k3(d) - expm1(d)) = -rho d per token; with one ratio per completion the
-            # rho factor's part is spread over the completion instead.
-            if sequence:
-                k3 = torch.expm1(d) - d
-                c = c + config.kl_beta * (_row_share(weights * ratio * k3, masked) - weights * ratio * torch.expm1(d))
-            else:
-                c = c - config.kl_beta * weights * ratio * d
-        else:
-            # k3(d) = expm1(d) - d with d = ref - logp: d k3 / d logp = -expm1(d).
-            c = c - config.kl_beta * weights * torch.expm1(d)
-    e = torch.zeros_like(c)
-    if config.entropy_mode == "penalty" and config.entropy_coef > 0:
-        e = e + config.entropy_coef
-    e = e * weights
-    if config.entropy_bonus > 0:  # a token mean of its own, whatever the reduction
-        e = e - config.entropy_bonus * _bonus_tokens(masked) / _bonus_denominator(masked, rows)
-    return torch.where(rows.valid, c, masked.zero), e
-
-
-def _row_share(per_token: torch.Tensor, masked: _Masked) -> torch.Tensor:
-    """``[N, L]``: each row's sum of ``per_token`` divided by its unmasked tokens, on each of them: the gradient
-    with respect to each token's log-prob of a term that depends on them through their mean."""
-    return (per_token * masked.mask).sum(dim=1, keepdim=True) / masked.lengths.clamp(min=1)[:, None] * masked.mask
 
 
 def _bonus_tokens(masked: _Masked) -> torch.Tensor:
@@ -506,7 +405,7 @@ def loss_from_token_stats(
             per_token = per_token + config.kl_beta * kl_per_token
         kl = (kl_per_token.detach() * mask).sum() / call_tokens.clamp(min=1)
 
-    # The reduction is the same per-token weights the closed-form gradient uses (one definition of both).
+    # The reduction: each unmasked token's factor (the whole batch's denominators when given).
     weights = _token_weights(rows, lengths, config)
     loss = (torch.where(valid, per_token, zero) * weights).sum()
     if config.entropy_bonus > 0:
@@ -546,3 +445,21 @@ def loss_from_token_stats(
         num_nonempty=n_non_empty.to(**count),
     )
     return GTPOLossOutput(loss, metrics)
+
+
+def loss_and_gradients(token_logprobs: torch.Tensor, token_entropy: torch.Tensor, rows: LossRows, config: GTPOConfig):
+    """``(out, d_logp, d_H)``: `loss_from_token_stats` of these rows (its loss detached) and its gradient with respect
+    to ``token_logprobs`` and ``token_entropy`` ``[N, L]`` (zeros where nothing depends on them), by autograd: what
+    the fused walk needs for each chunk of rows, from the one function the logits path differentiates, so that a
+    term of the loss is written once. ``O(N L)``; runs inside a registered operator too (`eager_autograd`)."""
+    with eager_autograd():
+        logp = token_logprobs.detach().requires_grad_()
+        entropy = token_entropy.detach().requires_grad_()
+        out = loss_from_token_stats(logp, entropy, rows, config)
+        if out.loss.requires_grad:
+            d_logp, d_entropy = torch.autograd.grad(out.loss, (logp, entropy), allow_unused=True)
+        else:  # nothing depends on the statistics (no rows, or every term off)
+            d_logp = d_entropy = None
+    d_logp = torch.zeros_like(logp) if d_logp is None else d_logp
+    d_entropy = torch.zeros_like(entropy) if d_entropy is None else d_entropy
+    return GTPOLossOutput(out.loss.detach(), out.metrics), d_logp, d_entropy

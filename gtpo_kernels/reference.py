@@ -94,7 +94,7 @@ def reference_gtpo_loss(
     conflict: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
     num_sequences: Optional[int] = None,
     num_tokens: Optional[int] = None,
-    temperature: float = 1.0,
+    temperature=1.0,
 ) -> GTPOLossOutput:
     """The whole GTPO loss by plain autograd, unchunked and unvalidated, same signature as `gtpo_loss`.
 
@@ -103,6 +103,8 @@ def reference_gtpo_loss(
     config = config or GTPOConfig()
     valid = completion_mask.bool()
     safe_ids = torch.where(valid, completion_ids.long(), 0)  # masked ids may be pad values like -100
+    if isinstance(temperature, torch.Tensor):  # each completion's own: [N] -> [N, 1, 1]
+        temperature = temperature.to(logits.dtype)[:, None, None]
     logp, entropy = token_logprobs_and_entropy(logits / temperature, safe_ids)
     return reference_loss_from_token_stats(
         logp,

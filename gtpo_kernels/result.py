@@ -30,6 +30,8 @@ _SUM_LAYOUT = tuple(_AVERAGED_OVER) + _COUNTS + tuple(_OPTIONAL)
 SUMS_SIZE = len(_SUM_LAYOUT)
 # Per-completion values that `to_dict` leaves out (their mean is not a metric of the call: see the fractions).
 _PER_ROW_ONLY = ("completion_clip_low", "completion_clip_high")
+# Every per-completion metric ([N]; what `to_sums` cannot carry), in the fused operator's output order.
+ROW_METRICS = ("completion_entropy",) + _PER_ROW_ONLY
 
 
 @dataclass
@@ -127,12 +129,14 @@ class GTPOMetrics:
         parts: Optional[int] = None,
         has_kl: Optional[bool] = None,
         has_vespo: Optional[bool] = None,
+        per_row: Optional[Sequence[torch.Tensor]] = None,
     ) -> GTPOMetrics:
         """The metrics of the union of the calls whose `to_sums` vectors were added into ``sums``.
 
         ``kl`` is kept when every part had it (``parts``: how many vectors were added; by default it is
         kept when any part had it), or as ``has_kl`` says (no read of the tensor: no host sync); the same for
-        ``vespo_weight_mean`` and ``has_vespo``."""
+        ``vespo_weight_mean`` and ``has_vespo``. ``per_row``: the union's per-completion metrics in `ROW_METRICS`'
+        order, each ``None`` if absent (all absent by default, as after an all-reduce)."""
         if sums.shape != (len(_SUM_LAYOUT),):
             raise ValueError(
                 f"GTPOMetrics.from_sums: expected a vector of {len(_SUM_LAYOUT)} sums from to_sums(), "
@@ -147,7 +151,8 @@ class GTPOMetrics:
                 given = bool(named[flag] > 0) if parts is None else bool(named[flag] >= parts)
             if not given:
                 values[_OPTIONAL[flag]] = None
-        return cls(completion_entropy=None, **values)
+        rows = dict(zip(ROW_METRICS, per_row)) if per_row is not None else {name: None for name in ROW_METRICS}
+        return cls(**rows, **values)
 
     @classmethod
     def merge(cls, parts: Sequence[GTPOMetrics]) -> GTPOMetrics:
@@ -156,13 +161,12 @@ class GTPOMetrics:
         parts = list(parts)
         if not parts:
             raise ValueError("GTPOMetrics.merge: nothing to merge")
-        merged = cls.from_sums(
-            torch.stack([p.to_sums().to(parts[0].entropy.device) for p in parts]).sum(0), parts=len(parts)
-        )
-        for name in ("completion_entropy",) + _PER_ROW_ONLY:
+        per_row = []
+        for name in ROW_METRICS:
             rows: List[Optional[torch.Tensor]] = [getattr(p, name) for p in parts]
-            setattr(merged, name, None if any(r is None for r in rows) else torch.cat(rows))
-        return merged
+            per_row.append(None if any(r is None for r in rows) else torch.cat(rows))
+        sums = torch.stack([p.to_sums().to(parts[0].entropy.device) for p in parts]).sum(0)
+        return cls.from_sums(sums, parts=len(parts), per_row=per_row)
 
 
 class GTPOLossOutput(NamedTuple):

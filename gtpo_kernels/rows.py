@@ -37,7 +37,7 @@ class LossRows:
         sampling_logprobs: ``[N, L]`` the sampler's own log-probs of the tokens (vLLM's), for
             ``config.sampling_correction``, or ``None``.
         initial_entropy: the policy's first-step mean token entropy (the entropy gate), or ``None``.
-        temperature: the sampling temperature.
+        temperature: the sampling temperature: a float, or ``[N]`` each completion's (mixed-temperature rollouts).
         num_sequences, num_tokens: the whole optimisation batch's completions and unmasked tokens, or ``None``
             for this call's own.
         group_size: ``G`` when the rows are whole groups and the conflict weights are still to be computed from
@@ -55,7 +55,7 @@ class LossRows:
     ref_logprobs: Optional[torch.Tensor] = None
     sampling_logprobs: Optional[torch.Tensor] = None
     initial_entropy: Optional[float] = None
-    temperature: float = 1.0
+    temperature: Union[float, torch.Tensor] = 1.0
     num_sequences: Optional[Count] = None
     num_tokens: Optional[Count] = None
     group_size: Optional[int] = None
@@ -68,6 +68,11 @@ class LossRows:
     @property
     def n_conflict(self) -> Optional[torch.Tensor]:
         return None if self.conflict is None else self.conflict[1]
+
+    @property
+    def token_temperature(self) -> Union[float, torch.Tensor]:
+        """The temperature of each token: the float, or ``[N, L]`` (each completion's, expanded: a view)."""
+        return validation.token_temperature(self.temperature, tuple(self.ids.shape))
 
     def replace(self, **changes) -> LossRows:
         return dataclasses.replace(self, **changes)
@@ -88,6 +93,7 @@ class LossRows:
             old_logprobs=pick(self.old_logprobs),
             ref_logprobs=pick(self.ref_logprobs),
             sampling_logprobs=pick(self.sampling_logprobs),
+            temperature=pick(self.temperature) if isinstance(self.temperature, torch.Tensor) else self.temperature,
             num_sequences=self.valid.shape[0] if self.num_sequences is None else self.num_sequences,
             num_tokens=self.valid.sum() if self.num_tokens is None else self.num_tokens,
             group_size=None,
@@ -95,7 +101,9 @@ class LossRows:
 
     def op_args(self) -> tuple:
         """The rows as a registered operator takes them: flat tensors and numbers, in `from_op_args`'s order
-        (``group_size`` is not among them: the conflict weights are computed before an operator runs)."""
+        (``group_size`` is not among them: the conflict weights are computed before an operator runs). The
+        temperature is two arguments: a float (1.0 when per completion) and an optional ``[N]`` tensor."""
+        per_row = isinstance(self.temperature, torch.Tensor)
         return (
             self.ids,
             self.valid,
@@ -106,7 +114,8 @@ class LossRows:
             self.ref_logprobs,
             self.sampling_logprobs,
             self.initial_entropy,
-            self.temperature,
+            1.0 if per_row else self.temperature,
+            self.temperature if per_row else None,
             self.num_sequences,
             self.num_tokens,
         )
@@ -114,19 +123,21 @@ class LossRows:
     @classmethod
     def from_op_args(cls, args: tuple) -> LossRows:
         """The inverse of `op_args`."""
-        ids, valid, advantages, lambda_, n_conflict, old, ref, sampling, initial_entropy, temperature, *counts = args
+        ids, valid, advantages, lambda_, n_conflict, old, ref, sampling, initial_entropy, temperature, *rest = args
+        per_row, *counts = rest
+        temperature = temperature if per_row is None else per_row
         conflict = None if lambda_ is None else (lambda_, n_conflict)
         return cls(ids, valid, advantages, conflict, old, ref, sampling, initial_entropy, temperature, *counts)
 
 
 def checked_rows(
-    source: torch.Tensor, what: str, given: LossRows, config: GTPOConfig
+    source: torch.Tensor, name: str, given: LossRows, config: GTPOConfig
 ) -> Tuple[LossRows, validation.DeferredChecks]:
-    """Checks the per-row inputs of a loss call on ``source`` (the ``[N, L, *]`` logits or hidden states, named
-    ``what`` in errors) and returns them checked (a bool mask, the initial entropy and temperature as floats,
+    """Checks the per-row inputs of a loss call on ``source`` (the ``[N, L, *]`` argument ``name``: "logits" or
+    "hidden_states") and returns them checked (a bool mask, the initial entropy and temperature as floats,
     ``group_size`` kept only where the conflict weights are still to be computed) with the value checks queued
     on ``checks``: the caller adds its own (the ids' range, the statistics) and reads them all once."""
-    shape = validation.check_rows_match_ids(source, what, given.ids)
+    shape = validation.check_rows_match_ids(source, name, given.ids)
     # Value checks need the device's answer: eager mode only (under torch.compile they would break the graph).
     checks = validation.DeferredChecks(config.validate_inputs and not torch.compiler.is_compiling())
     group_size = given.group_size
@@ -142,7 +153,7 @@ def checked_rows(
         group_size = None  # unused: not required to divide a slice's rows
     valid, initial_entropy = validation.check_loss_inputs(source, given, group_size, checks)
     if config.use_conflict_weights and given.conflict is not None:
-        validation.check_conflict(given.conflict, shape, source, what.split(" ")[0], checks)
+        validation.check_conflict(given.conflict, shape, source, name, checks)
     if config.loss_reduction == "dr_grpo" and given.num_sequences is not None and config.max_completion_length is None:
         raise ValueError(
             "loss_reduction='dr_grpo' divides by num_sequences * max_completion_length; for a call that "
@@ -188,7 +199,7 @@ def checked_rows(
     rows = given.replace(
         valid=valid,
         initial_entropy=initial_entropy,
-        temperature=validation.check_temperature(given.temperature),
+        temperature=validation.check_temperature(given.temperature, shape[0], checks),
         group_size=group_size,
     )
     return rows, checks

@@ -1,8 +1,8 @@
 """Per-token log-prob and entropy with a closed-form backward: the only vocabulary-sized work.
 
-`token_stats` runs a backend's kernels through the registered operator ``gtpo_kernels::token_stats``
-(`custom_ops`), or through the `TokenStats` autograd Function for the in-place gradient mode;
-`token_logprobs_and_entropy` is the public no-grad forward (old and reference log-probs, the initial
+`token_stats` runs a backend's kernels through the one registered operator ``gtpo_kernels::token_stats``
+(`custom_ops`), whose variants are its inputs: the in-place gradient mode, and logits sharded over a vocabulary
+group; `token_logprobs_and_entropy` is the public no-grad forward (old and reference log-probs, the initial
 entropy).
 
 ``inplace=True`` passes the logits themselves as the backward's output buffer: the gradient replaces the
@@ -18,37 +18,8 @@ from typing import Optional, Tuple
 import torch
 
 from . import custom_ops, validation
-from ._autograd import first_derivative_only
-from .backends import Backend, get_backend, kernels_for, resolve_backend_name
-from .vocab_parallel import vocab_parallel_token_stats
-
-
-class TokenStats(torch.autograd.Function):
-    """``(logits [N, L, V], ids, valid, kernels, temperature) -> (logp, H)``, each ``[N, L]``, of
-    ``softmax(logits / temperature)``, whose backward writes the gradient over the logits themselves (the
-    in-place gradient mode; the registered operator's backward writes a new tensor). Both run
-    `custom_ops.token_stats_gradient`.
-
-    The backward is the closed form of docs/method.md and is not itself differentiable: a second derivative
-    through it raises an error instead of returning a wrong one."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, kernels: Backend, temperature):
-        if logits.stride(-1) != 1:
-            logits = logits.contiguous()  # the kernels stream rows of V; strided rows are copied once
-        row_max, log_s, logp, entropy = kernels.forward(logits, ids, valid, temperature)
-        ctx.save_for_backward(logits, ids, valid, row_max, log_s, logp, entropy)
-        ctx.kernels, ctx.temperature = kernels, temperature
-        return logp, entropy
-
-    @staticmethod
-    @first_derivative_only
-    def backward(ctx, grad_logp: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor]):
-        saved = ctx.saved_tensors
-        logits = saved[0]
-        custom_ops.token_stats_gradient(ctx.kernels, saved, grad_logp, grad_entropy, logits, ctx.temperature)
-        torch.autograd.graph.increment_version(logits)
-        return logits, None, None, None, None
+from .backends import resolve_backend_name
+from .vocab_parallel import exchange_shards, group_name
 
 
 def token_stats(
@@ -57,50 +28,42 @@ def token_stats(
     ids: torch.Tensor,
     valid: torch.Tensor,
     *,
-    temperature: float = 1.0,
-    max_chunk_bytes: Optional[int] = None,
-    inplace: bool = False,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(logp, H)`` ``[N, L]`` from a resolved backend (by name); differentiable w.r.t. ``logits``. Through the
-    registered operator ``gtpo_kernels::token_stats`` (what ``torch.compile`` sees); the in-place gradient mode, which
-    writes over a saved input, through `TokenStats` (eager mode). ``max_chunk_bytes`` is the chunk budget of a
-    chunked backend (`chunk_budget`)."""
-    if inplace:
-        if logits.requires_grad and logits.is_leaf:
-            raise ValueError(
-                "inplace_backward=True would write the gradient over a leaf tensor that is its own "
-                "parameter (logits.grad would alias logits); use it on logits computed by the "
-                "model, or set inplace_backward=False"
-            )
-        kernels = kernels_for(get_backend(backend), logits.dtype, max_chunk_bytes)
-        return TokenStats.apply(logits, ids, valid, kernels, float(temperature))
-    if logits.stride(-1) != 1:
-        logits = logits.contiguous()  # the kernels stream rows of V; strided rows are copied once
-    _, _, logp, entropy = custom_ops.token_stats(logits, ids, valid, float(temperature), backend, max_chunk_bytes or 0)
-    return logp, entropy
-
-
-def token_stats_of_vocabulary(
-    backend: str,
-    logits: torch.Tensor,
-    ids: torch.Tensor,
-    valid: torch.Tensor,
-    *,
-    temperature: float = 1.0,
+    temperature=1.0,
     max_chunk_bytes: Optional[int] = None,
     inplace: bool = False,
     vocab_group=None,
 ) -> Tuple[torch.Tensor, torch.Tensor, int]:
-    """``(logp, H, V)``: `token_stats` of ``logits``, or with ``vocab_group`` of this rank's vocabulary shard combined
-    with the group's (`vocab_parallel`; never in place), and the whole vocabulary's size ``V``."""
-    if vocab_group is None:
-        logp, entropy = token_stats(
-            backend, logits, ids, valid, temperature=temperature, max_chunk_bytes=max_chunk_bytes, inplace=inplace
+    """``(logp, H, V)`` ``[N, L]`` from a resolved backend (by name), differentiable w.r.t. ``logits``, and the whole
+    vocabulary's size ``V``, through the registered operator ``gtpo_kernels::token_stats`` (what ``torch.compile``
+    sees). ``temperature``: a float, or each token's ``[N, L]`` (the kernels' contract, `backends.base.Backend`);
+    ``max_chunk_bytes``: the chunk budget of a chunked backend (`chunk_budget`); ``inplace``: the gradient written over
+    the logits (eager mode); ``vocab_group``: ``logits`` is this rank's shard of the vocabulary (`vocab_parallel`;
+    never in place), the statistics the whole vocabulary's."""
+    if inplace and vocab_group is None and logits.requires_grad and logits.is_leaf:
+        raise ValueError(
+            "inplace_backward=True would write the gradient over a leaf tensor that is its own "
+            "parameter (logits.grad would alias logits); use it on logits computed by the "
+            "model, or set inplace_backward=False"
         )
-        return logp, entropy, logits.shape[-1]
-    kernels = kernels_for(get_backend(backend), logits.dtype, max_chunk_bytes)
-    logp, entropy, shards = vocab_parallel_token_stats(logits, ids, valid, kernels, temperature, vocab_group)
-    return logp, entropy, shards.vocab_size
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()  # the kernels stream rows of V; strided rows are copied once
+    shards = None
+    if vocab_group is not None:
+        shards = exchange_shards(vocab_group, logits.shape[-1], tuple(ids.shape), logits.dtype, logits.device, "logits")
+    per_token = isinstance(temperature, torch.Tensor)
+    _, _, logp, entropy = custom_ops.token_stats(
+        logits,
+        ids,
+        valid,
+        1.0 if per_token else float(temperature),
+        temperature if per_token else None,
+        backend,
+        max_chunk_bytes or 0,
+        inplace and shards is None,
+        group_name(vocab_group),
+        None if shards is None else list(shards.sizes),
+    )
+    return logp, entropy, logits.shape[-1] if shards is None else shards.vocab_size
 
 
 def token_logprobs_and_entropy(
@@ -108,10 +71,11 @@ def token_logprobs_and_entropy(
     completion_ids: torch.Tensor,
     completion_mask: Optional[torch.Tensor] = None,
     *,
-    temperature: float = 1.0,
+    temperature=1.0,
     backend: str = "auto",
     validate: bool = True,
     vocab_group=None,
+    max_chunk_bytes: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs and entropies without gradient, e.g. for ``old_logprobs``/``ref_logprobs``.
 
@@ -120,7 +84,9 @@ def token_logprobs_and_entropy(
         completion_ids: ``[N, L]`` integer ids.
         completion_mask: ``[N, L]``; masked positions return 0 (default: all unmasked).
         temperature: the statistics are those of ``softmax(logits / temperature)``, computed inside the
-            kernels (no scaled copy of the logits).
+            kernels (no scaled copy of the logits): a float, or ``[N]`` each completion's.
+        max_chunk_bytes: the ``"torch"`` backend's chunk budget (`GTPOConfig.max_chunk_bytes`; default 4 MiB on
+            the CPU, 64 MiB on a GPU); the other backends stream each token's row.
         vocab_group: the process group over which the vocabulary is sharded (``logits`` is this rank's
             ``[N, L, V_r]`` shard; `gtpo_loss`'s argument of the same name).
 
@@ -130,12 +96,20 @@ def token_logprobs_and_entropy(
     validation.check_logits(logits)
     checks = validation.DeferredChecks(validate and not torch.compiler.is_compiling())
     valid, temperature = validation.check_stats_inputs(
-        logits, "logits [N, L, V]", completion_ids, completion_mask, temperature, checks
+        logits, "logits", completion_ids, completion_mask, temperature, checks
     )
+    if max_chunk_bytes is not None and not (isinstance(max_chunk_bytes, int) and max_chunk_bytes > 0):
+        raise ValueError(f"max_chunk_bytes must be a positive int or None, got {max_chunk_bytes!r}")
     backend = resolve_backend_name(backend, logits.device.type)
     with torch.no_grad():
-        logp, entropy, vocab_size = token_stats_of_vocabulary(
-            backend, logits, completion_ids, valid, temperature=temperature, vocab_group=vocab_group
+        logp, entropy, vocab_size = token_stats(
+            backend,
+            logits,
+            completion_ids,
+            valid,
+            temperature=validation.token_temperature(temperature, valid.shape),
+            max_chunk_bytes=max_chunk_bytes,
+            vocab_group=vocab_group,
         )
     validation.add_stats_check(checks, logp, entropy, valid, completion_ids, vocab_size)
     checks.read()  # one host synchronisation

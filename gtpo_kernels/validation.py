@@ -105,11 +105,32 @@ def check_group_size(group_size, n_rows: Optional[int]) -> None:
         )
 
 
-def check_temperature(temperature) -> float:
+def check_temperature(temperature, n_rows: Optional[int] = None, checks: Optional[DeferredChecks] = None):
+    """The sampling temperature: a finite number > 0 (returned as a float), or ``[N]`` one per completion
+    (mixed-temperature rollouts: returned as a float32 tensor, float64 kept; its values checked on ``checks``).
+    A one-element tensor is read as a number."""
+    if isinstance(temperature, torch.Tensor) and temperature.numel() == 1 and not torch.compiler.is_compiling():
+        temperature = float(temperature)
+    if isinstance(temperature, torch.Tensor):
+        if not temperature.is_floating_point() or temperature.shape != (n_rows,):
+            _fail(
+                f"temperature must be a number or a float tensor [N] = [{n_rows}] (each completion's sampling "
+                f"temperature), got {temperature.dtype} {tuple(temperature.shape)}"
+            )
+        temperature = temperature.detach()
+        if temperature.dtype != torch.float64:
+            temperature = temperature.float()
+        if checks is not None:
+            checks.add(
+                ~(torch.isfinite(temperature) & (temperature > 0)).all(),
+                lambda: _fail(
+                    f"temperature must be finite and > 0 for every completion; completions "
+                    f"{(~(torch.isfinite(temperature) & (temperature > 0))).nonzero().flatten().tolist()[:8]} are not"
+                ),
+            )
+        return temperature
     if torch.compiler.is_compiling():  # checked in eager mode; a traced float may be symbolic
         return temperature
-    if isinstance(temperature, torch.Tensor) and temperature.numel() == 1:
-        temperature = float(temperature)
     if (
         isinstance(temperature, bool)
         or not isinstance(temperature, (int, float))
@@ -117,6 +138,13 @@ def check_temperature(temperature) -> float:
     ):
         _fail(f"temperature must be a finite number > 0 (the sampling temperature), got {temperature!r}")
     return float(temperature)
+
+
+def token_temperature(temperature, shape: tuple):
+    """The temperature of each token of ``[N, L]`` rows: a float as it is, ``[N]`` expanded to ``[N, L]`` (a view)."""
+    if isinstance(temperature, torch.Tensor):
+        return temperature[:, None].expand(shape)
+    return temperature
 
 
 def check_conflict(conflict, shape: tuple, anchor: torch.Tensor, anchor_name: str, checks: DeferredChecks) -> None:
@@ -225,13 +253,17 @@ def check_ids(completion_ids: torch.Tensor) -> tuple:
     return tuple(completion_ids.shape)
 
 
-def check_rows_match_ids(source: torch.Tensor, what: str, completion_ids: torch.Tensor) -> tuple:
-    """Checks ``completion_ids`` (`check_ids`) and that ``source`` (named ``what``, e.g. "logits [N, L, V]") has
-    one position per id; returns ``(N, L)``."""
+# The tensor a loss or statistics call reads its rows from, by argument name, and its layout (for errors).
+LAYOUTS = {"logits": "[N, L, V]", "hidden_states": "[N, L, H]"}
+
+
+def check_rows_match_ids(source: torch.Tensor, name: str, completion_ids: torch.Tensor) -> tuple:
+    """Checks ``completion_ids`` (`check_ids`) and that ``source`` (the argument ``name``, "logits" or
+    "hidden_states") has one position per id; returns ``(N, L)``."""
     shape = check_ids(completion_ids)
     if tuple(source.shape[:2]) != shape:
         _fail(
-            f"{what} = {tuple(source.shape)} and completion_ids [N, L] = {shape} disagree on N or L; "
+            f"{name} {LAYOUTS[name]} = {tuple(source.shape)} and completion_ids [N, L] = {shape} disagree on N or L; "
             f"position t of row i must predict completion_ids[i, t]"
         )
     return shape
@@ -239,18 +271,19 @@ def check_rows_match_ids(source: torch.Tensor, what: str, completion_ids: torch.
 
 def check_stats_inputs(
     source: torch.Tensor,
-    what: str,
+    name: str,
     completion_ids: torch.Tensor,
     completion_mask: Optional[torch.Tensor],
     temperature,
     checks: DeferredChecks,
-) -> Tuple[torch.Tensor, float]:
+) -> Tuple[torch.Tensor, object]:
     """The checks of the no-grad statistics functions (on logits or on hidden states): ids, mask (default:
     every position), device and temperature. Returns ``(valid [N, L] bool, temperature)``."""
-    shape = check_rows_match_ids(source, what, completion_ids)
-    temperature = check_temperature(temperature)
+    shape = check_rows_match_ids(source, name, completion_ids)
+    temperature = check_temperature(temperature, shape[0], checks)
     check_same_device(
-        **{what.split(" ")[0]: source, "completion_ids": completion_ids, "completion_mask": completion_mask}
+        **{name: source, "completion_ids": completion_ids, "completion_mask": completion_mask},
+        temperature=temperature if isinstance(temperature, torch.Tensor) else None,
     )
     if completion_mask is None:
         valid = torch.ones(shape, dtype=torch.bool, device=source.device)
@@ -368,6 +401,7 @@ def check_loss_inputs(logits, given, group_size, checks: DeferredChecks):
         old_logprobs=given.old_logprobs,
         ref_logprobs=given.ref_logprobs,
         sampling_logprobs=given.sampling_logprobs,
+        temperature=given.temperature if isinstance(given.temperature, torch.Tensor) else None,
     )
     valid = check_mask(given.valid, shape, checks)
     check_float("advantages", advantages, (n_rows,), "[N]")

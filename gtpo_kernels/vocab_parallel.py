@@ -25,13 +25,10 @@ backward.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-
-from ._autograd import first_derivative_only
-from .backends import Backend
 
 _DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
 
@@ -69,6 +66,41 @@ def all_gather_ranks(tensor: torch.Tensor, group) -> torch.Tensor:
     return out.view((world,) + tuple(tensor.shape))
 
 
+# Process groups by name, for registered operators (whose schemas take no process group): `group_name` registers one,
+# `group_named` gives it back inside the operator. Strong references: a group lives as long as the process anyway.
+_GROUPS: Dict[str, object] = {}
+
+
+def group_name(group) -> Optional[str]:
+    """A name a registered operator can take for ``group`` (``None`` for none); `group_named` reverses it."""
+    if group is None:
+        return None
+    name = f"{type(group).__name__}@{id(group):x}"
+    _GROUPS[name] = group
+    return name
+
+
+def group_named(name: Optional[str]):
+    """The group `group_name` named (``None`` for none)."""
+    return None if name is None else _GROUPS[name]
+
+
+def quantile_gather(group) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+    """For ``top_entropy_quantile``'s threshold over ``group``'s processes (`objective.entropy_floor`'s ``gather``):
+    ``values [n_r]`` -> every process's, each padded with NaN to the longest (one gather of the lengths, one of
+    the values); ``None`` without a group."""
+    if group is None:
+        return None
+
+    def gather(values: torch.Tensor) -> torch.Tensor:
+        sizes = all_gather_ranks(torch.tensor([values.numel()], device=values.device), group)
+        longest = int(sizes.max())
+        padded = torch.cat([values, values.new_full((longest - values.numel(),), torch.nan)])
+        return all_gather_ranks(padded, group).reshape(-1)
+
+    return gather
+
+
 def exchange_shards(
     group, vocab_local: int, rows: Tuple[int, ...], dtype: torch.dtype, device, what: str
 ) -> VocabShards:
@@ -94,7 +126,7 @@ def exchange_shards(
     return VocabShards(tuple(sizes), dist.get_rank(group))
 
 
-def combine_shard_stats(stats: torch.Tensor, owner: torch.Tensor, temperature: float):
+def combine_shard_stats(stats: torch.Tensor, owner: torch.Tensor, temperature):
     """The whole vocabulary's ``(row_max, log_s, logp, H)`` from the shards' (the module's notes).
 
     Each shard's share is kept as a log: ``rel_r = log_s_r + (row_max_r - M) / T`` (its mass relative to
@@ -106,6 +138,7 @@ def combine_shard_stats(stats: torch.Tensor, owner: torch.Tensor, temperature: f
         stats: ``[R, 4, *S]``: each shard's kernel statistics ``(row_max, log_s, logp, H)`` (``logp`` only read
             where the shard holds the target).
         owner: ``[*S]`` int64, the shard that holds each token's target (``-1``: none, which gives NaN ``logp``).
+        temperature: a float, or each token's (broadcastable to ``[*S]``).
     """
     row_max, log_s, logp, entropy = stats.unbind(1)
     whole_max = row_max.amax(dim=0)
@@ -153,53 +186,11 @@ class VocabParallel:
         """The columns of the largest shard: what sizes a chunk on every rank, so that all walk the same chunks."""
         return max(self.shards.sizes)
 
-    def combine(self, stats: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    def combine(self, stats: torch.Tensor, ids: torch.Tensor, temperature) -> torch.Tensor:
         """``[4, *S]`` this shard's ``(row_max, log_s, logp, H)`` of tokens ``ids [*S]`` (ids of the whole vocabulary)
         -> the whole vocabulary's (one all-gather)."""
         gathered = all_gather_ranks(stats.contiguous(), self.group)
         return torch.stack(combine_shard_stats(gathered, target_owner(ids, self.shards), temperature))
-
-
-class VocabParallelTokenStats(torch.autograd.Function):
-    """``(logits_shard [..., V_r], ids, valid, kernels, temperature, vocab_parallel) -> (logp, H)`` of the whole
-    vocabulary's ``softmax(logits / T)`` on every rank; the backward writes only this shard's gradient."""
-
-    @staticmethod
-    def forward(ctx, logits, ids, valid, kernels: Backend, temperature: float, vocab_parallel: VocabParallel):
-        if logits.stride(-1) != 1:
-            logits = logits.contiguous()
-        local_ids = ids.long() - vocab_parallel.shards.offset  # outside [0, V_r) where another shard holds the target
-        shard_stats = torch.stack(kernels.forward(logits, local_ids, valid, temperature))
-        # Masked positions (any id, even a pad value) are zeroed below.
-        row_max, log_s, logp, entropy = vocab_parallel.combine(shard_stats, ids, temperature)
-        zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
-        row_max, log_s, logp, entropy = (torch.where(valid, t, zero) for t in (row_max, log_s, logp, entropy))
-        ctx.save_for_backward(logits, local_ids, valid, row_max, log_s, logp, entropy)
-        ctx.kernels, ctx.temperature = kernels, temperature
-        ctx.mark_non_differentiable(row_max, log_s)
-        return logp, entropy
-
-    @staticmethod
-    @first_derivative_only
-    def backward(ctx, grad_logp: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor]):
-        logits, local_ids, valid, row_max, log_s, logp, entropy = ctx.saved_tensors
-        grad_logp = torch.zeros_like(logp) if grad_logp is None else grad_logp
-        out = torch.empty_like(logits, memory_format=torch.contiguous_format)
-        ctx.kernels.backward(
-            logits, local_ids, valid, row_max, log_s, logp, entropy, grad_logp, grad_entropy, out, ctx.temperature
-        )
-        return out, None, None, None, None, None
-
-
-def vocab_parallel_token_stats(
-    logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, kernels: Backend, temperature: float, group
-) -> Tuple[torch.Tensor, torch.Tensor, VocabShards]:
-    """``(logp, H, shards)``: the whole vocabulary's statistics from this rank's ``logits [N, L, V_r]`` shard;
-    differentiable with respect to the shard."""
-    shards = exchange_shards(group, logits.shape[-1], tuple(ids.shape), logits.dtype, logits.device, "logits")
-    vocab_parallel = VocabParallel(group, shards)
-    logp, entropy = VocabParallelTokenStats.apply(logits, ids, valid, kernels, float(temperature), vocab_parallel)
-    return logp, entropy, shards
 
 
 def shard_sizes(vocab_size: int, world: int) -> List[int]:

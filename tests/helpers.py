@@ -16,6 +16,14 @@ from gtpo_kernels.reference import reference_loss_from_token_stats
 ON_CUDA = os.environ.get("GTPO_TEST_CUDA", "0") != "0"
 
 
+def row_scale(temperature):
+    """A temperature as a divisor of ``[N, L, V]`` logits: a float as it is, each completion's ``[N]`` as
+    ``[N, 1, 1]`` float64."""
+    if isinstance(temperature, torch.Tensor):
+        return temperature.double()[:, None, None]
+    return temperature
+
+
 def device_for(backend: str) -> torch.device:
     return torch.device("cuda" if ON_CUDA and backend == "triton" else "cpu")
 
@@ -81,13 +89,13 @@ def assert_close_per_entry(
 
 
 def token_coefficients(
-    logits: torch.Tensor, completion_ids, completion_mask, advantages, *, config, temperature: float = 1.0, **kwargs
+    logits: torch.Tensor, completion_ids, completion_mask, advantages, *, config, temperature=1.0, **kwargs
 ):
     """From the float64 oracle: ``(c, e, log_p)``, the gradient of the loss w.r.t. each token's log-prob and
     entropy ``[N, L]`` and the log-softmax ``[N, L, V]`` of ``logits / T``."""
     valid = completion_mask.bool()
     safe = torch.where(valid, completion_ids, 0)
-    log_p = torch.log_softmax(logits.double() / temperature, dim=-1)
+    log_p = torch.log_softmax(logits.double() / row_scale(temperature), dim=-1)
     p = log_p.exp()
     logp = log_p.gather(-1, safe[..., None]).squeeze(-1)
     entropy = -(p * log_p.masked_fill(p == 0, 0.0)).sum(-1)
@@ -115,7 +123,7 @@ def loss_scale(logits: torch.Tensor, completion_ids, completion_mask, advantages
 
 
 def logits_gradient_scale(
-    logits: torch.Tensor, completion_ids, completion_mask, advantages, *, config, temperature: float = 1.0, **kwargs
+    logits: torch.Tensor, completion_ids, completion_mask, advantages, *, config, temperature=1.0, **kwargs
 ) -> torch.Tensor:
     """``[N, L, V]``: the size of the terms of each entry of d loss / d logits, from the float64 oracle.
 
@@ -136,7 +144,7 @@ def logits_gradient_scale(
     p_y = p.gather(-1, safe[..., None])
     at_target = c * (1 - p_y) + e * p_y * (logp + entropy).abs()
     scale = scale.scatter(-1, safe[..., None], at_target)
-    return scale * valid[..., None] / temperature
+    return scale * valid[..., None] / row_scale(temperature)
 
 
 def assert_rel_close(

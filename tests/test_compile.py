@@ -7,16 +7,21 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from gtpo_kernels import GTPOConfig, conflict_weights, custom_ops, fused_linear_gtpo_loss, gtpo_loss  # noqa: E402
-from gtpo_kernels.objective import loss_from_token_stats, loss_gradients  # noqa: E402
-from gtpo_kernels.rows import LossRows  # noqa: E402
+from gtpo_kernels import (  # noqa: E402
+    GTPOConfig,
+    conflict_weights,
+    custom_ops,
+    fused_linear_gtpo_loss,
+    gtpo_loss,
+    token_logprobs_and_entropy,
+)
 
 from .helpers import random_batch  # noqa: E402
 
 CPU_BACKENDS = ["torch", "cpu"]
 
 
-# ---- the closed-form per-completion gradient (the fused operator's coefficients) -----------------------
+# ---- the fused walk's chunks: each one's gradient from the objective itself ---------------------------
 
 
 @pytest.mark.parametrize(
@@ -49,45 +54,64 @@ CPU_BACKENDS = ["torch", "cpu"]
                 importance_sampling_level="sequence", ratio_function="cispo", sampling_correction="token_truncate"
             ),
         ),
+        ("top_entropy+bonus", GTPOConfig(top_entropy_quantile=0.6, entropy_bonus=0.05)),
     ],
 )
-def test_loss_gradients_equal_autograd(name, config):
+def test_fused_chunks_equal_the_logits_path_for_every_term(name, config):
+    """Every term of the objective through the fused walk in chunks of 7 tokens (groups cut across chunks, each chunk's
+    gradient by autograd of its rows' objective with the whole call's counts): the loss, the gradients and the
+    per-row metrics of `gtpo_loss` on the same logits, in float64, per-completion temperatures included."""
     g = torch.Generator().manual_seed(1)
-    logits, ids, mask, adv = random_batch(2, 3, 6, 11, dtype=torch.float64, seed=2)
-    logp = torch.randn(6, 6, generator=g, dtype=torch.float64) - 1
-    entropy = torch.rand(6, 6, generator=g, dtype=torch.float64)
+    n_rows, length, hidden_size, vocab = 6, 6, 5, 11
+    _, ids, mask, adv = random_batch(2, 3, length, vocab, dtype=torch.float64, seed=2)
+    h = torch.randn(n_rows, length, hidden_size, generator=g, dtype=torch.float64)
+    w = 2 * torch.randn(vocab, hidden_size, generator=g, dtype=torch.float64)
+    temperature = 0.6 + torch.rand(n_rows, generator=g, dtype=torch.float64)
+    logp, _ = token_logprobs_and_entropy(h @ w.T, torch.where(mask, ids, 0), temperature=temperature)
     kw = dict(
-        old_logprobs=logp + 0.4 * torch.randn(6, 6, generator=g, dtype=torch.float64),
-        ref_logprobs=logp + 0.3 * torch.randn(6, 6, generator=g, dtype=torch.float64),
+        old_logprobs=logp + 0.4 * torch.randn(n_rows, length, generator=g, dtype=torch.float64),
+        ref_logprobs=logp + 0.3 * torch.randn(n_rows, length, generator=g, dtype=torch.float64),
         initial_entropy=0.2,
         num_sequences=10,
         num_tokens=40,
+        temperature=temperature,
+        group_size=3,
     )
     if config.sampling_correction:
-        kw["sampling_logprobs"] = logp + 0.3 * torch.randn(6, 6, generator=g, dtype=torch.float64)
-    conflict = conflict_weights(ids, mask, adv, 3) if config.use_conflict_weights else None
-    rows = LossRows(ids, mask, adv, conflict=conflict, **kw)
-    lp, h = logp.clone().requires_grad_(), entropy.clone().requires_grad_()
-    loss = loss_from_token_stats(lp, h, rows, config).loss
-    c_ref, e_ref = torch.autograd.grad(loss, (lp, h), allow_unused=True)
-    c, e = loss_gradients(logp, entropy, rows, config)
-    torch.testing.assert_close(c, c_ref, rtol=1e-12, atol=1e-15)
-    torch.testing.assert_close(e, torch.zeros_like(e) if e_ref is None else e_ref, rtol=1e-12, atol=1e-15)
-    assert c.abs().max() > 0
+        kw["sampling_logprobs"] = logp + 0.3 * torch.randn(n_rows, length, generator=g, dtype=torch.float64)
+    chunked = config.replace(max_chunk_bytes=7 * vocab * 4)
+    hx, wx = h.clone().requires_grad_(), w.clone().requires_grad_()
+    out = fused_linear_gtpo_loss(hx, wx, ids, mask, adv, config=chunked, backend="torch", **kw)
+    out.loss.backward()
+    logits = (h @ w.T).requires_grad_()
+    ref = gtpo_loss(logits, ids, mask, adv, config=config, backend="torch", **kw)
+    ref.loss.backward()
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(hx.grad, logits.grad @ w, rtol=1e-10, atol=1e-13)
+    torch.testing.assert_close(wx.grad, logits.grad.flatten(0, 1).T @ h.flatten(0, 1), rtol=1e-10, atol=1e-13)
+    assert hx.grad.abs().max() > 0
+    for metric in ("completion_entropy", "completion_clip_low", "completion_clip_high"):
+        torch.testing.assert_close(getattr(out.metrics, metric), getattr(ref.metrics, metric), equal_nan=True)
+    for metric, value in ref.metrics.to_dict().items():
+        assert out.metrics.to_dict()[metric] == pytest.approx(value, rel=1e-12, abs=1e-15), metric
 
 
 # ---- opcheck: schema, fake tensors, autograd registration --------------------------------------------
 
 
+@pytest.mark.parametrize("per_token", [False, True], ids=["one temperature", "per-token temperatures"])
 @pytest.mark.parametrize("backend", CPU_BACKENDS + ["triton"])
-def test_opcheck_token_stats(backend):
+def test_opcheck_token_stats(backend, per_token):
     logits, ids, mask, _ = random_batch(2, 2, 4, 13, seed=3)
-    torch.library.opcheck(custom_ops.token_stats, (logits.requires_grad_(), ids, mask, 0.7, backend, 0))
-    stats = custom_ops.token_stats(logits.detach(), ids, mask, 0.7, backend, 0)
+    temperatures = (0.5 + torch.rand(4, 4, generator=torch.Generator().manual_seed(0))) if per_token else None
+    settings = (0.7, temperatures, backend, 0)
+    variants = (False, None, None)  # not in place, no vocabulary group
+    torch.library.opcheck(custom_ops.token_stats, (logits.requires_grad_(), ids, mask, *settings, *variants))
+    stats = custom_ops.token_stats(logits.detach(), ids, mask, *settings, *variants)
     c, e = torch.randn(4, 4), torch.randn(4, 4)
     torch.library.opcheck(
         custom_ops.token_stats_backward,
-        (logits.detach(), ids, mask, *stats, c, e, 0.7, backend, 0),
+        (logits.detach(), ids, mask, *stats, c, e, *settings),
         test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"),
     )
 
@@ -112,7 +136,9 @@ def test_opcheck_fused_linear(backend, packed):
     if packed:  # the same tokens as [12, H], each position's row given
         hidden = hidden.detach().reshape(12, 8).flip(0).requires_grad_()
         hidden_index = torch.arange(12).flip(0).reshape(4, 3)
-    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    # opcheck differentiates |sum| of the outputs: the loss's incoming gradient is its sign, by which the eager backward
+    # scales the stored gradients in place (outputs 1-3 included). A positive loss keeps them comparable.
+    adv = torch.tensor([-1.0, 1.0, -0.5, 0.5])
     lambda_, n_conflict = conflict_weights(ids, mask, adv, 2)
     config = json.dumps(GTPOConfig().to_dict())
     torch.library.opcheck(
@@ -132,12 +158,16 @@ def test_opcheck_fused_linear(backend, packed):
             None,  # the sampler's log-probs
             None,  # initial entropy
             0.7,  # temperature
+            torch.tensor([0.7, 1.3, 0.9, 1.1]) if packed else None,  # each completion's (the packed case)
             None,  # num_sequences
             None,  # num_tokens
             config,
             backend,
             torch.float32,
             None,  # row lengths
+            None,  # vocabulary group
+            None,  # its shard sizes
+            None,  # the entropy quantile's group
             [True, True, False],
         ),
     )

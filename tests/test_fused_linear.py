@@ -29,10 +29,12 @@ from .helpers import (
     device_for,
     logits_gradient_scale,
     loss_scale,
+    row_scale,
 )
 
 G = 2
 BACKENDS = list(registered())
+TEMPERATURE_SEED = 0
 
 
 def budget(tokens, vocab=37):
@@ -59,7 +61,7 @@ def record_logits(monkeypatch, hidden: torch.Tensor) -> dict:
     """Records, by flat token index, the logits the fused path computes (a dict filled during the call):
     the oracle can then take the very values the path's GEMMs produced (their rounding depends on the
     chunk's shape) and compare only the loss's own arithmetic."""
-    from gtpo_kernels import fused_chunks, fused_linear
+    from gtpo_kernels import fused_chunks
 
     rows = hidden.detach().reshape(-1, hidden.shape[-1]).float()
     lookup = {row.cpu().numpy().tobytes(): i for i, row in enumerate(rows)}  # .cpu(): hidden may be on a GPU
@@ -72,9 +74,8 @@ def record_logits(monkeypatch, hidden: torch.Tensor) -> dict:
             seen.setdefault(lookup[h[k].float().cpu().numpy().tobytes()], out[k].detach().cpu().clone())
         return out
 
-    # The loss's chunk loop (fused_chunks) and the statistics alone (fused_linear) both compute logits.
+    # One chunk walk (fused_chunks) computes the logits of the loss and of the statistics alone.
     monkeypatch.setattr(fused_chunks, "chunk_logits", spy)
-    monkeypatch.setattr(fused_linear, "chunk_logits", spy)
     return seen
 
 
@@ -174,9 +175,9 @@ def fused(
     return out, hx.grad, wx.grad, None if bx is None else bx.grad
 
 
-def off_policy_kwargs(h, w, b, ids, mask, config):
+def off_policy_kwargs(h, w, b, ids, mask, config, temperature=1.0):
     logits = h @ w.T + (0 if b is None else b)
-    logp, _ = token_logprobs_and_entropy(logits, torch.where(mask, ids, 0))
+    logp, _ = token_logprobs_and_entropy(logits / row_scale(temperature), torch.where(mask, ids, 0))
     g = torch.Generator().manual_seed(9)
     kw = {"old_logprobs": (logp + 0.2 * torch.randn(logp.shape, generator=g, dtype=torch.float64)).float()}
     if config.kl_beta:
@@ -471,6 +472,67 @@ def test_temperature(backend):
         gradient_scales(h, w * 3, b, ids, mask, adv, config, temperature=0.7),
         RTOL[torch.float32],
     )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("chunk_tokens", [2, 7], ids=["pieces", "chunks"])
+def test_per_completion_temperature(backend, dtype, chunk_tokens, monkeypatch):
+    """``temperature [N]`` through the fused walk (each chunk's tokens read their completion's scale inside the
+    kernels; completions split into pieces, or groups cut across chunks): the float64 oracle on ``logits / T_i``."""
+    h, w, b, ids, mask, adv = make(seed=15)
+    w = w * 3
+    order = torch.randperm(ids.shape[0], generator=torch.Generator().manual_seed(TEMPERATURE_SEED))
+    temperature = torch.linspace(0.5, 1.5, ids.shape[0], dtype=torch.float64)[order]
+    config = GTPOConfig(preset="paper", entropy_mode="penalty")
+    kw = off_policy_kwargs(h, w, b, ids, mask, config, temperature)  # near the policy at its temperatures
+    seen = record_logits(monkeypatch, h.to(dtype))
+    out, dh, dw, db = fused(
+        h, w, b, ids, mask, adv, config, backend, dtype, chunk_tokens, temperature=temperature, **kw
+    )
+    h, w, b = h.to(dtype), w.to(dtype), b.to(dtype)
+    ref, dh_ref, dw_ref, db_ref = reference(
+        h, w, b, ids, mask, adv, config, logits_values=as_computed(seen, h, w, b, dtype), temperature=temperature, **kw
+    )
+    assert_loss_close(
+        out.loss.detach().cpu(),
+        ref.loss.detach(),
+        h,
+        w,
+        b,
+        ids,
+        mask,
+        adv,
+        config,
+        RTOL_ACCUMULATED[dtype],
+        temperature=temperature,
+        **kw,
+    )
+    assert_linear_grads(
+        (dh, dw, db),
+        (dh_ref, dw_ref, db_ref),
+        gradient_scales(h, w, b, ids, mask, adv, config, temperature=temperature, **kw),
+        RTOL[dtype],
+        resolution=(h, w) if dtype == torch.float16 else None,
+    )
+    assert_rel_close(
+        out.metrics.completion_entropy.cpu(), ref.metrics.completion_entropy, RTOL_ACCUMULATED[dtype], "Hbar"
+    )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_equal_per_completion_temperatures_are_the_float(backend):
+    """A tensor of one temperature gives bitwise the float's loss and gradients: the per-row scale is read where the
+    float was used, nothing else changes."""
+    h, w, b, ids, mask, adv = make(seed=16)
+    config = GTPOConfig(preset="grpo", kl_beta=0.05)
+    kw = off_policy_kwargs(h, w * 3, b, ids, mask, config, 0.6)
+    one = fused(h, w * 3, b, ids, mask, adv, config, backend, torch.float32, 7, temperature=0.6, **kw)
+    rows = torch.full((ids.shape[0],), 0.6, dtype=torch.float64)
+    each = fused(h, w * 3, b, ids, mask, adv, config, backend, torch.float32, 7, temperature=rows, **kw)
+    assert torch.equal(one[0].loss, each[0].loss)
+    for a, b_ in zip(one[1:], each[1:]):
+        assert torch.equal(a, b_)
 
 
 def test_one_long_completion_through_a_small_budget(monkeypatch):

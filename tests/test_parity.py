@@ -26,6 +26,7 @@ from .helpers import (
     device_for,
     logits_gradient_scale,
     random_batch,
+    row_scale,
     tiny_chunks,
     to_cpu,
 )
@@ -136,7 +137,7 @@ def compare(
     valid = mask.bool()
     # Chunks of 3 tokens: the torch backend walks several chunks that cut through rows (others ignore it).
     config = dataclasses.replace(config, max_chunk_bytes=tiny_chunks(logits.shape[-1]))
-    logp64, _ = token_logprobs_and_entropy(logits.double() / temperature, torch.where(valid, ids, 0))
+    logp64, _ = token_logprobs_and_entropy(logits.double() / row_scale(temperature), torch.where(valid, ids, 0))
     kwargs = {}
     if off_policy or config.clipping or config.ratio_function != "clip":  # CISPO's cap and SAPO's gate off-policy
         g = torch.Generator().manual_seed(123)
@@ -158,7 +159,7 @@ def compare(
         config=config,
         backend=backend,
         initial_entropy=initial_entropy,
-        temperature=temperature,
+        temperature=temperature.to(dev) if isinstance(temperature, torch.Tensor) else temperature,
         **{k: v.to(dev) for k, v in kwargs.items()},
     )
     out.loss.backward()
@@ -309,6 +310,38 @@ def test_temperature(backend, temperature, dtype):
     assert not torch.allclose(out.metrics.entropy, at_one.metrics.entropy.cpu())  # T really changed something
 
 
+ROW_TEMPERATURES = torch.tensor([0.5, 0.7, 1.3, 1.0, 0.8, 1.6, 0.6, 1.1])  # one per completion, no two alike
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_per_completion_temperature(backend, dtype):
+    """Each completion at its own temperature (``temperature [N]``: mixed-temperature rollouts), a per-row scale read
+    inside each backend's kernels: loss, gradient and metrics of the float64 oracle on ``logits / T_i``, and each row
+    the statistics of the same row at its temperature as a float."""
+    logits, ids, mask, adv = random_batch(2, 4, 6, 37, dtype=dtype, seed=11)
+    out = compare(
+        backend, dtype, CONFIGS["clip+kl"], logits, ids, mask, adv, 4, off_policy=True, temperature=ROW_TEMPERATURES
+    )
+    dev = device_for(backend)
+    from gtpo_kernels import token_logprobs_and_entropy as ours
+
+    logp, entropy = ours(
+        logits.to(dev), ids.to(dev), mask.to(dev), temperature=ROW_TEMPERATURES.to(dev), backend=backend
+    )
+    for i in (0, 2, 5):  # a row alone at its own temperature, as a float
+        one = ours(
+            logits[i : i + 1].to(dev),
+            ids[i : i + 1].to(dev),
+            mask[i : i + 1].to(dev),
+            temperature=float(ROW_TEMPERATURES[i]),
+            backend=backend,
+        )
+        torch.testing.assert_close(logp[i : i + 1].cpu(), one[0].cpu(), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(entropy[i : i + 1].cpu(), one[1].cpu(), rtol=1e-6, atol=1e-7)
+    assert out.metrics.completion_entropy.unique().numel() == 8
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_temperature_makes_no_scaled_copy(backend):
     """T is applied inside the kernels: no tensor as large as the logits is created by the forward."""
@@ -320,4 +353,6 @@ def test_temperature_makes_no_scaled_copy(backend):
     logits, ids, mask, adv = (t.to(dev) for t in (logits, ids, mask, adv))  # the copies are not the call's
     with PeakTensorMemory() as memory:
         gtpo_loss(logits, ids, mask, adv, group_size=2, temperature=0.7, config=config, backend=backend)
+        per_row = ROW_TEMPERATURES[: ids.shape[0]].to(dev)
+        gtpo_loss(logits, ids, mask, adv, group_size=2, temperature=per_row, config=config, backend=backend)
     assert memory.largest <= logits.nbytes // 8, (memory.largest, logits.nbytes)

@@ -384,6 +384,65 @@ MUTANTS: Tuple[Mutant, ...] = (
         ("tests/test_api.py::test_compute_advantages_errors",),
         "a NaN reward is named",
     ),
+    # ---------------------------------------------------------------- one objective, one walk, one seam (issue 38)
+    Mutant(
+        "per-completion temperature: the C++ kernels given the completions' scales in the wrong rows",
+        "gtpo_kernels/backends/cpu_backend.py",
+        "        return (1.0 / temperature.float()).contiguous()",
+        "        return (1.0 / temperature.float().flip(0)).contiguous()",
+        ("tests/test_parity.py", "-k", "per_completion_temperature and cpu"),
+        "each completion's temperature is read inside the C++ kernels, per row",
+    ),
+    Mutant(
+        "per-completion temperature: the Triton backward reads the first token's scale",
+        "gtpo_kernels/backends/triton_token_stats.py",
+        "    if PER_TOKEN_TEMPERATURE:\n        inv_temperature = tl.load(inv_temperature_ptr + token)",
+        "    if PER_TOKEN_TEMPERATURE:\n        inv_temperature = tl.load(inv_temperature_ptr)",
+        ("tests/test_parity.py", "-k", "per_completion_temperature and triton"),
+        "the Triton backward scales each token by its own completion's 1 / T",
+    ),
+    Mutant(
+        "per-completion temperature: the torch backend's blocks take their first token's temperature",
+        "gtpo_kernels/backends/torch_backend.py",
+        "    return temperature[rows, pos, None].to(dtype)",
+        "    return temperature[rows, pos, None][:1, :1].to(dtype)",
+        ("tests/test_parity.py", "-k", "per_completion_temperature and torch"),
+        "the torch backend divides each token by its own temperature",
+    ),
+    Mutant(
+        "per-completion temperature: the fused walk reads temperatures by chunk position, not by token",
+        "gtpo_kernels/fused_chunks.py",
+        "        return self.temperature.reshape(-1)[self.tokens.flat[t0:t1]][None]",
+        "        return self.temperature.reshape(-1)[t0:t1][None]",
+        ("tests/test_fused_linear.py", "-k", "per_completion_temperature and cpu"),
+        "a chunk's tokens read their own completion's temperature (masked positions skipped)",
+    ),
+    Mutant(
+        "GTPOTrainer: the batch's per-completion temperatures ignored by the loss",
+        "gtpo_kernels/integrations/trl.py",
+        'temperature=inputs.get("gtpo_temperature", self.temperature),',
+        "temperature=self.temperature,",
+        ("tests/test_trl.py::test_per_completion_temperatures_from_the_batch",),
+        "a rollout's per-completion temperatures reach the loss",
+    ),
+    Mutant(
+        "fused walk: a chunk's objective over its own token count (a slice without the call's counts)",
+        "gtpo_kernels/rows.py",
+        "num_tokens=self.valid.sum() if self.num_tokens is None else self.num_tokens,",
+        "num_tokens=self.num_tokens,",
+        ("tests/test_fused_linear.py", "-k", "test_against_float64_reference and penalty and cpu"),
+        "each chunk is a slice of the call's rows with the call's counts: a token mean's chunks add up",
+    ),
+    Mutant(
+        "config: an explicit change equal to the old preset's value thrown away",
+        "gtpo_kernels/config.py",
+        "        values.update(changes)\n        return GTPOConfig(**values)",
+        "        values.update({k: v for k, v in changes.items() if not (k in PRESET_FIELDS and "
+        "new_preset != self.preset and _same(v, _PRESET_VALUES[self.preset][k]))})"
+        "\n        return GTPOConfig(**values)",
+        ("tests/test_config.py::test_replace_keeps_an_explicit_value_and_depends_on_the_fields_only",),
+        "config.replace(preset=..., knob=value) keeps the value even when it equals the old preset's",
+    ),
 )
 
 

@@ -21,15 +21,22 @@ def _ops():
     return torch.ops.gtpo_cpu
 
 
+def _inv_temperature(temperature, device) -> torch.Tensor:
+    """The kernels' ``1 / T``: one element for a float, each token's ``[N, L]`` for a tensor."""
+    if isinstance(temperature, torch.Tensor):
+        return (1.0 / temperature.float()).contiguous()
+    return torch.full((1,), 1.0 / temperature, dtype=torch.float32, device=device)
+
+
 def forward(
     logits: torch.Tensor,
     ids: torch.Tensor,
     valid: torch.Tensor,
-    temperature: float = 1.0,
+    temperature=1.0,
 ):
-    """``logits [N, L, V]`` -> ``(row_max, log_s, logp, H)`` float32 ``[N, L]`` of softmax(logits / T), zeros where
-    masked."""
-    return tuple(_ops().token_stats_forward(logits, ids, valid, 1.0 / temperature))
+    """``logits [N, L, V]`` -> ``(row_max, log_s, logp, H)`` float32 ``[N, L]`` of softmax(logits / T) (``T`` a float
+    or each token's ``[N, L]``), zeros where masked."""
+    return tuple(_ops().token_stats_forward(logits, ids, valid, _inv_temperature(temperature, logits.device)))
 
 
 def backward(
@@ -43,13 +50,23 @@ def backward(
     grad_logp,
     grad_entropy,
     out,
-    temperature: float = 1.0,
+    temperature=1.0,
 ):
     """Writes the gradient of the logits into ``out`` (may be ``logits`` itself); ``grad_entropy`` None is zero."""
     if grad_entropy is None:
         grad_entropy = torch.zeros_like(grad_logp)
     _ops().token_stats_backward(
-        logits, ids, valid, row_max, log_s, logp, entropy, grad_logp, grad_entropy, 1.0 / temperature, out
+        logits,
+        ids,
+        valid,
+        row_max,
+        log_s,
+        logp,
+        entropy,
+        grad_logp,
+        grad_entropy,
+        _inv_temperature(temperature, logits.device),
+        out,
     )
     return out
 

@@ -26,9 +26,9 @@ def chunk_tokens(vocab_size: int, device: torch.device, max_chunk_bytes: Optiona
     return chunk_budget.chunk_tokens(vocab_size, chunk_budget.TORCH_BACKEND, device, max_chunk_bytes)
 
 
-def _chunk_stats(z: torch.Tensor, ids: torch.Tensor, temperature: float):
+def _chunk_stats(z: torch.Tensor, ids: torch.Tensor, temperature):
     """``z [C, V]`` float32/64 logits, ``ids [C]`` -> ``(row_max, log_s, logp, H)`` each ``[C]`` for
-    ``softmax(z / T)``, with ``lse = row_max / T + log_s``."""
+    ``softmax(z / T)``, with ``lse = row_max / T + log_s``; ``T`` a float or each row's ``[C, 1]``."""
     z_max = z.amax(dim=-1, keepdim=True)
     # Rows that are all -inf would give NaN here; they are reported by the caller's finiteness check.
     # The difference to the max first (exact for nearby values), then the temperature.
@@ -64,21 +64,30 @@ def _blocks(n_rows: int, length: int, tokens: int):
             yield slice(r, r + rows_per_block), slice(t, t + positions_per_block)
 
 
-def _scaled(z: torch.Tensor, temperature: float) -> torch.Tensor:
+def _scaled(z: torch.Tensor, temperature) -> torch.Tensor:
+    if isinstance(temperature, torch.Tensor):
+        return z / temperature
     return z if temperature == 1.0 else z / temperature
+
+
+def _block_temperature(temperature, rows: slice, pos: slice, dtype: torch.dtype):
+    """A block's temperature ``[r, p, 1]`` (a float as it is), from each token's ``[N, L]``."""
+    if not isinstance(temperature, torch.Tensor):
+        return temperature
+    return temperature[rows, pos, None].to(dtype)
 
 
 def forward(
     logits: torch.Tensor,
     ids: torch.Tensor,
     valid: torch.Tensor,
-    temperature: float = 1.0,
+    temperature=1.0,
     *,
     max_chunk_bytes: Optional[int] = None,
 ):
     """``logits [N, L, V]``, ``ids, valid [N, L]`` -> ``(row_max, log_s, logp, H)`` ``[N, L]`` of
-    softmax(logits / T), zeros where masked; in chunks of ``max_chunk_bytes`` of float32 logits
-    (`chunk_budget.TORCH_BACKEND` by default)."""
+    softmax(logits / T) (``T`` a float or each token's ``[N, L]``), zeros where masked; in chunks of
+    ``max_chunk_bytes`` of float32 logits (`chunk_budget.TORCH_BACKEND` by default)."""
     n_rows, length, vocab = logits.shape
     acc = stats_dtype(logits.dtype)
     chunk = chunk_tokens(vocab, logits.device, max_chunk_bytes)
@@ -86,7 +95,10 @@ def forward(
     outputs = [torch.zeros((n_rows, length), dtype=acc, device=logits.device) for _ in range(4)]
     for rows, pos in _blocks(n_rows, length, chunk):
         z = logits[rows, pos].to(acc).reshape(-1, vocab)
-        block = _chunk_stats(z, ids[rows, pos].reshape(-1), temperature)
+        block_temperature = _block_temperature(temperature, rows, pos, acc)
+        if isinstance(block_temperature, torch.Tensor):
+            block_temperature = block_temperature.reshape(-1, 1)
+        block = _chunk_stats(z, ids[rows, pos].reshape(-1), block_temperature)
         for out, value in zip(outputs, block):
             out[rows, pos] = value.view(out[rows, pos].shape)
     zero = torch.zeros((), dtype=acc, device=logits.device)
@@ -104,7 +116,7 @@ def backward(
     grad_logp: torch.Tensor,
     grad_entropy: torch.Tensor,
     out: torch.Tensor,
-    temperature: float = 1.0,
+    temperature=1.0,
     *,
     max_chunk_bytes: Optional[int] = None,
 ) -> torch.Tensor:
@@ -117,12 +129,14 @@ def backward(
     in_vocab = (ids >= 0) & (ids < logits.shape[-1])
     ids = torch.where(valid & in_vocab, ids.long(), 0)
     zero = torch.zeros((), dtype=acc, device=logits.device)
-    grad_logp = torch.where(valid, grad_logp.to(acc), zero) / temperature
-    grad_entropy = zero if grad_entropy is None else torch.where(valid, grad_entropy.to(acc), zero) / temperature
+    token_scale = temperature.to(acc) if isinstance(temperature, torch.Tensor) else temperature
+    grad_logp = torch.where(valid, grad_logp.to(acc), zero) / token_scale
+    grad_entropy = zero if grad_entropy is None else torch.where(valid, grad_entropy.to(acc), zero) / token_scale
     for rows, pos in _blocks(*log_s.shape, chunk):
         z = logits[rows, pos].to(acc)
         # log p = (z - max) / T - log s: near the max, no cancellation against a large lse.
-        log_p = _scaled(z - row_max[rows, pos, None].to(acc), temperature) - log_s[rows, pos, None]
+        block_temperature = _block_temperature(temperature, rows, pos, acc)
+        log_p = _scaled(z - row_max[rows, pos, None].to(acc), block_temperature) - log_s[rows, pos, None]
         p = log_p.exp()
         g_logp = grad_logp[rows, pos, None]
         # -g_logp p + g_H dH/du with dH/du = -p (log p + H); log p of banned tokens (-inf) zeroed.

@@ -1,6 +1,7 @@
 """Per-token log-prob and entropy as Triton kernels: one pass over the vocabulary forward, one back.
 
-Both kernels see ``u = z / T`` (``softmax(z / T)``, the sampling distribution).
+Both kernels see ``u = z / T`` (``softmax(z / T)``, the sampling distribution), ``T`` one for every token
+(scalar arguments) or each token's own (``PER_TOKEN_TEMPERATURE``: one load per program).
 
 Forward (`_token_stats_forward_kernel`): one program per token streams its ``V`` logits once. It works in
 the base-2 domain, where ``exp2`` is one instruction, shifted by ``big_m = m * log2(e) / T`` for the running
@@ -99,10 +100,16 @@ def _token_stats_forward_kernel(
     stride_l,
     inv_temperature,
     scale,
+    inv_temperature_ptr,
+    scale_ptr,
     BLOCK_V: tl.constexpr,
     INTERPRETED: tl.constexpr,
+    PER_TOKEN_TEMPERATURE: tl.constexpr,
 ):
     token = tl.program_id(0)
+    if PER_TOKEN_TEMPERATURE:  # each token's own 1 / T and log2(e) / T (mixed-temperature rollouts)
+        inv_temperature = tl.load(inv_temperature_ptr + token)
+        scale = tl.load(scale_ptr + token)
     if tl.load(valid_ptr + token) == 0:  # masked: zeros, logits never read
         tl.store(max_ptr + token, 0.0)
         tl.store(log_s_ptr + token, 0.0)
@@ -197,12 +204,16 @@ def _token_stats_backward_kernel(
     grad_stride_n,
     grad_stride_l,
     inv_temperature,
+    inv_temperature_ptr,
     BLOCK_V: tl.constexpr,
     HAS_GRAD_ENTROPY: tl.constexpr,
     INTERPRETED: tl.constexpr,
     EMULATE_BF16_ROUNDING: tl.constexpr,
+    PER_TOKEN_TEMPERATURE: tl.constexpr,
 ):
     token = tl.program_id(0)
+    if PER_TOKEN_TEMPERATURE:
+        inv_temperature = tl.load(inv_temperature_ptr + token)
     row = token // length
     pos = token % length
     grad_base = grad_ptr + row.to(tl.int64) * grad_stride_n + pos.to(tl.int64) * grad_stride_l
@@ -274,6 +285,17 @@ def _log2e_over(temperature: float) -> float:
     return 1.4426950408889634 / temperature
 
 
+def _temperature_args(temperature, device):
+    """``(inv_temperature, scale, inv_temperature_ptr, scale_ptr, per_token)``: scalars for a float; for each
+    token's ``[N, L]``, float32 tensors of ``1 / T`` and ``log2(e) / T`` (each rounded once from float64, as the
+    scalars are), the scalars then unused."""
+    if not isinstance(temperature, torch.Tensor):
+        dummy = torch.empty((1,), dtype=torch.float32, device=device)
+        return 1.0 / temperature, _log2e_over(temperature), dummy, dummy, False
+    t = temperature.to(device=device, dtype=torch.float64).contiguous()
+    return 1.0, 1.0, (1.0 / t).float(), (1.4426950408889634 / t).float(), True
+
+
 def _ids_int32(ids: torch.Tensor) -> torch.Tensor:
     """The kernels' int32 ids. An id outside int32's range becomes -1 (outside every vocabulary, so its
     log-prob is NaN and the caller's check names it) instead of wrapping into range: 2**32 + 5 is not 5."""
@@ -282,10 +304,11 @@ def _ids_int32(ids: torch.Tensor) -> torch.Tensor:
     return ids.to(torch.int32).contiguous()
 
 
-def forward(logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, temperature: float = 1.0):
+def forward(logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, temperature=1.0):
     """``logits [N, L, V]`` (last dim contiguous), ``ids, valid [N, L]`` -> ``(row_max, log_s, logp, H)``
-    float32 ``[N, L]`` of softmax(logits / T), zeros where masked; NaN log-probs for ids outside ``[0, V)``
-    and for NaN or +inf logits. Each program streams its own row: no chunk budget."""
+    float32 ``[N, L]`` of softmax(logits / T) (``T`` a float or each token's ``[N, L]``), zeros where masked; NaN
+    log-probs for ids outside ``[0, V)`` and for NaN or +inf logits. Each program streams its own row: no chunk
+    budget."""
     n_rows, length, vocab = logits.shape
     ids = _ids_int32(ids)
     valid = valid.contiguous()
@@ -294,6 +317,7 @@ def forward(logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, temper
     )
     if logp.numel():
         block, warps, stages = launch_config(vocab, _FORWARD_LAUNCH)
+        inv_t, scale, inv_t_ptr, scale_ptr, per_token = _temperature_args(temperature, logits.device)
         _token_stats_forward_kernel[(n_rows * length,)](
             logits,
             ids,
@@ -306,10 +330,13 @@ def forward(logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, temper
             vocab,
             logits.stride(0),
             logits.stride(1),
-            1.0 / temperature,
-            _log2e_over(temperature),
+            inv_t,
+            scale,
+            inv_t_ptr,
+            scale_ptr,
             BLOCK_V=block,
             INTERPRETED=triton_interpreted(),
+            PER_TOKEN_TEMPERATURE=per_token,
             num_warps=warps,
             num_stages=stages,
         )
@@ -327,7 +354,7 @@ def backward(
     grad_logp: torch.Tensor,
     grad_entropy,
     out: torch.Tensor,
-    temperature: float = 1.0,
+    temperature=1.0,
 ) -> torch.Tensor:
     """Writes ``dlogits`` into ``out`` (``[N, L, V]``, last dim contiguous; may be ``logits`` itself);
     ``grad_entropy`` ``None`` is zero (the kernel then skips the entropy term)."""
@@ -338,6 +365,7 @@ def backward(
         block, warps, stages = launch_config(vocab, _BACKWARD_LAUNCH)
         has_grad_entropy = grad_entropy is not None
         grad_entropy = grad_entropy.float().contiguous() if has_grad_entropy else logp
+        inv_t, _, inv_t_ptr, _, per_token = _temperature_args(temperature, logits.device)
         _token_stats_backward_kernel[(n_rows * length,)](
             logits,
             out,
@@ -355,11 +383,13 @@ def backward(
             logits.stride(1),
             out.stride(0),
             out.stride(1),
-            1.0 / temperature,
+            inv_t,
+            inv_t_ptr,
             BLOCK_V=block,
             HAS_GRAD_ENTROPY=has_grad_entropy,
             INTERPRETED=triton_interpreted(),
             EMULATE_BF16_ROUNDING=out.dtype == torch.bfloat16 and triton_interpreted(),
+            PER_TOKEN_TEMPERATURE=per_token,
             num_warps=warps,
             num_stages=stages,
         )
