@@ -1,5 +1,5 @@
-"""Refusing second derivatives through closed-form backwards (shared by the autograd Functions and the
-registered operators)."""
+"""Autograd helpers shared by the registered operators: refusing second derivatives through closed-form backwards,
+telling eager tensors from traced ones, and recording autograd inside an operator's body."""
 
 from __future__ import annotations
 
@@ -50,3 +50,8 @@ def eager_autograd():
     with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), _EAGER_EXCLUDE):
         with torch.enable_grad():
             yield
+
+
+def is_plain(tensor: torch.Tensor) -> bool:
+    """An eager tensor holding data (not a fake, functional or other traced stand-in)."""
+    return type(tensor) is torch.Tensor and not torch._is_functional_tensor(tensor)

@@ -173,9 +173,9 @@ class GTPOConfig:
             not depend on how much padding a batch happens to carry.
         max_chunk_bytes: bytes of float32 logits that one chunk of work may hold: the ``"torch"`` backend's
             token chunks in `gtpo_loss`, and the chunks of ``hidden @ lm_head`` in `fused_linear_gtpo_loss`
-            (`fused_linear_token_logprobs_and_entropy` takes its own ``max_chunk_bytes=``). Not read by
-            `token_logprobs_and_entropy`, nor by the ``"torch"`` backend's passes inside a fused chunk: both
-            keep the backend's default. ``None``: 4 MiB on the CPU for the torch backend's elementwise
+            and the ``"torch"`` backend's passes inside each fused chunk (the statistics functions,
+            `token_logprobs_and_entropy` and `fused_linear_token_logprobs_and_entropy`, take the same budget as
+            their own ``max_chunk_bytes=``). ``None``: 4 MiB on the CPU for the torch backend's elementwise
             passes, and 256 MiB for the fused path's GEMMs on the CPU or 2 GiB on a GPU (a constant,
             never the free memory, so that gradients are bitwise reproducible; lower it on a small GPU).
         inplace_backward: write the gradient of the logits into the logits' own storage during

@@ -1,5 +1,7 @@
-"""The vocabulary-sized work as registered operators in the ``gtpo_kernels`` namespace (``torch.library``), so
-that ``torch.compile(fullgraph=True)`` traces a training step through the losses without a graph break.
+"""The kernels' registered operators in the ``gtpo_kernels`` namespace (``torch.library``), so that
+``torch.compile(fullgraph=True)`` traces a training step through the losses without a graph break. They know
+nothing of the GTPO objective: the fused loss's operator, which runs the objective inside its chunk walk, is
+registered beside its public function (`fused_linear`).
 
     gtpo_kernels::token_stats(logits, ids, valid, temperature, token_temperature, backend, max_chunk_bytes)
         -> (row_max, log_s, logp, H)                       autograd registered; backward is the next op
@@ -8,7 +10,7 @@ that ``torch.compile(fullgraph=True)`` traces a training step through the losses
 
 (``token_temperature``: ``None``, or each token's temperature ``[N, L]``, which then replaces ``temperature``.)
     gtpo_kernels::conflict_weights(ids, valid, advantages, group_size, weight, backend) -> (lambda, n_conflict)
-    gtpo_kernels::fused_linear_gtpo(...)  the whole fused hidden @ lm_head loss (its chunk loop inside)
+    (gtpo_kernels::fused_linear_gtpo, the whole fused hidden @ lm_head loss: `fused_linear`)
 
 Each has a fake (meta) implementation, so the compiler knows its output shapes without running it, and
 each backend's kernels run inside (``backend`` names a registered backend). A second derivative through
@@ -18,18 +20,15 @@ which the compiler traces; value checks (`validation`) run only in eager mode.
 
 from __future__ import annotations
 
-import json
 from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from ._autograd import SECOND_DERIVATIVE, first_derivative_only
+from ._autograd import SECOND_DERIVATIVE, first_derivative_only, is_plain
 from .backends import get_backend, kernels_for
 from .backends.base import Backend, stats_dtype
-from .fused_chunks import Walk, fused_forward, unmasked_tokens
-from .rows import LossRows
-from .vocab_parallel import VocabParallel, VocabShards, group_named
+from .vocab_parallel import VocabParallel
 
 NAMESPACE = "gtpo_kernels"
 
@@ -56,13 +55,6 @@ def token_stats_gradient(
     return out
 
 
-def _vocab_shards(vocab_group: Optional[str], shard_sizes: Optional[List[int]]) -> Optional[VocabParallel]:
-    if vocab_group is None:
-        return None
-    group = group_named(vocab_group)
-    return VocabParallel(group, VocabShards(tuple(shard_sizes), torch.distributed.get_rank(group)))
-
-
 @torch.library.custom_op(f"{NAMESPACE}::token_stats", mutates_args=())
 def token_stats(
     logits: Tensor,
@@ -84,7 +76,7 @@ def token_stats(
     masked."""
     kernels = kernels_for(get_backend(backend), logits.dtype, max_chunk_bytes or None)
     temperature = _either(temperature, token_temperature)
-    vocab_parallel = _vocab_shards(vocab_group, shard_sizes)
+    vocab_parallel = VocabParallel.named(vocab_group, shard_sizes)
     if vocab_parallel is None:
         return tuple(kernels.forward(logits, ids, valid, temperature))
     # This shard's statistics (an id another shard holds falls outside its columns), then the whole vocabulary's.
@@ -136,7 +128,7 @@ def _token_stats_setup(ctx, inputs, output):
     ctx.save_for_backward(logits, ids, valid, *output, token_temperature)
     ctx.settings = (temperature, backend, max_chunk_bytes)
     ctx.inplace = inplace
-    vocab_parallel = _vocab_shards(group, sizes)
+    vocab_parallel = VocabParallel.named(group, sizes)
     ctx.id_offset = 0 if vocab_parallel is None else vocab_parallel.shards.offset
 
 
@@ -146,7 +138,7 @@ def _token_stats_grad(ctx, grad_row_max, grad_log_s, grad_logp, grad_entropy):
         ids = ids.long() - ctx.id_offset  # this shard's columns
     saved = (logits, ids, valid, row_max, log_s, logp, entropy)
     temperature, backend, max_chunk_bytes = ctx.settings
-    if ctx.inplace and not torch.compiler.is_compiling() and _is_plain(logits):
+    if ctx.inplace and not torch.compiler.is_compiling() and is_plain(logits):
         grad = _gradient_over_the_logits(ctx, saved, grad_logp, grad_entropy, _either(temperature, token_temperature))
     else:
         grad = token_stats_backward(
@@ -197,135 +189,3 @@ def conflict_weights(
 def _(ids, valid, advantages, group_size, weight, backend):
     dtype = stats_dtype(advantages.dtype)
     return ids.new_empty(ids.shape, dtype=dtype), ids.new_empty(ids.shape[:1], dtype=torch.int64)
-
-
-# ------------------------------------------------------------------------------------------ the fused loss
-
-
-@torch.library.custom_op(f"{NAMESPACE}::fused_linear_gtpo", mutates_args=())
-def fused_linear_gtpo(
-    hidden: Tensor,
-    weight: Tensor,
-    bias: Optional[Tensor],
-    hidden_index: Optional[Tensor],
-    ids: Tensor,
-    valid: Tensor,
-    advantages: Tensor,
-    lambda_: Optional[Tensor],
-    n_conflict: Optional[Tensor],
-    old_logprobs: Optional[Tensor],
-    ref_logprobs: Optional[Tensor],
-    sampling_logprobs: Optional[Tensor],
-    initial_entropy: Optional[float],
-    temperature: float,
-    row_temperature: Optional[Tensor],
-    num_sequences: Optional[Tensor],
-    num_tokens: Optional[Tensor],
-    config_json: str,
-    backend: str,
-    compute_dtype: torch.dtype,
-    row_lengths: Optional[List[int]],
-    vocab_group: Optional[str],
-    shard_sizes: Optional[List[int]],
-    entropy_quantile_group: Optional[str],
-    need_grads: List[bool],
-) -> List[Tensor]:
-    """The fused loss and, computed on the way, its gradients: ``[loss, d_hidden, d_weight, d_bias, metric sums,
-    completion entropy, completion clip low, completion clip high]`` (gradients not asked for are empty tensors).
-    ``ids`` to ``num_tokens`` are a checked `rows.LossRows` as `LossRows.op_args` flattens it. ``row_lengths``: the
-    unmasked tokens of each row, when the caller has read them already (else one host synchronisation here).
-    ``hidden_index``: ``None`` for ``hidden [N, L, H]``; for packed ``hidden [T, H]``, each position's row in it
-    (`packed.Packing.index`). ``vocab_group`` (with each rank's ``shard_sizes``) and ``entropy_quantile_group``: the
-    names `vocab_parallel.group_name` gave the process groups (a schema takes no process group)."""
-    from .config import GTPOConfig
-
-    rows = LossRows.from_op_args(
-        (ids, valid, advantages, lambda_, n_conflict, old_logprobs, ref_logprobs, sampling_logprobs)
-        + (initial_entropy, temperature, row_temperature, num_sequences, num_tokens)
-    )
-    config = GTPOConfig.from_dict(json.loads(config_json))
-    kernels = kernels_for(get_backend(backend), compute_dtype, config.max_chunk_bytes)
-    tokens = unmasked_tokens(valid, row_lengths, hidden_index)
-    vocab_parallel = None
-    if vocab_group is not None:
-        group = group_named(vocab_group)
-        vocab_parallel = VocabParallel(group, VocabShards(tuple(shard_sizes), torch.distributed.get_rank(group)))
-    walk = Walk(
-        kernels,
-        compute_dtype,
-        tokens,
-        need_grads,
-        config.max_chunk_bytes,
-        vocab_parallel,
-        group_named(entropy_quantile_group),
-    )
-    return fused_forward(hidden, (weight, bias), rows, config, walk)
-
-
-@fused_linear_gtpo.register_fake
-def _(hidden, weight, bias, hidden_index, ids, *rest):
-    from .result import ROW_METRICS, SUMS_SIZE
-
-    compute_dtype, need_grads = rest[-6], rest[-1]
-    stat = stats_dtype(compute_dtype)
-    n_rows = ids.shape[0]
-
-    def empty():  # a fresh one each time: an operator's outputs may not alias one another
-        return hidden.new_empty((0,))
-
-    return [
-        hidden.new_empty((), dtype=stat),
-        torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_grads[0] else empty(),
-        torch.empty_like(weight) if need_grads[1] else empty(),
-        torch.empty_like(bias) if bias is not None and need_grads[2] else empty(),
-        hidden.new_empty((SUMS_SIZE,), dtype=torch.float64),
-        *(hidden.new_empty((n_rows,), dtype=stat) for _ in ROW_METRICS),
-    ]
-
-
-def _fused_setup(ctx, inputs, output):
-    # Only the loss is differentiated: no zero gradients materialised for the other outputs (two of them are
-    # d_hidden- and d_weight-sized).
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(output[1], output[2], output[3])
-    ctx.needed = [need and (i != 2 or inputs[2] is not None) for i, need in enumerate(inputs[-1])]
-    ctx.num_inputs = len(inputs)
-
-
-def _fused_grad(ctx, output_grads):
-    return fused_gradients(ctx, output_grads[0])  # a list-returning operator's backward takes them as one list
-
-
-def _is_plain(tensor: Tensor) -> bool:
-    """An eager tensor holding data (not a fake, functional or other traced stand-in)."""
-    return type(tensor) is Tensor and not torch._is_functional_tensor(tensor)
-
-
-@first_derivative_only
-def fused_gradients(ctx, grad_loss):
-    """The fused loss's backward: the gradients its forward stored (``ctx.saved_tensors``: hidden, weight, bias)
-    times the loss's incoming gradient; ``None`` for the ``ctx.num_inputs - 3`` other inputs.
-
-    In eager mode they are scaled in place and handed on: a copy would cost another ``d_weight`` and
-    ``d_hidden`` (1.1 GB at H = 3584, V = 151936 in bf16) at the backward's peak, to multiply by 1. So the
-    backward runs once per forward: a second one (``retain_graph=True``) raises instead of scaling twice.
-    Traced (``torch.compile``, ``opcheck``'s AOT dispatch) it is the out-of-place product: a functional graph plans
-    its memory itself."""
-    if getattr(ctx, "gradients_handed_on", False):
-        raise RuntimeError(
-            "the fused gtpo_kernels loss's backward ran twice on one forward (retain_graph=True): its stored "
-            "gradients were handed on the first time; call fused_linear_gtpo_loss again for another backward"
-        )
-    saved = ctx.saved_tensors
-    if grad_loss is None:
-        grad_loss = torch.zeros((), device=saved[0].device)
-    in_place = not torch.compiler.is_compiling() and all(_is_plain(t) for t in (*saved, grad_loss))
-    ctx.gradients_handed_on = in_place
-    grads = [
-        (g.mul_(grad_loss.to(g.dtype)) if in_place else g * grad_loss.to(g.dtype)) if needed else None
-        for g, needed in zip(saved, ctx.needed)
-    ]
-    return (*grads,) + (None,) * (ctx.num_inputs - len(grads))  # hidden, weight, bias; nothing for the rest
-
-
-torch.library.register_autograd(f"{NAMESPACE}::fused_linear_gtpo", _fused_grad, setup_context=_fused_setup)

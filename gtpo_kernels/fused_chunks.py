@@ -1,7 +1,7 @@
 """The chunk loop of the fused ``hidden @ lm_head`` loss: packing the unmasked tokens into chunks of whole
 completions, each chunk's logits, statistics and gradients, and the float32 accumulation of ``d_W``.
-`fused_forward` is the body of the ``gtpo_kernels::fused_linear_gtpo`` operator (`custom_ops`); the public
-functions and the overview are in `fused_linear`. This module imports neither, so the operator can call it.
+`fused_forward` is the body of the ``gtpo_kernels::fused_linear_gtpo`` operator, registered in `fused_linear` with
+the public functions and the overview; this module does not import it, so the operator can call it.
 """
 
 from __future__ import annotations
@@ -276,7 +276,7 @@ def fused_forward(
     config: GTPOConfig,
     walk: Walk,
 ) -> List[torch.Tensor]:
-    """The body of ``gtpo_kernels::fused_linear_gtpo`` (`custom_ops`): the loss and its gradients in one walk over
+    """The body of ``gtpo_kernels::fused_linear_gtpo`` (`fused_linear`): the loss and its gradients in one walk over
     the chunks of ``walk.tokens`` (``hidden`` ``[N, L, H]``, or ``[T, H]`` packed), for the head ``(weight [V, H],
     bias [V] or None)``. Returns ``[loss, d_hidden, d_weight, d_bias, metric sums, completion entropy [N],
     completion clip low [N], completion clip high [N]]``; a gradient not in ``walk.need_grads`` is an empty tensor.

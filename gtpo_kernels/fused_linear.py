@@ -17,7 +17,7 @@ for the gradient (``8 T H V`` FLOPs for those completions). Peak extra memory is
 whatever the completion lengths. Everything else the coefficients depend on (conflict weights, the
 whole batch's counts) is known before the first chunk. The gradients are computed in the forward pass
 and stored; the backward only scales them by the incoming gradient. The whole walk is one registered
-operator, ``gtpo_kernels::fused_linear_gtpo`` (`custom_ops`), which ``torch.compile`` treats as a unit;
+operator, ``gtpo_kernels::fused_linear_gtpo`` (registered below), which ``torch.compile`` treats as a unit;
 the walk itself is `fused_chunks.fused_forward`.
 
 `fused_linear_token_logprobs_and_entropy` is the statistics alone, without gradient: old and reference
@@ -30,20 +30,21 @@ import json
 from typing import List, Optional, Tuple
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-from . import custom_ops, validation
+from . import validation
+from ._autograd import first_derivative_only, is_plain
 from .backends import get_backend, kernels_for, resolve_backend_name
 from .backends.base import stats_dtype
 from .config import GTPOConfig
 from .conflict import with_conflict_weights
-from .fused_chunks import Walk, token_statistics, unmasked_tokens
+from .fused_chunks import Walk, fused_forward, token_statistics, unmasked_tokens
 from .objective import signal_beyond_advantages
 from .packed import padded_rows
-from .result import GTPOLossOutput, GTPOMetrics
+from .result import ROW_METRICS, SUMS_SIZE, GTPOLossOutput, GTPOMetrics
 from .rows import Conflict, LossRows, checked_rows, resolved_config
 from .validation import token_temperature
-from .vocab_parallel import VocabParallel, group_name
+from .vocab_parallel import VocabParallel, group_name, group_named
 
 _CONFIG_FIELDS = tuple(GTPOConfig().to_dict())
 
@@ -88,6 +89,30 @@ def _check_linear_inputs(hidden_states, lm_head_weight, lm_head_bias) -> torch.d
             f"must share a dtype; cast one, or run under torch.autocast"
         )
     return hidden_states.dtype
+
+
+def _queue_no_signal_warning(checks: validation.DeferredChecks, rows: LossRows, config: GTPOConfig) -> None:
+    """``warn_no_signal`` from what is known before the statistics: no unmasked token with a non-zero advantage and
+    conflict weight, and no other term (the statistics come after the call's one read). GTPO's entropy shift gives a
+    tied group ``-gamma Hbar``, a signal only the statistics decide: no claim then."""
+    shift = config.entropy_mode == "advantage_shift" and config.entropy_coef > 0
+    if not config.warn_no_signal or shift or signal_beyond_advantages(config, rows.ref_logprobs is not None):
+        return
+    weight = rows.advantages[:, None] * (1 if rows.lambda_ is None else rows.lambda_)
+    checks.add_warning(
+        ~((weight != 0) & rows.valid).any(), "no_signal", lambda: validation.no_signal_message(None, config)
+    )
+
+
+def _needed_gradients(hidden, weight, bias) -> List[bool]:
+    """Which of hidden, weight, bias the walk computes a gradient for: none under ``torch.no_grad`` (an evaluation,
+    TRL's ``prediction_step``)."""
+    grad_enabled = torch.is_grad_enabled()
+    return [
+        grad_enabled and hidden.requires_grad,
+        grad_enabled and weight.requires_grad,
+        grad_enabled and bias is not None and bias.requires_grad,
+    ]
 
 
 def _read_checks_and_lengths(
@@ -150,8 +175,8 @@ def fused_linear_gtpo_loss(
             argument the same on every rank: the whole vocabulary's loss on every rank, one all-gather of four
             floats per token per chunk. The gradients are this shard's: ``d_weight``/``d_bias`` of the shard,
             and ``d_hidden`` this shard's share, which the tensor-parallel framework sums over the group (as the
-            backward of Megatron's ``copy_to_tensor_model_parallel_region`` does). Eager mode only.
-        entropy_quantile_group: as for `gtpo_loss` (``config.top_entropy_quantile``). Eager mode only.
+            backward of Megatron's ``copy_to_tensor_model_parallel_region`` does). Tested in eager mode.
+        entropy_quantile_group: as for `gtpo_loss` (``config.top_entropy_quantile``). Tested in eager mode.
 
     Returns:
         `GTPOLossOutput`; ``.loss`` is differentiable w.r.t. ``hidden_states``, ``lm_head_weight``
@@ -194,14 +219,7 @@ def fused_linear_gtpo_loss(
     stat_dtype = stats_dtype(compute_dtype)
     rows = with_conflict_weights(rows.replace(advantages=rows.advantages.detach().to(stat_dtype)), config, backend_)
     valid = rows.valid
-    # GTPO's entropy shift gives a tied group -gamma Hbar, a signal the statistics decide: no claim before them.
-    shift = config.entropy_mode == "advantage_shift" and config.entropy_coef > 0
-    if config.warn_no_signal and not shift and not signal_beyond_advantages(config, ref_logprobs is not None):
-        # What is known before the statistics: no unmasked token with a non-zero advantage and conflict weight.
-        weight = advantages.detach()[:, None] * (1 if rows.lambda_ is None else rows.lambda_)
-        checks.add_warning(
-            ~((weight != 0) & valid).any(), "no_signal", lambda: validation.no_signal_message(None, config)
-        )
+    _queue_no_signal_warning(checks, rows, config)
     vocab_size, vocab_parallel = lm_head_weight.shape[0], None
     if vocab_group is not None:
         vocab_parallel = VocabParallel.of_head(
@@ -216,15 +234,9 @@ def fused_linear_gtpo_loss(
         return None if value is None else torch.as_tensor(value, dtype=torch.float64, device=device)
 
     rows = rows.replace(num_sequences=as_count(num_sequences), num_tokens=as_count(num_tokens))
-    # Under torch.no_grad (an evaluation, TRL's prediction_step) no gradient is computed at all.
-    grad_enabled = torch.is_grad_enabled()
-    need_grads = [
-        grad_enabled and hidden_states.requires_grad,
-        grad_enabled and lm_head_weight.requires_grad,
-        grad_enabled and lm_head_bias is not None and lm_head_bias.requires_grad,
-    ]
+    need_grads = _needed_gradients(hidden_states, lm_head_weight, lm_head_bias)
     with torch.autocast(device.type, enabled=False):
-        outputs = custom_ops.fused_linear_gtpo(
+        outputs = fused_linear_gtpo(
             hidden_states,
             lm_head_weight,
             lm_head_bias,
@@ -247,6 +259,126 @@ def fused_linear_gtpo_loss(
         per_row=[values.detach() for values in outputs[5:]],
     )
     return GTPOLossOutput(outputs[0], metrics)
+
+
+# ------------------------------------------------------------------------------------------ the operator
+
+
+@torch.library.custom_op("gtpo_kernels::fused_linear_gtpo", mutates_args=())
+def fused_linear_gtpo(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    hidden_index: Optional[Tensor],
+    ids: Tensor,
+    valid: Tensor,
+    advantages: Tensor,
+    lambda_: Optional[Tensor],
+    n_conflict: Optional[Tensor],
+    old_logprobs: Optional[Tensor],
+    ref_logprobs: Optional[Tensor],
+    sampling_logprobs: Optional[Tensor],
+    initial_entropy: Optional[float],
+    temperature: float,
+    row_temperature: Optional[Tensor],
+    num_sequences: Optional[Tensor],
+    num_tokens: Optional[Tensor],
+    config_json: str,
+    backend: str,
+    compute_dtype: torch.dtype,
+    row_lengths: Optional[List[int]],
+    vocab_group: Optional[str],
+    shard_sizes: Optional[List[int]],
+    entropy_quantile_group: Optional[str],
+    need_grads: List[bool],
+) -> List[Tensor]:
+    """The fused loss and, computed on the way, its gradients: ``[loss, d_hidden, d_weight, d_bias, metric sums,
+    completion entropy, completion clip low, completion clip high]`` (gradients not asked for are empty tensors).
+    ``ids`` to ``num_tokens`` are a checked `rows.LossRows` as `LossRows.op_args` flattens it. ``row_lengths``: the
+    unmasked tokens of each row, when the caller has read them already (else one host synchronisation here).
+    ``hidden_index``: ``None`` for ``hidden [N, L, H]``; for packed ``hidden [T, H]``, each position's row in it
+    (`packed.Packing.index`). ``vocab_group`` (with each rank's ``shard_sizes``) and ``entropy_quantile_group``: the
+    names `vocab_parallel.group_name` gave the process groups (a schema takes no process group)."""
+    rows = LossRows.from_op_args(
+        (ids, valid, advantages, lambda_, n_conflict, old_logprobs, ref_logprobs, sampling_logprobs)
+        + (initial_entropy, temperature, row_temperature, num_sequences, num_tokens)
+    )
+    config = GTPOConfig.from_dict(json.loads(config_json))
+    kernels = kernels_for(get_backend(backend), compute_dtype, config.max_chunk_bytes)
+    tokens = unmasked_tokens(valid, row_lengths, hidden_index)
+    vocab_parallel = VocabParallel.named(vocab_group, shard_sizes)
+    walk = Walk(
+        kernels,
+        compute_dtype,
+        tokens,
+        need_grads,
+        config.max_chunk_bytes,
+        vocab_parallel,
+        group_named(entropy_quantile_group),
+    )
+    return fused_forward(hidden, (weight, bias), rows, config, walk)
+
+
+@fused_linear_gtpo.register_fake
+def _(hidden, weight, bias, hidden_index, ids, *rest):
+    compute_dtype, need_grads = rest[-6], rest[-1]
+    stat = stats_dtype(compute_dtype)
+    n_rows = ids.shape[0]
+
+    def empty():  # a fresh one each time: an operator's outputs may not alias one another
+        return hidden.new_empty((0,))
+
+    return [
+        hidden.new_empty((), dtype=stat),
+        torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_grads[0] else empty(),
+        torch.empty_like(weight) if need_grads[1] else empty(),
+        torch.empty_like(bias) if bias is not None and need_grads[2] else empty(),
+        hidden.new_empty((SUMS_SIZE,), dtype=torch.float64),
+        *(hidden.new_empty((n_rows,), dtype=stat) for _ in ROW_METRICS),
+    ]
+
+
+def _fused_setup(ctx, inputs, output):
+    # Only the loss is differentiated: no zero gradients materialised for the other outputs (two of them are
+    # d_hidden- and d_weight-sized).
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(output[1], output[2], output[3])
+    ctx.needed = [need and (i != 2 or inputs[2] is not None) for i, need in enumerate(inputs[-1])]
+    ctx.num_inputs = len(inputs)
+
+
+def _fused_grad(ctx, output_grads):
+    return fused_gradients(ctx, output_grads[0])  # a list-returning operator's backward takes them as one list
+
+
+@first_derivative_only
+def fused_gradients(ctx, grad_loss):
+    """The fused loss's backward: the gradients its forward stored (``ctx.saved_tensors``: hidden, weight, bias)
+    times the loss's incoming gradient; ``None`` for the ``ctx.num_inputs - 3`` other inputs.
+
+    In eager mode they are scaled in place and handed on: a copy would cost another ``d_weight`` and
+    ``d_hidden`` (1.1 GB at H = 3584, V = 151936 in bf16) at the backward's peak, to multiply by 1. So the
+    backward runs once per forward: a second one (``retain_graph=True``) raises instead of scaling twice.
+    Traced (``torch.compile``, ``opcheck``'s AOT dispatch) it is the out-of-place product: a functional graph plans
+    its memory itself."""
+    if getattr(ctx, "gradients_handed_on", False):
+        raise RuntimeError(
+            "the fused gtpo_kernels loss's backward ran twice on one forward (retain_graph=True): its stored "
+            "gradients were handed on the first time; call fused_linear_gtpo_loss again for another backward"
+        )
+    saved = ctx.saved_tensors
+    if grad_loss is None:
+        grad_loss = torch.zeros((), device=saved[0].device)
+    in_place = not torch.compiler.is_compiling() and all(is_plain(t) for t in (*saved, grad_loss))
+    ctx.gradients_handed_on = in_place
+    grads = [
+        (g.mul_(grad_loss.to(g.dtype)) if in_place else g * grad_loss.to(g.dtype)) if needed else None
+        for g, needed in zip(saved, ctx.needed)
+    ]
+    return (*grads,) + (None,) * (ctx.num_inputs - len(grads))  # hidden, weight, bias; nothing for the rest
+
+
+torch.library.register_autograd("gtpo_kernels::fused_linear_gtpo", _fused_grad, setup_context=_fused_setup)
 
 
 @torch.no_grad()

@@ -5,7 +5,7 @@ completions' ids and mask, their advantages, the conflict weights (given, or com
 groups), the old and reference log-probs, the whole batch's counts, the initial entropy and the sampling
 temperature. `checked_rows` validates them and returns one frozen `LossRows`; the objective
 (`objective.py`) and the fused chunk walk (`fused_chunks.py`) take it as it is, and only the registered
-operator's boundary (`custom_ops.fused_linear_gtpo`) flattens it into tensors and numbers.
+operator's boundary (`fused_linear.fused_linear_gtpo`) flattens it into tensors and numbers.
 """
 
 from __future__ import annotations

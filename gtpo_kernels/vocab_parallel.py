@@ -181,6 +181,15 @@ class VocabParallel:
             group, exchange_shards(group, vocab_local, tuple(rows) + (hidden_size,), dtype, device, "hidden_states")
         )
 
+    @classmethod
+    def named(cls, name: Optional[str], sizes: Optional[List[int]]) -> Optional[VocabParallel]:
+        """The group `group_name` called ``name`` with each rank's shard ``sizes``, inside a registered operator
+        (``None`` for no group)."""
+        if name is None:
+            return None
+        group = group_named(name)
+        return cls(group, VocabShards(tuple(sizes), dist.get_rank(group)))
+
     @property
     def largest_shard(self) -> int:
         """The columns of the largest shard: what sizes a chunk on every rank, so that all walk the same chunks."""

@@ -11,6 +11,7 @@ from gtpo_kernels import (  # noqa: E402
     GTPOConfig,
     conflict_weights,
     custom_ops,
+    fused_linear,
     fused_linear_gtpo_loss,
     gtpo_loss,
     token_logprobs_and_entropy,
@@ -142,7 +143,7 @@ def test_opcheck_fused_linear(backend, packed):
     lambda_, n_conflict = conflict_weights(ids, mask, adv, 2)
     config = json.dumps(GTPOConfig().to_dict())
     torch.library.opcheck(
-        custom_ops.fused_linear_gtpo,
+        fused_linear.fused_linear_gtpo,
         (
             hidden,
             weight,

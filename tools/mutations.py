@@ -314,7 +314,7 @@ MUTANTS: Tuple[Mutant, ...] = (
     # ---------------------------------------------------------------- this stop's fixes (issue 36)
     Mutant(
         "fused backward: a copy of every stored gradient",
-        "gtpo_kernels/custom_ops.py",
+        "gtpo_kernels/fused_linear.py",
         "(g.mul_(grad_loss.to(g.dtype)) if in_place else g * grad_loss.to(g.dtype))",
         "g * grad_loss.to(g.dtype)",
         ("tests/test_fused_linear.py::test_backward_hands_on_the_stored_gradients_without_a_copy",),
@@ -322,7 +322,7 @@ MUTANTS: Tuple[Mutant, ...] = (
     ),
     Mutant(
         "fused backward: zero gradients materialised for the unused outputs",
-        "gtpo_kernels/custom_ops.py",
+        "gtpo_kernels/fused_linear.py",
         "    ctx.set_materialize_grads(False)\n    ctx.save_for_backward(output[1], output[2], output[3])",
         "    ctx.save_for_backward(output[1], output[2], output[3])",
         ("tests/test_fused_linear.py::test_backward_hands_on_the_stored_gradients_without_a_copy",),
