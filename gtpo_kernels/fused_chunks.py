@@ -154,7 +154,8 @@ class ChunkWalk:
         vocab_parallel = walk.vocab_parallel
         self.ids = ids
         self.shard_ids = ids if vocab_parallel is None else ids - vocab_parallel.shards.offset
-        self.temperature = temperature
+        # Each token's temperature flat, once (an [N] per completion arrives as an expanded [N, L] view).
+        self.temperature = temperature.reshape(-1) if isinstance(temperature, torch.Tensor) else temperature
         self.stat_dtype = stats_dtype(walk.compute_dtype)
         self.stats = torch.zeros((4,) + tuple(ids.shape), dtype=self.stat_dtype, device=hidden.device)
         # Every rank of a vocabulary group walks the same chunks (the largest shard's budget).
@@ -172,7 +173,7 @@ class ChunkWalk:
         """Tokens ``[t0, t1)``'s temperature: the call's one, or each token's ``[1, t1 - t0]``."""
         if not isinstance(self.temperature, torch.Tensor):
             return self.temperature
-        return self.temperature.reshape(-1)[self.tokens.flat[t0:t1]][None]
+        return self.temperature[self.tokens.flat[t0:t1]][None]
 
     def _inputs(self, t0: int, t1: int):
         """Tokens ``[t0, t1)``: hidden states in the compute dtype, ids in this shard, temperatures."""

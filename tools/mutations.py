@@ -412,8 +412,8 @@ MUTANTS: Tuple[Mutant, ...] = (
     Mutant(
         "per-completion temperature: the fused walk reads temperatures by chunk position, not by token",
         "gtpo_kernels/fused_chunks.py",
-        "        return self.temperature.reshape(-1)[self.tokens.flat[t0:t1]][None]",
-        "        return self.temperature.reshape(-1)[t0:t1][None]",
+        "        return self.temperature[self.tokens.flat[t0:t1]][None]",
+        "        return self.temperature[t0:t1][None]",
         ("tests/test_fused_linear.py", "-k", "per_completion_temperature and cpu"),
         "a chunk's tokens read their own completion's temperature (masked positions skipped)",
     ),
