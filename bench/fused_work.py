@@ -13,7 +13,8 @@ kernels differ, ``--before-tree``: a checkout of ``REV`` with its own build; and
   backward          ``loss.backward()`` after a forward with grad: wall time, and the largest and peak new
                     storage during the backward (the gradients themselves were made by the forward)
 Memory is counted exactly, per tensor storage created by an operator (`common.PeakTensorMemory`), in a run
-of its own; times are medians of ``--reps``, the two sources alternating in separate processes (C++ backend).
+of its own; times are medians of ``--reps``, the two sources alternating in separate processes, in the other order
+every other time (C++ backend).
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ def main(argv=None) -> None:
     p.add_argument("--hidden", type=int, default=576)
     p.add_argument("--vocab", type=int, default=49152)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=4, help="measurements per source (even: as often first as second)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--name", default="fused-work-cpu", help="the table's file name (in bench/results/local/)")
     p.add_argument("--before-tree", help="a checkout of --before with its own C++ build (when csrc/ differs)")
@@ -133,9 +134,12 @@ def main(argv=None) -> None:
         try:
             sources = {f"before ({rev.stdout.strip()})": before, f"after ({head.stdout.strip()} + tree)": ROOT}
             results = {name: {w: [] for w in args.what} for name in sources}
-            for _ in range(args.reps):
+            for rep in range(args.reps):
                 for what in args.what:
-                    for name, source in sources.items():  # alternating: both see the same machine
+                    # Alternating, and in the other order every other time (ABBA): a CPU's clock drifts within a
+                    # pair too (boost, heat), which would otherwise always favour the source measured first.
+                    order = list(sources.items()) if rep % 2 == 0 else list(sources.items())[::-1]
+                    for name, source in order:
                         results[name][what].append(measure(source, args, what))
         finally:
             if not args.before_tree:
