@@ -3,11 +3,13 @@ and the plot; the trainer's ablation flags (`--entropy-coef`, `--no-entropy-filt
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
 from trainer import compare
 from trainer.config import ConfigError, TrainConfig, parse_args
+from trainer.intervals import with_interval
 
 
 def _run(
@@ -108,6 +110,18 @@ def test_tables_and_plot(tmp_path):
     steps, mean, low, high = compare._band(compare.load(runs[:3])["gtpo paper"], "evals", "accuracy")
     assert steps == [0, 2, 4] and low[-1] == pytest.approx(0.5) and high[-1] == pytest.approx(0.7)
     assert mean[-1] == pytest.approx(0.6)
+
+
+def test_each_seeds_final_figure_comes_with_its_interval(tmp_path):
+    # The count from summary.json, or (summaries written before it was saved) from config.json's eval_size.
+    saved = _run(tmp_path, "saved", seed=0, accuracy=(0.4, 0.6, 0.5))
+    summary = json.loads((Path(saved) / "summary.json").read_text())
+    (Path(saved) / "summary.json").write_text(json.dumps({**summary, "eval_problems": 128}))
+    older = _run(tmp_path, "older", seed=1, accuracy=(0.4, 0.6, 0.75), config={"eval_size": 64})
+    unknown = _run(tmp_path, "unknown", seed=2, accuracy=(0.4, 0.6, 0.25))
+    text = compare.gain_table(compare.load([saved, older, unknown]))
+    row = next(line for line in text.splitlines() if "| accuracy |" in line)
+    assert row.endswith(f"| {with_interval(0.5, 128)}; {with_interval(0.75, 64)}; - |")
 
 
 def test_ablation_flags_reach_the_loss():

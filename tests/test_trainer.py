@@ -18,6 +18,8 @@ from trainer import train as train_module  # noqa: E402
 from trainer.config import ConfigError, TrainConfig, parse_args  # noqa: E402
 from trainer.data import arithmetic_problems, gsm8k_final_answer, load_problems  # noqa: E402
 from trainer.distributed import Distributed  # noqa: E402
+from trainer.intervals import metric_intervals, wilson, with_interval  # noqa: E402
+from trainer.metrics_log import MetricsLog  # noqa: E402
 from trainer.rewards import correctness_reward, extract_answer, format_reward, parse_number  # noqa: E402
 
 
@@ -61,6 +63,32 @@ def test_a_few_steps_run_with_finite_losses(tiny_model_dir, tmp_path, algo):
     assert [r["kind"] for r in rows].count("eval") == 2  # before and after
     for name in ("checkpoint.pt", "training.png", "summary.json", "final/config.json", "config.json"):
         assert (tmp_path / name).exists(), name
+    # Every held-out figure with its 95 % interval over the held-out problems, in summary.json too.
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["eval_problems"] == summary["eval_problems"] == 4
+    for when in ("before", "after"):
+        assert saved["intervals_95"][when] == {k: list(wilson(v, 4)) for k, v in saved[when].items()}
+
+
+def test_the_summary_says_whether_each_figure_moved_beyond_its_interval(tmp_path, capsys):
+    # maj@4: 0.65 is above 0.50's interval [0.38, 0.62], but its own [0.53, 0.76] overlaps it: not a gain.
+    before = {"accuracy": 0.25, "format_rate": 0.5, "pass@4": 0.9, "maj@4": 0.5}
+    after = {"accuracy": 0.75, "format_rate": 0.55, "pass@4": 0.5, "maj@4": 0.65}
+    summary = {
+        "before": before,
+        "after": after,
+        "eval_problems": 64,
+        "intervals_95": {"before": metric_intervals(before, 64), "after": metric_intervals(after, 64)},
+        "minutes": 1.0,
+        "wall_minutes": 1.5,
+    }
+    train_module.print_summary(summary, MetricsLog(tmp_path / "metrics.jsonl"), None)
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.strip()}
+    assert "64 problems" in lines["held-out"]
+    assert with_interval(0.25, 64) in lines["accuracy"]
+    assert lines["accuracy"].endswith("up") and with_interval(0.75, 64) in lines["accuracy"]
+    assert lines["format_rate"].endswith("within noise") and lines["maj@4"].endswith("within noise")
+    assert lines["pass@4"].endswith("down") and with_interval(0.9, 64) in lines["pass@4"]
 
 
 def test_a_step_without_signal_is_skipped_without_the_loss_warning(tiny_model_dir):

@@ -42,6 +42,43 @@ class Mutant:
 
 
 MUTANTS: Tuple[Mutant, ...] = (
+    # ---------------------------------------------------------------- the held-out figures' intervals
+    Mutant(
+        "intervals: the normal approximation instead of Wilson's",
+        "trainer/intervals.py",
+        "    return max(0.0, min(share, centre - half)), min(1.0, max(share, centre + half))",
+        "    half = z * math.sqrt(share * (1 - share) / n)\n    return max(0.0, share - half), min(1.0, share + half)",
+        ("tests/test_intervals.py",),
+        "the score interval's ends solve its defining equation and match Newcombe's published values; the naive "
+        "interval shrinks to a point at 0 and 1",
+    ),
+    Mutant(
+        "intervals: the centre not pulled towards 1/2",
+        "trainer/intervals.py",
+        "centre = (share + z2n / 2) / (1 + z2n)",
+        "centre = share",
+        (
+            "tests/test_intervals.py::test_bounds_solve_the_score_equation",
+            "tests/test_intervals.py::test_published_values",
+        ),
+        "Wilson's interval is centred between the share and 1/2",
+    ),
+    Mutant(
+        "trainer summary: 'up' when the after figure is above the before interval",
+        "trainer/train.py",
+        'verdict = "up" if a_low > b_high else',
+        'verdict = "up" if after[key] > b_high else',
+        ("tests/test_trainer.py::test_the_summary_says_whether_each_figure_moved_beyond_its_interval",),
+        "a gain counts only when the two intervals do not overlap (0.50 -> 0.55 of 64 problems is noise)",
+    ),
+    Mutant(
+        "compare: older summaries' problem count not read from config.json",
+        "trainer/compare.py",
+        'summary.setdefault("eval_problems", (config or {}).get("eval_size"))',
+        'summary.setdefault("eval_problems", None)',
+        ("tests/test_compare.py::test_each_seeds_final_figure_comes_with_its_interval",),
+        "runs saved before the count was kept still get their intervals, from config.json's eval_size",
+    ),
     # ---------------------------------------------------------------- the trainer on several processes
     Mutant(
         "trainer: no world-size factor on the loss",

@@ -5,7 +5,8 @@ Runs are grouped by variant: the algorithm, the loss preset and the loss overrid
 ``comparison.md``, two tables:
 
 - per variant and held-out metric: the mean before and after training over seeds, the gain per seed, the
-  spread of the final values across seeds (max - min) and whether the mean gain exceeds it;
+  spread of the final values across seeds (max - min), whether the mean gain exceeds it, and each seed's
+  final value with its 95 % interval over the held-out problems (Wilson, as the run's summary prints it);
 - per run: the peak and final held-out metrics and whether the run collapsed, by `COLLAPSE_RULE`;
 
 and ``comparison.png``: per-step curves across seeds (mean, band from min to max) of the train entropy
@@ -21,6 +22,8 @@ import math
 from collections import defaultdict
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
+
+from .intervals import with_interval
 
 LN2 = math.log(2.0)
 # A run collapsed when any of these holds (stated in the table's heading; fixed before the study's final runs):
@@ -69,6 +72,8 @@ def load(run_dirs: List[str]) -> Dict[str, List[dict]]:
         summary.update(
             dir=d, train=[r for r in rows if r["kind"] == "train"], evals=[r for r in rows if r["kind"] == "eval"]
         )
+        # Summaries written before 2026-12-02 lack the count; their config.json has it.
+        summary.setdefault("eval_problems", (config or {}).get("eval_size"))
         by_variant[variant(summary, config)].append(summary)
     return by_variant
 
@@ -98,8 +103,8 @@ def collapsed(run: dict) -> Tuple[bool, str]:
 def gain_table(by_variant: Dict[str, List[dict]]) -> str:
     lines = [
         "| variant | seeds | metric | before (mean) | after (mean) | gain (mean) | gain per seed | "
-        "spread of after across seeds | gain > spread |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "spread of after across seeds | gain > spread | after per seed, 95 % interval |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, runs in sorted(by_variant.items()):
         for metric in runs[0]["after"]:
@@ -110,7 +115,11 @@ def gain_table(by_variant: Dict[str, List[dict]]) -> str:
             lines.append(
                 f"| {name} | {','.join(str(r['seed']) for r in runs)} | {metric} | {_mean(before):.3f} | "
                 f"{_mean(after):.3f} | {_mean(gains):+.3f} | {' '.join(f'{g:+.3f}' for g in gains)} | "
-                f"{spread:.3f} | {'yes' if _mean(gains) > spread else 'no'} |"
+                f"{spread:.3f} | {'yes' if _mean(gains) > spread else 'no'} | "
+                + "; ".join(
+                    with_interval(r["after"][metric], r["eval_problems"]) if r["eval_problems"] else "-" for r in runs
+                )
+                + " |"
             )
     return "\n".join(lines)
 

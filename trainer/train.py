@@ -48,6 +48,7 @@ from .checkpoint import RunState, load_checkpoint, require_checkpoint, save_chec
 from .config import ConfigError, TrainConfig, parse_args
 from .data import load_problems
 from .distributed import Distributed, full_parameters, full_state, load_full_state, no_sync, wrap
+from .intervals import metric_intervals, with_interval
 from .metrics_log import MetricsLog
 from .model import check_model_source, load_model_and_tokenizer
 from .plots import plot_run
@@ -476,6 +477,37 @@ class Session:
         self.dist.barrier()
 
 
+def load_session(config: TrainConfig, dist: Distributed, train_set, eval_set) -> Session:
+    """The model (seeded by ``config.seed``), its loss module wrapped for the processes, the optimiser and
+    the schedule: what a run's steps work with (``python -m bench trainer`` times steps of it)."""
+    checkpoint_path = Path(config.output_dir) / "checkpoint.pt"
+    torch.manual_seed(config.seed)
+    model, tokenizer = load_model_and_tokenizer(config.model, dist.device)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    if config.gradient_checkpointing:  # transformers >= 5.2x renamed it
+        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+    check_hidden_states_supported(model)  # before wrapping: its check runs the model once on a few tokens
+    policy = wrap(PolicyLoss(model), model.get_decoder().layers, dist, config.fsdp)
+    optimizer = torch.optim.AdamW(
+        policy.parameters(), lr=config.learning_rate, betas=(0.9, 0.99), weight_decay=config.weight_decay
+    )
+    total_updates = config.steps * config.num_iterations
+    return Session(
+        config=config,
+        loss_config=config.loss_config(max_completion_length=config.max_new_tokens),
+        dist=dist,
+        model=model,
+        tokenizer=tokenizer,
+        policy=policy,
+        optimizer=optimizer,
+        scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(config.warmup_steps, total_updates)),
+        train_set=train_set,
+        eval_set=eval_set,
+        checkpoint_path=checkpoint_path,
+        stop=StopRequests(),
+    )
+
+
 def run(config: TrainConfig, dist: Optional[Distributed] = None) -> dict:
     run_started = time.time()  # wall clock of the whole run: loading, evaluations and saving included
     dist = dist or Distributed.start(config.device)
@@ -492,31 +524,8 @@ def run(config: TrainConfig, dist: Optional[Distributed] = None) -> dict:
         out_dir.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     log = MetricsLog(out_dir / "metrics.jsonl", enabled=dist.is_main)
-    torch.manual_seed(config.seed)
-    model, tokenizer = load_model_and_tokenizer(config.model, dist.device)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    if config.gradient_checkpointing:  # transformers >= 5.2x renamed it
-        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
-    check_hidden_states_supported(model)  # before wrapping: its check runs the model once on a few tokens
-    policy = wrap(PolicyLoss(model), model.get_decoder().layers, dist, config.fsdp)
-    optimizer = torch.optim.AdamW(
-        policy.parameters(), lr=config.learning_rate, betas=(0.9, 0.99), weight_decay=config.weight_decay
-    )
-    total_updates = config.steps * config.num_iterations
-    session = Session(
-        config=config,
-        loss_config=config.loss_config(max_completion_length=config.max_new_tokens),
-        dist=dist,
-        model=model,
-        tokenizer=tokenizer,
-        policy=policy,
-        optimizer=optimizer,
-        scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(config.warmup_steps, total_updates)),
-        train_set=train_set,
-        eval_set=eval_set,
-        checkpoint_path=checkpoint_path,
-        stop=StopRequests(),
-    )
+    session = load_session(config, dist, train_set, eval_set)
+    model, tokenizer, policy, optimizer = session.model, session.tokenizer, session.policy, session.optimizer
 
     if config.resume:
         payload = load_checkpoint(checkpoint_path)
@@ -639,6 +648,12 @@ def run(config: TrainConfig, dist: Optional[Distributed] = None) -> dict:
             "wall_minutes": (time.time() - run_started) / 60,
             "before": state.before,
             "after": after,
+            # Each figure is a share of these problems: its 95 % interval (Wilson) says what it can tell.
+            "eval_problems": len(session.eval_set),
+            "intervals_95": {
+                "before": metric_intervals(state.before, len(session.eval_set)) if state.before else None,
+                "after": metric_intervals(after, len(session.eval_set)),
+            },
         }
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         print_summary(summary, log, plot)
@@ -736,11 +751,21 @@ def save_final(model, tokenizer, policy, folder: Path) -> None:
 
 
 def print_summary(summary: dict, log: MetricsLog, plot: Optional[Path]) -> None:
-    before, after = summary["before"] or {}, summary["after"]
-    print(f"\n{'held-out metric':<16} {'before':>8} {'after':>8}")
+    before, after, n = summary["before"] or {}, summary["after"], summary["eval_problems"]
+    # A gain counts when the after figure's interval lies wholly above the before figure's: a stricter test
+    # than needed (the same problems are scored twice), so "within noise" may still hide a small gain.
+    print(f"\nheld-out metric on {n} problems, with 95 % intervals (Wilson)")
+    print(f"{'metric':<12} {'before':>20} {'after':>20}  verdict")
     for key in after:
-        b = before.get(key, float("nan"))
-        print(f"{key:<16} {b:>8.3f} {after[key]:>8.3f}")
+        b = with_interval(before[key], n) if key in before else "-"
+        verdict = "-"
+        if key in before:
+            (b_low, b_high), (a_low, a_high) = (
+                summary["intervals_95"]["before"][key],
+                summary["intervals_95"]["after"][key],
+            )
+            verdict = "up" if a_low > b_high else "down" if a_high < b_low else "within noise"
+        print(f"{key:<12} {b:>20} {with_interval(after[key], n):>20}  {verdict}")
     train_rows = log.rows("train")
     if train_rows:
         mean = lambda k: np.mean([r[k] for r in train_rows])

@@ -1,0 +1,39 @@
+"""95 % intervals for held-out rates: what a before/after figure of a few dozen problems can and cannot tell.
+
+A held-out metric is a share of ``n`` problems (right greedy answer, right answer among k samples, ...). Its
+Wilson score interval is the set of true rates ``p`` for which the observed share ``s`` is within ``z``
+standard errors, ``|s - p| <= z sqrt(p (1 - p) / n)``; unlike ``s +- z sqrt(s (1 - s) / n)`` it stays inside
+[0, 1] and does not shrink to a point at 0 or 1 (an 8-problem run that got every answer right is not proof
+of a perfect policy).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Tuple
+
+Z95 = 1.959963984540054  # the normal distribution's 97.5 % quantile: a two-sided 95 % interval
+
+
+def wilson(share: float, n: int, z: float = Z95) -> Tuple[float, float]:
+    """The Wilson score interval ``(low, high)`` of a rate observed as ``share`` of ``n`` trials."""
+    if n < 1:
+        raise ValueError(f"n must be a positive number of problems (got {n})")
+    if not 0 <= share <= 1:
+        raise ValueError(f"share must be in [0, 1] (got {share})")
+    z2n = z * z / n
+    centre = (share + z2n / 2) / (1 + z2n)
+    half = z / (1 + z2n) * math.sqrt(share * (1 - share) / n + z2n / (4 * n))
+    # The interval always contains the observed share; clamp only the rounding at 0 and 1.
+    return max(0.0, min(share, centre - half)), min(1.0, max(share, centre + half))
+
+
+def metric_intervals(metrics: Dict[str, float], n: int) -> Dict[str, List[float]]:
+    """``{metric: [low, high]}``: each held-out rate's 95 % interval over ``n`` problems."""
+    return {name: list(wilson(value, n)) for name, value in metrics.items()}
+
+
+def with_interval(share: float, n: int) -> str:
+    """``0.719 [0.60, 0.81]``: a rate and its 95 % interval, as the run's summary and compare print it."""
+    low, high = wilson(share, n)
+    return f"{share:.3f} [{low:.2f}, {high:.2f}]"
