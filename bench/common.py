@@ -260,6 +260,8 @@ def environment(device: torch.device) -> dict:
             info["cpu"] = names[0] if names else info["cpu"]
         except OSError:
             pass
+        # CPUs of one name differ: some multiply bf16 natively (AVX-512 BF16, AMX), which changes bf16 timings.
+        info["cpu_bf16_matmul"] = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     return info
 
 

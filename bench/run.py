@@ -1,5 +1,6 @@
-"""Entry point: ``python -m bench [logits|fused_linear|cpu_kernels|accuracy|kernels|isa|layouts|fused_work] [options]``
-(``python -m bench --help`` lists them; ``python -m bench NAME --help`` gives one's options)."""
+"""Entry point: ``python -m bench [NAME] [options]``, NAME one of logits (the default), fused_linear, cpu_kernels,
+accuracy, kernels, isa, layouts, fused_work, trainer (``python -m bench --help`` lists them; ``python -m bench NAME
+--help`` gives one's options)."""
 
 import sys
 
@@ -12,6 +13,7 @@ BENCHMARKS = {
     "isa": "bench.isa",
     "layouts": "bench.layouts",
     "fused_work": "bench.fused_work",
+    "trainer": "bench.trainer",
 }
 SUMMARIES = {
     "logits": "the loss on materialised logits: eager and compiled PyTorch, our backends, Liger (the default)",
@@ -22,6 +24,7 @@ SUMMARIES = {
     "isa": "static sm_90 SASS instruction counts of our kernels and Liger's, no GPU needed",
     "layouts": "packed (cu_seqlens) and vocab-parallel (vocab_group) calls against the padded whole-vocabulary one",
     "fused_work": "the fused loss under no_grad and in its backward, against an earlier commit (--before REV)",
+    "trainer": "one step of gtpo-train against one of TRL's GRPOTrainer on the same work (TRL: the [trl] extra)",
 }
 
 

@@ -85,3 +85,28 @@ def test_gpu_summary_says_plainly_whether_the_cuda_tests_were_green(tmp_path):
     assert tests_verdict(junit, True).startswith("CUDA tests: NOT GREEN")  # the step itself failed
     write(failures=0, skipped=3)
     assert tests_verdict(junit, False).startswith("CUDA tests: NOT GREEN: 0 passed")  # nothing ran
+
+
+def test_trainer_benchmark_harness(tiny_model_dir):
+    """`python -m bench trainer`'s two workers on a tiny model, one step each: the parts of a step add up to at
+    most the step, the completions' tokens are what was sampled, and the table's ratio is the two steps'."""
+    import pytest
+
+    pytest.importorskip("trl")
+    from bench import trainer as bench_trainer
+    from trainer import train as train_module
+
+    generate = train_module.generate
+    args = bench_trainer.parser().parse_args(
+        ["--model", tiny_model_dir, "--steps", "1", "--prompts", "2", "--group-size", "2", "--max-new-tokens", "4"]
+    )
+    results = {"gtpo-train": bench_trainer.ours(args), "TRL GRPOTrainer": bench_trainer.trl_steps(args)}
+    assert train_module.generate is generate  # the timing wrapper is undone
+    for steps in results.values():
+        (step,) = steps
+        assert step["sampling"] > 0 and step["scoring"] >= 0 and step["update"] > 0
+        assert step["sampling"] + step["scoring"] + step["update"] <= step["step"] + 1e-6
+        assert 4 <= step["completion_tokens"] <= 4 * 4  # 4 completions of 1 to 4 tokens
+    lines = bench_trainer.table(results, args)
+    ratio = results["gtpo-train"][0]["step"] / results["TRL GRPOTrainer"][0]["step"]
+    assert f"gtpo-train's step / TRL's: **{ratio:.2f}**" in "\n".join(lines)

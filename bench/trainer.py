@@ -1,0 +1,261 @@
+"""One training step of ``gtpo-train`` against one of TRL's ``GRPOTrainer`` on the same work, side by side.
+
+    python -m bench trainer [--precision fp32|bf16] [--steps 2] [--prompts 4 --group-size 8 --max-new-tokens 48]
+
+Both load the built-in SmolLM2-135M-Instruct, take the same first prompts of the built-in arithmetic stream
+(``--seed``'s), asked in the same chat (system prompt, worked examples), sample ``--group-size`` completions of
+at most ``--max-new-tokens`` tokens each at temperature 1, score them with the same two rewards and take one
+AdamW step at the same learning rate, in the same precision (``bf16``: autocast, as both trainers run it), with
+the same threads. TRL runs as its defaults for this work have it (``beta = 0``: no reference model; its
+"dapo" loss; prompts repeated ``G`` times for ``model.generate``); ``gtpo-train`` runs its default loss (GTPO,
+``paper`` preset) and its own sampler. Each trainer runs ``--steps`` steps in a process of its own; the table
+reports the last (the first also warms the allocator and oneDNN's kernels, and ``gtpo-train``'s first step
+measures the initial entropy).
+
+Parts: *sampling* is the decoding (``gtpo-train``'s sampler; TRL's ``_generate``); *scoring* the rewards and
+advantages (the rest of the rollout; TRL: its ``_prepare_inputs`` less generation, which also tokenises); *the
+update* the loss's forward and backward over the batch and the optimiser step (what remains of the step).
+Tokens per second count the completions' tokens (up to and including each EOS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import RESULTS, environment
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _timed(owner, name: str, totals: dict, key: str):
+    """Wraps ``owner.name`` so that each call adds its wall time to ``totals[key]``; returns what undoes it."""
+    inner = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            totals[key] = totals.get(key, 0.0) + time.perf_counter() - start
+
+    setattr(owner, name, wrapper)
+    return lambda: setattr(owner, name, inner)
+
+
+def ours(args) -> list:
+    """``gtpo-train``'s steps, as its run takes them (`trainer.train.train_step`), each step's parts."""
+    from trainer import train
+    from trainer.checkpoint import RunState
+    from trainer.config import TrainConfig
+    from trainer.data import load_problems
+    from trainer.distributed import Distributed
+
+    config = TrainConfig(
+        prompts_per_step=args.prompts,
+        group_size=args.group_size,
+        max_new_tokens=args.max_new_tokens,
+        precision=args.precision,
+        steps=args.steps,
+        seed=args.seed,
+        device="cpu",
+        model=args.model or TrainConfig.model,
+        output_dir=tempfile.mkdtemp(prefix="bench-trainer-"),
+    )
+    dist = Distributed.start("cpu")
+    train_set, eval_set = load_problems(config.dataset, config.seed, 1, config.difficulty)
+    session = train.load_session(config, dist, train_set, eval_set)
+    state, steps, totals = RunState(), [], {}
+    undo = _timed(train, "generate", totals, "sampling")  # rollout's sampling; the rest of it scores them
+    try:
+        for step in range(args.steps):
+            totals.clear()
+            row = train.train_step(session, state, step)
+            steps.append(
+                {
+                    "step": row["time_step"],
+                    "sampling": totals["sampling"],
+                    "scoring": row["time_generation"] - totals["sampling"],
+                    "update": row["time_old_logprobs"] + row["time_update"],
+                    "completion_tokens": row["completion_length"] * args.prompts * args.group_size,
+                    "reward": row["reward"],
+                }
+            )
+    finally:
+        undo()
+    return steps
+
+
+def trl_steps(args) -> list:
+    """TRL's ``GRPOTrainer`` on the same prompts, rewards and settings; each step's parts."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trainer.data import load_problems
+    from trainer.model import default_model_path
+    from trainer.rewards import DEFAULT_REWARDS
+    from trainer.train import chat
+
+    path = args.model or default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+    train_set, _ = load_problems("arithmetic", args.seed, 1, 1)
+    problems = train_set.select(range(args.prompts * args.steps))  # gtpo-train's stream: step s, prompts s*B..
+    dataset = Dataset.from_dict(
+        {"prompt": [chat(q, worked_examples=2) for q in problems["question"]], "answer": problems["answer"]}
+    )
+
+    def as_trl_reward(reward):
+        def score(completions, answer, **kwargs):
+            texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+            return reward(texts, answer=answer, answer_in_block=True)
+
+        score.__name__ = reward.__name__
+        return score
+
+    totals: dict = {}
+    per_step: list = []
+
+    class StepClock(TrainerCallback):
+        """Each optimiser step's wall time and the parts timed inside it (generation, preparation)."""
+
+        def on_step_begin(self, *args, **kwargs):
+            totals.clear()
+            totals["begin"] = time.perf_counter()
+
+        def on_step_end(self, *args, **kwargs):
+            per_step.append({**totals, "step": time.perf_counter() - totals["begin"]})
+
+    config = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="bench-trl-"),
+        per_device_train_batch_size=args.prompts * args.group_size,
+        num_generations=args.group_size,
+        max_completion_length=args.max_new_tokens,
+        temperature=1.0,
+        learning_rate=5e-5,
+        max_steps=args.steps,
+        shuffle_dataset=False,
+        bf16=args.precision == "bf16",
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        seed=args.seed,
+        dataloader_num_workers=0,
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[as_trl_reward(r) for r in DEFAULT_REWARDS],
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[StepClock()],
+    )
+    for name, key in (("_generate", "sampling"), ("_prepare_inputs", "prepare")):
+        _timed(trainer, name, totals, key)
+    trainer.train()
+    logged = [row for row in trainer.state.log_history if "completions/mean_length" in row]
+    rows = args.prompts * args.group_size
+    return [
+        {
+            "step": parts["step"],
+            "sampling": parts["sampling"],
+            "scoring": parts["prepare"] - parts["sampling"],
+            "update": parts["step"] - parts["prepare"],
+            "completion_tokens": row["completions/mean_length"] * rows,
+            "reward": row["reward"],
+        }
+        for parts, row in zip(per_step, logged)
+    ]
+
+
+def measure(which: str, args) -> list:
+    """``which``'s steps in a process of its own (``--threads`` threads)."""
+    code = (
+        f"import sys, json; sys.path.insert(0, {str(ROOT)!r}); from bench import trainer as b; "
+        f"args = b.parser().parse_args({args.argv!r}); "
+        f"print('RESULT ' + json.dumps(b.{which}(args)))"
+    )
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"{which}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench trainer", description=__doc__.splitlines()[0])
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--steps", type=int, default=2, help="steps per trainer; the table reports the last")
+    p.add_argument("--prompts", type=int, default=4, help="prompts per step (gtpo-train's default)")
+    p.add_argument("--group-size", type=int, default=8, help="completions per prompt (gtpo-train's default)")
+    p.add_argument("--max-new-tokens", type=int, default=48, help="completion cap (gtpo-train's default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", help="a local model folder (default: the built-in SmolLM2-135M-Instruct)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--name", default=None, help="the table's file name (default trainer-cpu-PRECISION)")
+    return p
+
+
+def table(results: dict, args) -> list:
+    """The benchmark's lines: each trainer's last step and its parts, the ratio of the two steps."""
+    lines = [
+        f"`python -m bench trainer --precision {args.precision} --steps {args.steps}`: {args.prompts} prompts x "
+        f"{args.group_size} completions of at most {args.max_new_tokens} tokens, SmolLM2-135M-Instruct, "
+        f"{args.precision}, {args.threads} threads; step {args.steps} of {args.steps} (each trainer in its own "
+        "process, one after the other).",
+        "",
+        "| trainer | step s | sampling s | scoring s | update s | completion tokens | sampling tok/s | "
+        "update tok/s | mean reward |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, steps in results.items():
+        last = steps[-1]
+        tokens = last["completion_tokens"]
+        lines.append(
+            f"| {name} | {last['step']:.1f} | {last['sampling']:.1f} | {last['scoring']:.2f} | {last['update']:.1f} "
+            f"| {tokens:.0f} | {tokens / last['sampling']:.0f} | {tokens / last['update']:.0f} | "
+            f"{last['reward']:.2f} |"
+        )
+    ours_step, trl_step = (results[k][-1]["step"] for k in results)
+    lines += ["", f"gtpo-train's step / TRL's: **{ours_step / trl_step:.2f}** (goal: at most 0.25)."]
+    if args.steps > 1:
+        medians = [statistics.median(s["step"] for s in steps) for steps in results.values()]
+        lines.append(
+            "Every step (s): "
+            + "; ".join(f"{k} " + ", ".join(f"{s['step']:.1f}" for s in v) for k, v in results.items())
+            + f" (ratio of the medians {medians[0] / medians[1]:.2f})."
+        )
+    return lines
+
+
+def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_args(argv)
+    args.argv = argv
+    if args.steps < 1:
+        raise SystemExit("--steps must be at least 1")
+    results = {"gtpo-train": measure("ours", args), "TRL GRPOTrainer": measure("trl_steps", args)}
+    lines = table(results, args)
+    info = environment(torch.device("cpu"))
+    name = args.name or f"trainer-cpu-{args.precision}"
+    text = f"# {name}\n\n" + "\n".join(f"- {k}: {v}" for k, v in info.items()) + "\n\n" + "\n".join(lines) + "\n"
+    print(text)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}.md").write_text(text)
+    print(f"written: {RESULTS / (name + '.md')}")
+
+
+if __name__ == "__main__":
+    main()
