@@ -14,7 +14,10 @@ measures the initial entropy).
 
 Parts: *sampling* is the decoding (``gtpo-train``'s sampler; TRL's ``_generate``); *scoring* the rewards and
 advantages (the rest of the rollout; TRL: its ``_prepare_inputs`` less generation, which also tokenises); *the
-update* the loss's forward and backward over the batch and the optimiser step (what remains of the step).
+update* the loss's forward and backward over the batch and the optimiser step (what remains of the step); for
+``gtpo-train`` also split into the decoder's forward (prompts and completions to the last hidden states), the fused
+loss (``hidden @ lm_head``, statistics, objective and its gradients, all in its forward) and the rest (the decoder's
+backward, clipping, AdamW).
 Tokens per second count the completions' tokens (up to and including each EOS).
 """
 
@@ -75,7 +78,13 @@ def ours(args) -> list:
     train_set, eval_set = load_problems(config.dataset, config.seed, 1, config.difficulty)
     session = train.load_session(config, dist, train_set, eval_set)
     state, steps, totals = RunState(), [], {}
-    undo = _timed(train, "generate", totals, "sampling")  # rollout's sampling; the rest of it scores them
+    # The rollout's sampling (the rest of it scores them); in the update, the decoder's forward (to the hidden
+    # states) and the fused loss (its forward computes the gradients too; its backward hands them on).
+    undoes = [
+        _timed(train, "generate", totals, "sampling"),
+        _timed(train, "completion_hidden_states", totals, "decoder_forward"),
+        _timed(train, "fused_linear_gtpo_loss", totals, "loss"),
+    ]
     try:
         for step in range(args.steps):
             totals.clear()
@@ -86,12 +95,15 @@ def ours(args) -> list:
                     "sampling": totals["sampling"],
                     "scoring": row["time_generation"] - totals["sampling"],
                     "update": row["time_old_logprobs"] + row["time_update"],
+                    "decoder_forward": totals["decoder_forward"],
+                    "loss": totals["loss"],
                     "completion_tokens": row["completion_length"] * args.prompts * args.group_size,
                     "reward": row["reward"],
                 }
             )
     finally:
-        undo()
+        for undo in undoes:
+            undo()
     return steps
 
 
@@ -208,6 +220,14 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def split(step: dict) -> str:
+    """The update's parts where they were timed (``gtpo-train``), else ``-``."""
+    if "loss" not in step:
+        return "-"
+    rest = step["update"] - step["decoder_forward"] - step["loss"]
+    return f"{step['decoder_forward']:.1f} / {step['loss']:.1f} / {rest:.1f}"
+
+
 def table(results: dict, args) -> list:
     """The benchmark's lines: each trainer's last step and its parts, the ratio of the two steps."""
     lines = [
@@ -216,16 +236,16 @@ def table(results: dict, args) -> list:
         f"{args.precision}, {args.threads} threads; step {args.steps} of {args.steps} (each trainer in its own "
         "process, one after the other).",
         "",
-        "| trainer | step s | sampling s | scoring s | update s | completion tokens | sampling tok/s | "
-        "update tok/s | mean reward |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| trainer | step s | sampling s | scoring s | update s | of which decoder forward / loss / decoder backward "
+        "and AdamW s | completion tokens | sampling tok/s | update tok/s | mean reward |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, steps in results.items():
         last = steps[-1]
         tokens = last["completion_tokens"]
         lines.append(
             f"| {name} | {last['step']:.1f} | {last['sampling']:.1f} | {last['scoring']:.2f} | {last['update']:.1f} "
-            f"| {tokens:.0f} | {tokens / last['sampling']:.0f} | {tokens / last['update']:.0f} | "
+            f"| {split(last)} | {tokens:.0f} | {tokens / last['sampling']:.0f} | {tokens / last['update']:.0f} | "
             f"{last['reward']:.2f} |"
         )
     ours_step, trl_step = (results[k][-1]["step"] for k in results)

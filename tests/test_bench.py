@@ -107,6 +107,8 @@ def test_trainer_benchmark_harness(tiny_model_dir):
         assert step["sampling"] > 0 and step["scoring"] >= 0 and step["update"] > 0
         assert step["sampling"] + step["scoring"] + step["update"] <= step["step"] + 1e-6
         assert 4 <= step["completion_tokens"] <= 4 * 4  # 4 completions of 1 to 4 tokens
+    (ours,) = results["gtpo-train"]
+    assert 0 < ours["decoder_forward"] and 0 < ours["loss"] and ours["decoder_forward"] + ours["loss"] < ours["update"]
     lines = bench_trainer.table(results, args)
     ratio = results["gtpo-train"][0]["step"] / results["TRL GRPOTrainer"][0]["step"]
     assert f"gtpo-train's step / TRL's: **{ratio:.2f}**" in "\n".join(lines)
