@@ -316,6 +316,18 @@ def save(name: str, env: dict, rows: List[Row], table: str, notes: str = "") -> 
     return RESULTS / f"{name}.md"
 
 
+def write_markdown(name: str, lines: List[str]) -> Path:
+    """``RESULTS/name.md``: a heading, this CPU's environment, then ``lines``; printed as well."""
+    env = "\n".join(f"- {k}: {v}" for k, v in environment(torch.device("cpu")).items())
+    text = f"# {name}\n\n{env}\n\n" + "\n".join(lines) + "\n"
+    print(text)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.md"
+    path.write_text(text)
+    print(f"written: {path}")
+    return path
+
+
 def plot_time_vs_vocab(name: str, rows: List[Row], title: str) -> Optional[Path]:
     try:
         import matplotlib

@@ -32,7 +32,8 @@ from pathlib import Path
 
 import torch
 
-from bench.common import RESULTS, PeakTensorMemory, environment
+from bench import common
+from bench.common import PeakTensorMemory
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -163,12 +164,7 @@ def main(argv=None) -> None:
             )
         first, second = (statistics.median(r["ms"] for r in results[name][what]) for name in sources)
         lines.append(f"| after / before | {labels[what]} | {second / first:.3f} | | |")
-    env = "\n".join(f"- {k}: {v}" for k, v in environment(torch.device("cpu")).items())
-    text = f"# {args.name}\n\n{env}\n\n" + "\n".join(lines) + "\n"
-    print(text)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{args.name}.md").write_text(text)
-    print(f"written: {RESULTS / (args.name + '.md')}")
+    common.write_markdown(args.name, lines)
 
 
 if __name__ == "__main__":

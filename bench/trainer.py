@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import RESULTS, environment
+from bench import common
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -268,13 +268,7 @@ def main(argv=None) -> None:
         raise SystemExit("--steps must be at least 1")
     results = {"gtpo-train": measure("ours", args), "TRL GRPOTrainer": measure("trl_steps", args)}
     lines = table(results, args)
-    info = environment(torch.device("cpu"))
-    name = args.name or f"trainer-cpu-{args.precision}"
-    text = f"# {name}\n\n" + "\n".join(f"- {k}: {v}" for k, v in info.items()) + "\n\n" + "\n".join(lines) + "\n"
-    print(text)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{name}.md").write_text(text)
-    print(f"written: {RESULTS / (name + '.md')}")
+    common.write_markdown(args.name or f"trainer-cpu-{args.precision}", lines)
 
 
 if __name__ == "__main__":

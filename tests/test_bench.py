@@ -87,7 +87,7 @@ def test_gpu_summary_says_plainly_whether_the_cuda_tests_were_green(tmp_path):
     assert tests_verdict(junit, False).startswith("CUDA tests: NOT GREEN: 0 passed")  # nothing ran
 
 
-def test_trainer_benchmark_harness(tiny_model_dir):
+def test_trainer_benchmark_harness(tiny_model_dir, tmp_path, monkeypatch):
     """`python -m bench trainer`'s two workers on a tiny model, one step each: the parts of a step add up to at
     most the step, the completions' tokens are what was sampled, and the table's ratio is the two steps'."""
     import pytest
@@ -112,3 +112,6 @@ def test_trainer_benchmark_harness(tiny_model_dir):
     lines = bench_trainer.table(results, args)
     ratio = results["gtpo-train"][0]["step"] / results["TRL GRPOTrainer"][0]["step"]
     assert f"gtpo-train's step / TRL's: **{ratio:.2f}**" in "\n".join(lines)
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    text = common.write_markdown("trainer-t", lines).read_text()
+    assert text.startswith("# trainer-t\n") and "- cpu_bf16_matmul: " in text and text.endswith(lines[-1] + "\n")
