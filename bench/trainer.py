@@ -113,6 +113,7 @@ def trl_steps(args) -> list:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from trainer.config import TrainConfig
     from trainer.data import load_problems
     from trainer.model import default_model_path
     from trainer.rewards import DEFAULT_REWARDS
@@ -154,7 +155,7 @@ def trl_steps(args) -> list:
         num_generations=args.group_size,
         max_completion_length=args.max_new_tokens,
         temperature=1.0,
-        learning_rate=5e-5,
+        learning_rate=TrainConfig.learning_rate,  # gtpo-train's default
         max_steps=args.steps,
         shuffle_dataset=False,
         bf16=args.precision == "bf16",

@@ -46,7 +46,7 @@ class TrainConfig:
     temperature: float = 1.0  # sampling temperature; the loss uses the same softmax(logits / T)
     num_iterations: int = 1  # updates per rollout batch; > 1 uses old log-probs and the ratio
     # Update
-    learning_rate: float = 5e-5  # AdamW's peak learning rate (cosine decay after the warm-up)
+    learning_rate: float = 2e-5  # AdamW's peak learning rate (cosine decay after the warm-up)
     warmup_steps: int = 2  # optimiser updates of linear warm-up
     weight_decay: float = 0.0  # AdamW's decoupled weight decay
     max_grad_norm: float = 1.0  # clip the gradient's global norm to this
@@ -56,7 +56,7 @@ class TrainConfig:
     loss_chunk_mib: Optional[int] = None  # MiB of float32 logits per loss chunk (unset: 256 on a CPU, 2048 on a GPU)
     fsdp: bool = False  # under torchrun: shard parameters with FSDP2 instead of replicating them (DDP)
     # Evaluation
-    eval_size: int = 32  # held-out problems (the same for every seed)
+    eval_size: int = 64  # held-out problems (the same for every seed): one problem is 1.6 points
     eval_every: int = 0  # steps between evaluations (0: only before and after training)
     eval_k: int = 4  # samples per problem for pass@k / maj@k (0: greedy accuracy only)
     eval_batch_size: int = 32  # problems per generate() call in evaluation
