@@ -55,15 +55,12 @@ def _timed(owner, name: str, totals: dict, key: str):
     return lambda: setattr(owner, name, inner)
 
 
-def ours(args) -> list:
-    """``gtpo-train``'s steps, as its run takes them (`trainer.train.train_step`), each step's parts."""
-    from trainer import train
-    from trainer.checkpoint import RunState
+def run_config(args):
+    """The `TrainConfig` both trainers' work is read from: ``gtpo-train``'s defaults with the bench's sizes, so
+    TRL gets the same chat, rewards, temperature, learning rate and problems whatever those defaults become."""
     from trainer.config import TrainConfig
-    from trainer.data import load_problems
-    from trainer.distributed import Distributed
 
-    config = TrainConfig(
+    return TrainConfig(
         prompts_per_step=args.prompts,
         group_size=args.group_size,
         max_new_tokens=args.max_new_tokens,
@@ -74,8 +71,24 @@ def ours(args) -> list:
         model=args.model or TrainConfig.model,
         output_dir=tempfile.mkdtemp(prefix="bench-trainer-"),
     )
-    dist = Distributed.start("cpu")
+
+
+def problems(config):
+    """The built-in problems of ``config``'s stream and the one process the bench runs as."""
+    from trainer.data import load_problems
+    from trainer.distributed import Distributed
+
     train_set, eval_set = load_problems(config.dataset, config.seed, 1, config.difficulty)
+    return train_set, eval_set, Distributed.start("cpu")
+
+
+def ours(args) -> list:
+    """``gtpo-train``'s steps, as its run takes them (`trainer.train.train_step`), each step's parts."""
+    from trainer import train
+    from trainer.checkpoint import RunState
+
+    config = run_config(args)
+    train_set, eval_set, dist = problems(config)
     session = train.load_session(config, dist, train_set, eval_set)
     state, steps, totals = RunState(), [], {}
     # The rollout's sampling (the rest of it scores them); in the update, the decoder's forward (to the hidden
@@ -113,25 +126,28 @@ def trl_steps(args) -> list:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from trainer.config import TrainConfig
-    from trainer.data import load_problems
     from trainer.model import default_model_path
     from trainer.rewards import DEFAULT_REWARDS
-    from trainer.train import chat
+    from trainer.train import chat, step_problems
 
+    config = run_config(args)
     path = args.model or default_model_path()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
-    train_set, _ = load_problems("arithmetic", args.seed, 1, 1)
-    problems = train_set.select(range(args.prompts * args.steps))  # gtpo-train's stream: step s, prompts s*B..
+    train_set, _, dist = problems(config)
+    # gtpo-train's prompts, step by step; TRL takes them in order (shuffle_dataset=False).
+    steps = [step_problems(train_set, step, config, dist) for step in range(config.steps)]
     dataset = Dataset.from_dict(
-        {"prompt": [chat(q, worked_examples=2) for q in problems["question"]], "answer": problems["answer"]}
+        {
+            "prompt": [chat(q, config.worked_examples) for batch in steps for q in batch["question"]],
+            "answer": [a for batch in steps for a in batch["answer"]],
+        }
     )
 
     def as_trl_reward(reward):
         def score(completions, answer, **kwargs):
             texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-            return reward(texts, answer=answer, answer_in_block=True)
+            return reward(texts, answer=answer, answer_in_block=config.answer_in_block)
 
         score.__name__ = reward.__name__
         return score
@@ -149,13 +165,13 @@ def trl_steps(args) -> list:
         def on_step_end(self, *args, **kwargs):
             per_step.append({**totals, "step": time.perf_counter() - totals["begin"]})
 
-    config = GRPOConfig(
+    trl_config = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="bench-trl-"),
         per_device_train_batch_size=args.prompts * args.group_size,
         num_generations=args.group_size,
         max_completion_length=args.max_new_tokens,
-        temperature=1.0,
-        learning_rate=TrainConfig.learning_rate,  # gtpo-train's default
+        temperature=config.temperature,
+        learning_rate=config.learning_rate,
         max_steps=args.steps,
         shuffle_dataset=False,
         bf16=args.precision == "bf16",
@@ -169,7 +185,7 @@ def trl_steps(args) -> list:
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=[as_trl_reward(r) for r in DEFAULT_REWARDS],
-        args=config,
+        args=trl_config,
         train_dataset=dataset,
         processing_class=tokenizer,
         callbacks=[StepClock()],
@@ -208,12 +224,14 @@ def measure(which: str, args) -> list:
 
 
 def parser() -> argparse.ArgumentParser:
+    from trainer.config import TrainConfig
+
     p = argparse.ArgumentParser(prog="python -m bench trainer", description=__doc__.splitlines()[0])
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--steps", type=int, default=2, help="steps per trainer; the table reports the last")
-    p.add_argument("--prompts", type=int, default=4, help="prompts per step (gtpo-train's default)")
-    p.add_argument("--group-size", type=int, default=8, help="completions per prompt (gtpo-train's default)")
-    p.add_argument("--max-new-tokens", type=int, default=48, help="completion cap (gtpo-train's default)")
+    p.add_argument("--prompts", type=int, default=TrainConfig.prompts_per_step, help="prompts per step (gtpo-train's)")
+    p.add_argument("--group-size", type=int, default=TrainConfig.group_size, help="completions per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=TrainConfig.max_new_tokens, help="completion cap")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", help="a local model folder (default: the built-in SmolLM2-135M-Instruct)")
     p.add_argument("--threads", type=int, default=2)
@@ -233,7 +251,8 @@ def table(results: dict, args) -> list:
     """The benchmark's lines: each trainer's last step and its parts, the ratio of the two steps."""
     lines = [
         f"`python -m bench trainer --precision {args.precision} --steps {args.steps}`: {args.prompts} prompts x "
-        f"{args.group_size} completions of at most {args.max_new_tokens} tokens, SmolLM2-135M-Instruct, "
+        f"{args.group_size} completions of at most {args.max_new_tokens} tokens, "
+        f"{args.model or 'SmolLM2-135M-Instruct'}, "
         f"{args.precision}, {args.threads} threads; step {args.steps} of {args.steps} (each trainer in its own "
         "process, one after the other).",
         "",

@@ -3,6 +3,7 @@ not rot between GPU sessions. Timings here mean nothing; the structure of the ou
 
 import importlib.util
 
+import pytest
 import torch
 
 from bench import common, logits
@@ -90,8 +91,6 @@ def test_gpu_summary_says_plainly_whether_the_cuda_tests_were_green(tmp_path):
 def test_trainer_benchmark_harness(tiny_model_dir, tmp_path, monkeypatch):
     """`python -m bench trainer`'s two workers on a tiny model, one step each: the parts of a step add up to at
     most the step, the completions' tokens are what was sampled, and the table's ratio is the two steps'."""
-    import pytest
-
     pytest.importorskip("trl")
     from bench import trainer as bench_trainer
     from trainer import train as train_module

@@ -72,6 +72,22 @@ MUTANTS: Tuple[Mutant, ...] = (
         "a gain counts only when the two intervals do not overlap (0.50 -> 0.55 of 64 problems is noise)",
     ),
     Mutant(
+        "bench trainer: gtpo-train's scoring counted with its sampling",
+        "bench/trainer.py",
+        '"scoring": row["time_generation"] - totals["sampling"],',
+        '"scoring": row["time_generation"],',
+        ("tests/test_bench.py::test_trainer_benchmark_harness",),
+        "a step's parts add up to at most the step: sampling is not counted twice",
+    ),
+    Mutant(
+        "bench trainer: the timing wrappers left on the trainer module",
+        "bench/trainer.py",
+        "        for undo in undoes:\n            undo()",
+        "        pass",
+        ("tests/test_bench.py::test_trainer_benchmark_harness",),
+        "the bench's in-process worker leaves gtpo-train's functions as it found them",
+    ),
+    Mutant(
         "compare: older summaries' problem count not read from config.json",
         "trainer/compare.py",
         'summary.setdefault("eval_problems", (config or {}).get("eval_size"))',

@@ -649,10 +649,10 @@ def run(config: TrainConfig, dist: Optional[Distributed] = None) -> dict:
             "before": state.before,
             "after": after,
             # Each figure is a share of these problems: its 95 % interval (Wilson) says what it can tell.
-            "eval_problems": len(session.eval_set),
+            "eval_problems": len(eval_set),
             "intervals_95": {
-                "before": metric_intervals(state.before, len(session.eval_set)) if state.before else None,
-                "after": metric_intervals(after, len(session.eval_set)),
+                "before": metric_intervals(state.before, len(eval_set)) if state.before else None,
+                "after": metric_intervals(after, len(eval_set)),
             },
         }
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -757,13 +757,10 @@ def print_summary(summary: dict, log: MetricsLog, plot: Optional[Path]) -> None:
     print(f"\nheld-out metric on {n} problems, with 95 % intervals (Wilson)")
     print(f"{'metric':<12} {'before':>20} {'after':>20}  verdict")
     for key in after:
-        b = with_interval(before[key], n) if key in before else "-"
-        verdict = "-"
+        b, verdict = "-", "-"
         if key in before:
-            (b_low, b_high), (a_low, a_high) = (
-                summary["intervals_95"]["before"][key],
-                summary["intervals_95"]["after"][key],
-            )
+            b = with_interval(before[key], n)
+            (b_low, b_high), (a_low, a_high) = (summary["intervals_95"][w][key] for w in ("before", "after"))
             verdict = "up" if a_low > b_high else "down" if a_high < b_low else "within noise"
         print(f"{key:<12} {b:>20} {with_interval(after[key], n):>20}  {verdict}")
     train_rows = log.rows("train")
