@@ -7,6 +7,7 @@ the public functions and the overview; this module does not import it, so the op
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import List, Optional, Tuple, Union
 
@@ -87,6 +88,44 @@ def chunk_logits(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) ->
     return h @ w.T if b is None else torch.addmm(b, h, w.T)
 
 
+@dataclass(frozen=True)
+class LogitTransform:
+    """What a head does to ``x = h @ W.T + b`` before the softmax: ``logits = scale * softcap * tanh(x / softcap)``,
+    or ``scale * x`` without a soft cap (Gemma 2/3 soft-cap, Cohere and Falcon-H1 scale, Granite divides).
+
+    The walk soft-caps each chunk's logits in place and multiplies their gradient by ``1 - (z / softcap)^2``
+    (``z`` the capped logit, so the slope is read before the gradient is written over the logits: one more
+    chunk-sized buffer, which halves the chunk's tokens). The scale it folds into the temperature:
+    ``softmax(scale * z / T) = softmax(z / (T / scale))``, whose gradient with respect to ``z`` is the kernels'
+    own, so a scaled head costs nothing."""
+
+    scale: float = 1.0
+    softcap: Optional[float] = None
+
+    @classmethod
+    def checked(cls, logit_scale, logit_softcap) -> LogitTransform:
+        """The arguments ``logit_scale`` and ``logit_softcap`` of the fused functions, checked."""
+        if isinstance(logit_scale, bool) or not isinstance(logit_scale, (int, float)) or not 0 < logit_scale < math.inf:
+            raise ValueError(f"logit_scale must be a positive finite float (1.0: none), got {logit_scale!r}")
+        if logit_softcap is not None and (
+            isinstance(logit_softcap, bool)
+            or not isinstance(logit_softcap, (int, float))
+            or not 0 < logit_softcap < math.inf
+        ):
+            raise ValueError(f"logit_softcap must be a positive finite float or None (none), got {logit_softcap!r}")
+        return cls(float(logit_scale), None if logit_softcap is None else float(logit_softcap))
+
+    @property
+    def identity(self) -> bool:
+        return self.scale == 1.0 and self.softcap is None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The transformed logits (a new tensor; autograd follows it)."""
+        if self.softcap is not None:
+            x = torch.tanh(x / self.softcap) * self.softcap
+        return x if self.scale == 1.0 else x * self.scale
+
+
 @functools.cache
 def _addmm_out_dtype_works(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``addmm(acc, a, b, out_dtype=float32, out=acc)`` accumulates low-precision products into a
@@ -122,7 +161,8 @@ def _add_weight_grad(d_weight: torch.Tensor, dlogits: torch.Tensor, h: torch.Ten
 class Walk:
     """How the fused walk runs: the backend's kernels (their own chunk budget set), the matrix products' dtype, the
     call's tokens (`unmasked_tokens`), which gradients to compute (hidden, weight, bias), the chunks' budget
-    (``max_chunk_bytes``, `chunk_tokens_for`) and the process groups it talks to: ``vocab_parallel``, the head is
+    (``max_chunk_bytes``, `chunk_tokens_for`), what the head does to its logits (``logit_transform``) and the
+    process groups it talks to: ``vocab_parallel``, the head is
     this rank's shard of the vocabulary (each chunk's shard statistics combined over the group: one all-gather per
     chunk, the same chunks on every rank; the gradients the shard's, ``d_hidden`` its share, to be summed over the
     group); ``entropy_quantile_group``, the processes whose tokens ``top_entropy_quantile``'s threshold spans."""
@@ -132,6 +172,7 @@ class Walk:
     tokens: Tokens
     need_grads: List[bool]
     max_chunk_bytes: Optional[int] = None
+    logit_transform: LogitTransform = LogitTransform()
     vocab_parallel: Optional[VocabParallel] = None
     entropy_quantile_group: object = None
 
@@ -141,10 +182,10 @@ Temperature = Union[float, torch.Tensor]  # one for every token, or each token's
 
 class ChunkWalk:
     """The chunks of one call (whole completions, at most ``budget`` tokens each; a longer completion alone, in
-    pieces) and what is done to each: its logits ``h @ W.T + b``, their statistics into ``stats`` ``[4, N, L]``
-    (``row_max, log_s, logp, H``), and the gradient ``c (onehot - p) + e dH/dz`` written over them and taken into
-    ``d_hidden``, ``d_W`` (float32) and ``d_b``. Both fused entry points walk it: the loss (`fused_forward`) and the
-    statistics alone (`token_statistics`)."""
+    pieces) and what is done to each: its logits ``h @ W.T + b`` (transformed: `LogitTransform`), their statistics
+    into ``stats`` ``[4, N, L]`` (``row_max, log_s, logp, H``), and the gradient ``c (onehot - p) + e dH/dz``
+    written over them and taken into ``d_hidden``, ``d_W`` (float32) and ``d_b``. Both fused entry points walk it:
+    the loss (`fused_forward`) and the statistics alone (`token_statistics`)."""
 
     def __init__(self, hidden: torch.Tensor, head, ids: torch.Tensor, temperature: Temperature, walk: Walk) -> None:
         weight, bias = head
@@ -154,13 +195,18 @@ class ChunkWalk:
         vocab_parallel = walk.vocab_parallel
         self.ids = ids
         self.shard_ids = ids if vocab_parallel is None else ids - vocab_parallel.shards.offset
-        # Each token's temperature flat, once (an [N] per completion arrives as an expanded [N, L] view).
+        # Each token's temperature flat, once (an [N] per completion arrives as an expanded [N, L] view); the head's
+        # scale folded in (`LogitTransform`).
+        temperature = temperature / walk.logit_transform.scale if walk.logit_transform.scale != 1.0 else temperature
         self.temperature = temperature.reshape(-1) if isinstance(temperature, torch.Tensor) else temperature
+        self.softcap = walk.logit_transform.softcap
         self.stat_dtype = stats_dtype(walk.compute_dtype)
         self.stats = torch.zeros((4,) + tuple(ids.shape), dtype=self.stat_dtype, device=hidden.device)
         # Every rank of a vocabulary group walks the same chunks (the largest shard's budget).
         budget_vocab = weight.shape[0] if vocab_parallel is None else vocab_parallel.largest_shard
         self.budget = chunk_tokens_for(budget_vocab, hidden.device, walk.max_chunk_bytes)
+        if self.softcap is not None:  # the soft cap's slope beside the logits
+            self.budget = max(1, self.budget // 2)
         # Row ranges covering every row (an empty row's objective still counts it), N = 0 one empty range.
         self.chunks = _chunks(self.tokens.offsets, self.budget) or [(0, ids.shape[0])]
 
@@ -181,7 +227,11 @@ class ChunkWalk:
         return h, self.shard_ids.reshape(-1)[self.tokens.flat[t0:t1]], self._temperature(t0, t1)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return chunk_logits(h, self.w, self.b)
+        """``[T, V]``: the head's logits of ``h [T, H]``, soft-capped in place (the scale is in the temperature)."""
+        logits = chunk_logits(h, self.w, self.b)
+        if self.softcap is not None:
+            logits.div_(self.softcap).tanh_().mul_(self.softcap)
+        return logits
 
     def statistics(self, r0: int, r1: int) -> Optional[torch.Tensor]:
         """Rows ``[r0, r1)``'s statistics into ``stats``; returns their logits when they are one piece (else
@@ -212,6 +262,8 @@ class ChunkWalk:
             local = index - r0 * length
             everything = torch.ones((1, t1 - t0), dtype=torch.bool, device=h.device)
             stats = self.stats.view(4, -1)[:, index]
+            # d z / d x of the soft cap, read before the kernels write d loss / d z over z
+            slope = None if self.softcap is None else piece_logits.div(self.softcap).square_().neg_().add_(1)
             self.walk.kernels.backward(
                 piece_logits[None],
                 y[None],
@@ -222,6 +274,8 @@ class ChunkWalk:
                 piece_logits[None],
                 temperature,
             )
+            if slope is not None:
+                piece_logits.mul_(slope)
             grads.add(self.tokens, t0, t1, piece_logits, h, self.w)
 
 

@@ -38,7 +38,7 @@ from .backends import get_backend, kernels_for, resolve_backend_name
 from .backends.base import stats_dtype
 from .config import GTPOConfig
 from .conflict import with_conflict_weights
-from .fused_chunks import Walk, fused_forward, token_statistics, unmasked_tokens
+from .fused_chunks import LogitTransform, Walk, fused_forward, token_statistics, unmasked_tokens
 from .objective import signal_beyond_advantages
 from .packed import padded_rows
 from .result import ROW_METRICS, SUMS_SIZE, GTPOLossOutput, GTPOMetrics
@@ -143,6 +143,8 @@ def fused_linear_gtpo_loss(
     *,
     group_size: Optional[int] = None,
     lm_head_bias: Optional[torch.Tensor] = None,
+    logit_scale: float = 1.0,
+    logit_softcap: Optional[float] = None,
     config: Optional[GTPOConfig] = None,
     old_logprobs: Optional[torch.Tensor] = None,
     ref_logprobs: Optional[torch.Tensor] = None,
@@ -157,13 +159,18 @@ def fused_linear_gtpo_loss(
     vocab_group=None,
     entropy_quantile_group=None,
 ) -> GTPOLossOutput:
-    """The GTPO loss of ``logits = hidden_states @ lm_head_weight.T + lm_head_bias``, never building them.
+    """The GTPO loss of ``logits = hidden_states @ lm_head_weight.T + lm_head_bias`` (or a soft cap or scale of
+    them), never building them.
 
     Args:
         hidden_states: ``[N, L, H]`` final hidden states; position ``t`` of row ``i`` predicts
             ``completion_ids[i, t]`` (shifted by the caller, as for `gtpo_loss`).
         lm_head_weight: ``[V, H]``; frozen (``requires_grad=False``, e.g. LoRA) skips ``d_weight``.
         lm_head_bias: optional ``[V]``.
+        logit_scale, logit_softcap: for heads that transform their logits ``x``: the loss is then that of
+            ``logit_scale * logit_softcap * tanh(x / logit_softcap)`` (``logit_scale * x`` without a soft cap):
+            Gemma 2/3's ``final_logit_softcapping``, Cohere's ``logit_scale``, Granite's ``1 / logits_scaling``
+            (`gtpo_kernels.hf.logit_transform` reads them from a model's config).
         completion_ids, completion_mask, advantages, group_size, config, old_logprobs, ref_logprobs, sampling_logprobs,
         initial_entropy, conflict, num_sequences, num_tokens, temperature, backend: as for `gtpo_loss`.
             The memory budget is ``config.max_chunk_bytes`` (float32 bytes of one chunk's logits; default
@@ -192,6 +199,7 @@ def fused_linear_gtpo_loss(
             )
         packed_hidden, hidden_states = hidden_states, hidden_states[None]
     compute_dtype = _check_linear_inputs(hidden_states, lm_head_weight, lm_head_bias)
+    transform = LogitTransform.checked(logit_scale, logit_softcap)
     config = resolved_config(config)
     given = LossRows(
         completion_ids,
@@ -241,6 +249,8 @@ def fused_linear_gtpo_loss(
             lm_head_weight,
             lm_head_bias,
             hidden_index,
+            transform.scale,
+            transform.softcap,
             *rows.op_args(),
             _config_json(config),
             backend_,
@@ -270,6 +280,8 @@ def fused_linear_gtpo(
     weight: Tensor,
     bias: Optional[Tensor],
     hidden_index: Optional[Tensor],
+    logit_scale: float,
+    logit_softcap: Optional[float],
     ids: Tensor,
     valid: Tensor,
     advantages: Tensor,
@@ -297,7 +309,8 @@ def fused_linear_gtpo(
     ``ids`` to ``num_tokens`` are a checked `rows.LossRows` as `LossRows.op_args` flattens it. ``row_lengths``: the
     unmasked tokens of each row, when the caller has read them already (else one host synchronisation here).
     ``hidden_index``: ``None`` for ``hidden [N, L, H]``; for packed ``hidden [T, H]``, each position's row in it
-    (`packed.Packing.index`). ``vocab_group`` (with each rank's ``shard_sizes``) and ``entropy_quantile_group``: the
+    (`packed.Packing.index`). ``logit_scale``, ``logit_softcap``: the head's `fused_chunks.LogitTransform`.
+    ``vocab_group`` (with each rank's ``shard_sizes``) and ``entropy_quantile_group``: the
     names `vocab_parallel.group_name` gave the process groups (a schema takes no process group)."""
     rows = LossRows.from_op_args(
         (ids, valid, advantages, lambda_, n_conflict, old_logprobs, ref_logprobs, sampling_logprobs)
@@ -313,6 +326,7 @@ def fused_linear_gtpo(
         tokens,
         need_grads,
         config.max_chunk_bytes,
+        LogitTransform(logit_scale, logit_softcap),
         vocab_parallel,
         group_named(entropy_quantile_group),
     )
@@ -320,7 +334,7 @@ def fused_linear_gtpo(
 
 
 @fused_linear_gtpo.register_fake
-def _(hidden, weight, bias, hidden_index, ids, *rest):
+def _(hidden, weight, bias, hidden_index, logit_scale, logit_softcap, ids, *rest):
     compute_dtype, need_grads = rest[-6], rest[-1]
     stat = stats_dtype(compute_dtype)
     n_rows = ids.shape[0]
@@ -389,6 +403,8 @@ def fused_linear_token_logprobs_and_entropy(
     completion_mask: Optional[torch.Tensor] = None,
     *,
     lm_head_bias: Optional[torch.Tensor] = None,
+    logit_scale: float = 1.0,
+    logit_softcap: Optional[float] = None,
     temperature=1.0,
     backend: str = "auto",
     max_chunk_bytes: Optional[int] = None,
@@ -400,6 +416,7 @@ def fused_linear_token_logprobs_and_entropy(
 
     Args:
         hidden_states: ``[N, L, H]``; ``completion_ids, completion_mask``: ``[N, L]`` (mask default: all).
+        logit_scale, logit_softcap: the head's transform of its logits, as for `fused_linear_gtpo_loss`.
         temperature: a float, or ``[N]`` each completion's (as for `gtpo_loss`).
         max_chunk_bytes: float32 bytes of one chunk's logits, and of the ``"torch"`` backend's passes inside a
             chunk (default as in `GTPOConfig.max_chunk_bytes`).
@@ -409,6 +426,7 @@ def fused_linear_token_logprobs_and_entropy(
         ``(logp, H)``, each ``[N, L]`` float32 (float64 for float64 inputs), zeros at masked positions.
     """
     compute_dtype = _check_linear_inputs(hidden_states, lm_head_weight, lm_head_bias)
+    transform = LogitTransform.checked(logit_scale, logit_softcap)
     vocab = lm_head_weight.shape[0]
     checks = validation.DeferredChecks(validate and not torch.compiler.is_compiling())
     valid, temperature = validation.check_stats_inputs(
@@ -428,7 +446,7 @@ def fused_linear_token_logprobs_and_entropy(
         valid,
         _read_checks_and_lengths(checks, hidden_states, lm_head_weight, lm_head_bias, completion_ids, valid, vocab),
     )
-    walk = Walk(kernels, compute_dtype, tokens, [False] * 3, max_chunk_bytes, vocab_parallel)
+    walk = Walk(kernels, compute_dtype, tokens, [False] * 3, max_chunk_bytes, transform, vocab_parallel)
     with torch.autocast(device.type, enabled=False):
         return token_statistics(
             hidden_states,

@@ -149,6 +149,8 @@ def test_opcheck_fused_linear(backend, packed):
             weight,
             None,
             hidden_index,
+            0.5 if packed else 1.0,  # the head's logit scale
+            3.0 if packed else None,  # and soft cap (the packed case)
             ids,
             mask,
             adv,

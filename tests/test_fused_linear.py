@@ -16,7 +16,7 @@ from gtpo_kernels import (
     token_logprobs_and_entropy,
 )
 from gtpo_kernels.backends import registered
-from gtpo_kernels.fused_chunks import _chunks, chunk_tokens_for
+from gtpo_kernels.fused_chunks import LogitTransform, _chunks, chunk_tokens_for
 from gtpo_kernels.reference import reference_gtpo_loss
 from gtpo_kernels.reference import token_logprobs_and_entropy as reference_token_stats
 
@@ -34,6 +34,7 @@ from .helpers import (
 
 G = 2
 BACKENDS = list(registered())
+NO_TRANSFORM = LogitTransform()  # a head whose logits are hidden @ W.T + b
 TEMPERATURE_SEED = 0
 
 
@@ -58,54 +59,71 @@ def make(n_groups=3, length=5, hidden=16, vocab=37, seed=0, bias=True, min_len=1
 
 
 def record_logits(monkeypatch, hidden: torch.Tensor) -> dict:
-    """Records, by flat token index, the logits the fused path computes (a dict filled during the call):
-    the oracle can then take the very values the path's GEMMs produced (their rounding depends on the
-    chunk's shape) and compare only the loss's own arithmetic."""
+    """Records, by flat token index, the logits the fused path computes (a dict filled during the call; soft-capped
+    where the head caps them, the scale being in the temperature): the oracle can then take the very values the
+    path's GEMMs produced (their rounding depends on the chunk's shape) and compare only the loss's own
+    arithmetic."""
     from gtpo_kernels import fused_chunks
 
     rows = hidden.detach().reshape(-1, hidden.shape[-1]).float()
     lookup = {row.cpu().numpy().tobytes(): i for i, row in enumerate(rows)}  # .cpu(): hidden may be on a GPU
     seen = {}
-    real = fused_chunks.chunk_logits
+    real = fused_chunks.ChunkWalk.logits
 
-    def spy(h, w, b):
-        out = real(h, w, b)
+    def spy(walk, h):
+        out = real(walk, h)
         for k in range(h.shape[0]):
             seen.setdefault(lookup[h[k].float().cpu().numpy().tobytes()], out[k].detach().cpu().clone())
         return out
 
     # One chunk walk (fused_chunks) computes the logits of the loss and of the statistics alone.
-    monkeypatch.setattr(fused_chunks, "chunk_logits", spy)
+    monkeypatch.setattr(fused_chunks.ChunkWalk, "logits", spy)
     return seen
 
 
-def as_computed(seen: dict, h, w, b, dtype) -> torch.Tensor:
+def as_computed(seen: dict, h, w, b, dtype, softcap=None) -> torch.Tensor:
     """``[N, L, V]`` float64 logits: the recorded values where the fused path computed them, elsewhere (masked
-    positions) the exact product rounded to ``dtype``."""
-    logits = (h.double() @ w.double().T + (0 if b is None else b.double())).to(dtype).double()
+    positions) the exact product (soft-capped) rounded to ``dtype``."""
+    product = h.double() @ w.double().T + (0 if b is None else b.double())
+    logits = LogitTransform(softcap=softcap)(product).to(dtype).double()
     flat = logits.view(-1, logits.shape[-1])
     for index, value in seen.items():
         flat[index] = value.double()
     return logits
 
 
-def reference(h, w, b, ids, mask, adv, config, logits_dtype=None, temperature=1.0, logits_values=None, **kw):
-    """float64 oracle: gradients w.r.t. hidden, weight and bias by plain autograd.
+def reference(
+    h,
+    w,
+    b,
+    ids,
+    mask,
+    adv,
+    config,
+    logits_dtype=None,
+    temperature=1.0,
+    logits_values=None,
+    transform=NO_TRANSFORM,
+    **kw,
+):
+    """float64 oracle: gradients w.r.t. hidden, weight and bias by plain autograd, through the head's ``transform``
+    (the soft cap by autograd, then the scale).
 
-    With ``logits_values`` (`as_computed`) or ``logits_dtype`` (the exact product rounded to it) the logits take
-    those values while their gradient flows unrounded: the oracle of that forward, so that what is compared
-    is the loss's own arithmetic, not the rounding of its inputs (callers round hidden and weight the same way).
+    With ``logits_values`` (`as_computed`) or ``logits_dtype`` (the exact product rounded to it) the (soft-capped)
+    logits take those values while their gradient flows unrounded: the oracle of that forward, so that what is
+    compared is the loss's own arithmetic, not the rounding of its inputs (callers round hidden and weight the same
+    way).
     """
     fresh = lambda t: t.detach().double().clone().requires_grad_()  # noqa: E731 (never the caller's tensor)
     h64, w64 = fresh(h), fresh(w)
     b64 = None if b is None else fresh(b)
-    logits = h64 @ w64.T + (0 if b64 is None else b64)
+    logits = LogitTransform(softcap=transform.softcap)(h64 @ w64.T + (0 if b64 is None else b64))
     if logits_values is not None:
         logits = logits + (logits_values - logits).detach()
     elif logits_dtype is not None:
         logits = logits + (logits.to(logits_dtype).double() - logits).detach()
     out = reference_gtpo_loss(
-        logits,
+        logits * transform.scale,
         ids,
         mask,
         adv.double(),
@@ -118,19 +136,23 @@ def reference(h, w, b, ids, mask, adv, config, logits_dtype=None, temperature=1.
     return out, h64.grad, w64.grad, None if b64 is None else b64.grad
 
 
-def assert_loss_close(got, expected, h, w, b, ids, mask, adv, config, rtol, temperature=1.0, **kw):
+def assert_loss_close(
+    got, expected, h, w, b, ids, mask, adv, config, rtol, temperature=1.0, transform=NO_TRANSFORM, **kw
+):
     """Relative to the loss or, when it is a difference of larger terms, to the terms' size."""
-    logits = h.double() @ w.double().T + (0 if b is None else b.double())
+    logits = transform(h.double() @ w.double().T + (0 if b is None else b.double()))
     scale = loss_scale(logits, ids, mask, adv, config=config, temperature=temperature, group_size=G, **kw)
     assert_rel_close(got, expected, rtol, "loss", atol=rtol * scale)
 
 
-def gradient_scales(h, w, b, ids, mask, adv, config, temperature=1.0, **kw):
+def gradient_scales(h, w, b, ids, mask, adv, config, temperature=1.0, transform=NO_TRANSFORM, **kw):
     """Per entry of d_hidden, d_W, d_b: the size of the terms it sums (`logits_gradient_scale` of each logit,
-    carried through the products with absolute values), the natural unit of its rounding error."""
+    through the head's ``transform``'s scale (its soft cap's slope is at most 1), carried through the products with
+    absolute values), the natural unit of its rounding error."""
     h, w = h.double(), w.double()
-    logits = h @ w.T + (0 if b is None else b.double())
+    logits = transform(h @ w.T + (0 if b is None else b.double()))
     scale = logits_gradient_scale(logits, ids, mask, adv, config=config, temperature=temperature, group_size=G, **kw)
+    scale = scale * transform.scale
     return scale @ w.abs(), scale.flatten(0, 1).T @ h.abs().flatten(0, 1), scale.sum(dim=(0, 1))
 
 
@@ -150,7 +172,20 @@ def assert_linear_grads(got, expected, scales, rtol, resolution=None):
 
 
 def fused(
-    h, w, b, ids, mask, adv, config, backend, dtype, chunk_tokens=None, freeze_weight=False, temperature=1.0, **kw
+    h,
+    w,
+    b,
+    ids,
+    mask,
+    adv,
+    config,
+    backend,
+    dtype,
+    chunk_tokens=None,
+    freeze_weight=False,
+    temperature=1.0,
+    transform=NO_TRANSFORM,
+    **kw,
 ):
     dev = device_for(backend)
     hx = h.to(dtype).to(dev).requires_grad_()
@@ -169,14 +204,16 @@ def fused(
         config=config,
         backend=backend,
         temperature=temperature,
+        logit_scale=transform.scale,
+        logit_softcap=transform.softcap,
         **{k: v.to(dev) for k, v in kw.items()},
     )
     out.loss.backward()
     return out, hx.grad, wx.grad, None if bx is None else bx.grad
 
 
-def off_policy_kwargs(h, w, b, ids, mask, config, temperature=1.0):
-    logits = h @ w.T + (0 if b is None else b)
+def off_policy_kwargs(h, w, b, ids, mask, config, temperature=1.0, transform=NO_TRANSFORM):
+    logits = transform(h @ w.T + (0 if b is None else b))
     logp, _ = token_logprobs_and_entropy(logits / row_scale(temperature), torch.where(mask, ids, 0))
     g = torch.Generator().manual_seed(9)
     kw = {"old_logprobs": (logp + 0.2 * torch.randn(logp.shape, generator=g, dtype=torch.float64)).float()}
@@ -518,6 +555,93 @@ def test_per_completion_temperature(backend, dtype, chunk_tokens, monkeypatch):
     assert_rel_close(
         out.metrics.completion_entropy.cpu(), ref.metrics.completion_entropy, RTOL_ACCUMULATED[dtype], "Hbar"
     )
+
+
+TRANSFORMS = {
+    "softcap": LogitTransform(softcap=4.0),  # Gemma 2/3's final_logit_softcapping (the logits here spread ~8)
+    "scale": LogitTransform(scale=0.25),  # Granite's 1 / logits_scaling
+    "softcap+scale": LogitTransform(scale=1.5, softcap=4.0),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", TRANSFORMS)
+@pytest.mark.parametrize("chunk_tokens", [2, 7], ids=["pieces", "chunks"])
+def test_transformed_head(backend, dtype, name, chunk_tokens, monkeypatch):
+    """A head that soft-caps or scales its logits (``logit_softcap``, ``logit_scale``), at per-completion
+    temperatures: the walk caps each chunk's logits in place and multiplies their gradient by the cap's slope, and
+    takes the scale into the temperature; the float64 oracle differentiates the transform by autograd. The loss,
+    its gradients and the statistics alone, with completions split into pieces or groups cut across chunks."""
+    h, w, b, ids, mask, adv = make(seed=17)
+    w = w * 3
+    transform = TRANSFORMS[name]
+    order = torch.randperm(ids.shape[0], generator=torch.Generator().manual_seed(TEMPERATURE_SEED))
+    temperature = torch.linspace(0.6, 1.4, ids.shape[0], dtype=torch.float64)[order]
+    config = GTPOConfig(preset="paper", entropy_mode="penalty")
+    kw = off_policy_kwargs(h, w, b, ids, mask, config, temperature, transform)
+    seen = record_logits(monkeypatch, h.to(dtype))
+    out, dh, dw, db = fused(
+        h,
+        w,
+        b,
+        ids,
+        mask,
+        adv,
+        config,
+        backend,
+        dtype,
+        chunk_tokens,
+        temperature=temperature,
+        transform=transform,
+        **kw,
+    )
+    h, w, b = h.to(dtype), w.to(dtype), b.to(dtype)
+    computed = as_computed(seen, h, w, b, dtype, transform.softcap)
+    ref, dh_ref, dw_ref, db_ref = reference(
+        h, w, b, ids, mask, adv, config, logits_values=computed, temperature=temperature, transform=transform, **kw
+    )
+    common = dict(temperature=temperature, transform=transform, **kw)
+    assert_loss_close(
+        out.loss.detach().cpu(), ref.loss.detach(), h, w, b, ids, mask, adv, config, RTOL_ACCUMULATED[dtype], **common
+    )
+    assert_linear_grads(
+        (dh, dw, db),
+        (dh_ref, dw_ref, db_ref),
+        gradient_scales(h, w, b, ids, mask, adv, config, **common),
+        RTOL[dtype],
+        resolution=(h, w) if dtype == torch.float16 else None,
+    )
+
+    dev = device_for(backend)
+    seen = record_logits(monkeypatch, h)
+    logp, entropy = fused_linear_token_logprobs_and_entropy(
+        *(t.to(dev) for t in (h, w, ids, mask)),
+        lm_head_bias=b.to(dev),
+        logit_scale=transform.scale,
+        logit_softcap=transform.softcap,
+        temperature=temperature.to(dev),
+        backend=backend,
+        max_chunk_bytes=budget(chunk_tokens),
+    )
+    logits = as_computed(seen, h, w, b, dtype, transform.softcap) * transform.scale / temperature[:, None, None]
+    expected_logp, expected_entropy = reference_token_stats(logits, torch.where(mask, ids, 0))
+    assert_rel_close(logp.cpu()[mask], expected_logp[mask], RTOL_ACCUMULATED[dtype], "logp")
+    assert_rel_close(entropy.cpu()[mask], expected_entropy[mask], RTOL_ACCUMULATED[dtype], "entropy")
+
+
+def test_logit_transform_errors_name_the_argument():
+    h, w, b, ids, mask, adv = make()
+    for kwargs, needle in (
+        ({"logit_scale": 0.0}, "logit_scale must be a positive finite float"),
+        ({"logit_scale": float("nan")}, "logit_scale must be a positive finite float"),
+        ({"logit_softcap": -30.0}, "logit_softcap must be a positive finite float or None"),
+        ({"logit_softcap": torch.tensor(30.0)}, "logit_softcap must be a positive finite float or None"),
+    ):
+        with pytest.raises(ValueError, match=needle):
+            fused_linear_gtpo_loss(h.float(), w.float(), ids, mask, adv, group_size=G, **kwargs)
+        with pytest.raises(ValueError, match=needle):
+            fused_linear_token_logprobs_and_entropy(h.float(), w.float(), ids, mask, **kwargs)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -926,11 +926,13 @@ def test_from_grpo_config_expresses_every_loss_type():
 
 
 @pytest.mark.parametrize("family", ["gemma2-softcap", "granite-scaled"])
-def test_transformed_logits_take_the_chunked_logits_path(tiny_model_dir, tmp_path, family, caplog):
-    """A policy that soft-caps (Gemma 2) or scales (Granite) its logits was refused; it now trains on its own
-    logits, rebuilt in chunks of rows (3 chunks here): loss and gradient equal gtpo_loss on model(...).logits,
-    with one info line saying which path is taken."""
+def test_transformed_logits_take_the_fused_path(tiny_model_dir, tmp_path, family, caplog, monkeypatch):
+    """A policy that soft-caps (Gemma 2) or scales (Granite) its logits hands its transform to the fused walk, which
+    applies it to each chunk's logits (several chunks here): loss and gradient equal gtpo_loss on
+    model(...).logits, with one info line saying so."""
     import logging
+
+    from gtpo_kernels import fused_chunks
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
     torch.manual_seed(0)
@@ -954,11 +956,14 @@ def test_transformed_logits_take_the_chunked_logits_path(tiny_model_dir, tmp_pat
     model_dir = tmp_path / family
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    gtpo = OFFICIAL_UNFILTERED.replace(max_chunk_bytes=4 * 6 * len(tokenizer) * 4)  # 4 rows of logits a chunk
+    gtpo = OFFICIAL_UNFILTERED.replace(max_chunk_bytes=4 * 6 * len(tokenizer) * 4)  # 24 tokens of logits a chunk
     with caplog.at_level(logging.INFO, logger="gtpo_kernels.integrations.trl"):
         trainer = make_trainer(str(model_dir), tmp_path, gtpo_config=gtpo)
-    assert any("takes the logits path" in r.message for r in caplog.records)
+    assert any("apply it to each chunk's logits" in r.message for r in caplog.records)
+    chunks, real = [], fused_chunks.chunk_logits
+    monkeypatch.setattr(fused_chunks, "chunk_logits", lambda *a: chunks.append(a[0].shape[0]) or real(*a))
     assert_equals_loss_on_the_logits(trainer, gtpo)
+    assert len(chunks) >= 2, chunks  # 41 tokens: 2 chunks scaled, 4 soft-capped (half the tokens a chunk)
 
 
 def test_a_reference_model_under_trls_default_bf16_is_accepted(tiny_model_dir, tmp_path):

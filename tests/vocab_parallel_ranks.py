@@ -22,9 +22,10 @@ import torch.distributed as dist  # noqa: E402
 import gtpo_kernels  # noqa: E402
 from gtpo_kernels import GTPOConfig, GTPOMetrics, conflict_weights, fused_linear_gtpo_loss, gtpo_loss  # noqa: E402
 from gtpo_kernels.backends import registered  # noqa: E402
+from gtpo_kernels.fused_chunks import LogitTransform  # noqa: E402
 from gtpo_kernels.reference import reference_gtpo_loss, token_logprobs_and_entropy  # noqa: E402
 from gtpo_kernels.vocab_parallel import shard_sizes  # noqa: E402
-from tests.helpers import random_batch  # noqa: E402
+from tests.helpers import loss_scale, random_batch  # noqa: E402
 
 CONFIGS = {
     "paper": GTPOConfig(preset="paper"),
@@ -35,6 +36,8 @@ CONFIGS = {
     "dr_grpo": GTPOConfig(preset="grpo", loss_reduction="dr_grpo", max_completion_length=5),
     "sequence_sum+sapo": GTPOConfig(preset="paper", loss_reduction="sequence_sum", ratio_function="sapo"),
 }
+NO_TRANSFORM = LogitTransform()  # a head whose logits are hidden @ W.T + b
+SOFTCAP_SCALE = LogitTransform(scale=1.5, softcap=3.0)  # each shard caps its own logits (the logits spread ~6)
 
 
 class Collectives:
@@ -133,11 +136,13 @@ def one_case(rank, sizes, group, backend, dtype, config, *, temperature=1.0, see
     return report(loss, entropy, oracle, grad, (forward_count / parts, backward_count), x64.grad, (ids, mask, sizes))
 
 
-def report(loss, entropy, oracle, grad_error, collectives, oracle_grad, batch):
+def report(loss, entropy, oracle, grad_error, collectives, oracle_grad, batch, terms=0.0):
     """A case's errors against the oracle, its collectives ``(forward, backward)``, whether the oracle's gradient is
-    non-zero and how many shards hold none of ``batch = (ids, mask, sizes)``'s targets."""
+    non-zero and how many shards hold none of ``batch = (ids, mask, sizes)``'s targets. The loss's error is
+    relative to the loss or, where the loss is a difference of larger terms (``terms``, `helpers.loss_scale`), to
+    their size."""
     return {
-        "loss": relative(loss, oracle.loss),
+        "loss": float((loss.detach().double() - oracle.loss).abs()) / max(float(oracle.loss.abs()), terms, 1e-300),
         "grad": grad_error,
         "entropy": relative(entropy, oracle.metrics.entropy),
         "forward_collectives": collectives[0],
@@ -170,10 +175,12 @@ def fused_case(
     chunk_tokens=None,
     packed=False,
     seed=3,
+    transform=NO_TRANSFORM,
 ):
     """`fused_linear_gtpo_loss` with this rank's rows of the head (weight and bias) against the oracle on the whole
-    head's float64 logits: loss, the shard's weight and bias gradients and the hidden states' (summed over the
-    group, as a tensor-parallel framework does); optionally packed (``cu_seqlens``)."""
+    head's float64 logits (through the head's ``transform``, by autograd): loss, the shard's weight and bias
+    gradients and the hidden states' (summed over the group, as a tensor-parallel framework does); optionally packed
+    (``cu_seqlens``)."""
     vocab, hidden_size = sum(sizes), 16
     _, ids, mask, adv = random_batch(2, 4, 5, vocab, seed=seed)
     g = torch.Generator().manual_seed(seed)
@@ -181,7 +188,7 @@ def fused_case(
     hidden, weight, bias = (torch.randn(s, generator=g, dtype=dtype) for s in shapes)
     weight = weight * 2.0  # confident rows: the entropy filter keeps some completions
     h64, w64, b64 = (t.detach().double().clone().requires_grad_() for t in (hidden, weight, bias))
-    logits64 = h64 @ w64.T + b64
+    logits64 = transform(h64 @ w64.T + b64)
     old, ref = old_and_ref(logits64.detach(), ids, mask, temperature)
     kwargs = dict(old_logprobs=old, ref_logprobs=ref if config.kl_beta else None)
     oracle = reference_gtpo_loss(
@@ -218,6 +225,8 @@ def fused_case(
             temperature=temperature,
             backend=backend,
             vocab_group=group,
+            logit_scale=transform.scale,
+            logit_softcap=transform.softcap,
             **per_token,
             **extra,
         )
@@ -234,7 +243,11 @@ def fused_case(
         relative(d_hidden, want_hidden),
     )
     counts = (forward.count, backward.count)
-    return report(out.loss, out.metrics.entropy, oracle, grad, counts, w64.grad, (ids, mask, sizes))
+    # The walk's float32 GEMMs round the logits the float64 oracle has exact: ~1e-6 of the terms the loss sums.
+    terms = loss_scale(
+        logits64.detach(), ids, mask, adv.double(), config=config, temperature=temperature, group_size=4, **kwargs
+    )
+    return report(out.loss, out.metrics.entropy, oracle, grad, counts, w64.grad, (ids, mask, sizes), terms)
 
 
 def packed_logits_case(rank, sizes, group, backend, dtype, config):
@@ -345,6 +358,9 @@ def main(out_path):
         )
     results["cpu/float32/fused/chunked+temperature"] = fused_case(
         rank, uneven, group, "cpu", CONFIGS["grpo+kl"], temperature=0.8, chunk_tokens=3
+    )
+    results["cpu/float32/fused/chunked+softcap+scale"] = fused_case(
+        rank, uneven, group, "cpu", CONFIGS["grpo+kl"], temperature=0.8, chunk_tokens=6, transform=SOFTCAP_SCALE
     )
     results["cpu/float32/fused/packed+chunked"] = fused_case(
         rank, uneven, group, "cpu", CONFIGS["official"], chunk_tokens=4, packed=True

@@ -4,7 +4,7 @@
 training step never builds the ``[B, T, V]`` logits. That is only equivalent when the model's logits
 are exactly ``final_hidden @ lm_head.weight.T (+ bias)``: checked per model (`check_hidden_states_supported`),
 not by name; models that scale or soft-cap their logits (Gemma 2, Cohere, Granite, Falcon-H1) are named by
-`logit_transform`, for the chunked logits path (`gtpo_kernels.chunked_logits`).
+`logit_transform`, whose `LogitTransform` the fused functions take (``logit_scale``, ``logit_softcap``).
 """
 
 from __future__ import annotations
@@ -13,17 +13,18 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
+from ..fused_chunks import LogitTransform
 from .model_config import linear_head, text_config, unwrap
 
 # Config attributes that, when set to something other than 1, transform the logits after lm_head:
-# attribute -> (what it does, the transform). Gemma 2/3 soft-cap, Cohere scales, Granite divides, Falcon-H1
-# multiplies.
+# attribute -> (what it does, its `LogitTransform`). Gemma 2/3 soft-cap, Cohere scales, Granite divides,
+# Falcon-H1 multiplies.
 LOGIT_TRANSFORMS = {
-    "final_logit_softcapping": ("soft-caps", lambda x, c: torch.tanh(x / c) * c),
-    "logit_scale": ("scales", lambda x, c: x * c),
-    "logits_scaling": ("divides", lambda x, c: x / c),
-    "output_multiplier_scale": ("scales", lambda x, c: x * c),
-    "lm_head_multiplier": ("scales", lambda x, c: x * c),
+    "final_logit_softcapping": ("soft-caps", lambda c: LogitTransform(softcap=c)),
+    "logit_scale": ("scales", lambda c: LogitTransform(scale=c)),
+    "logits_scaling": ("divides", lambda c: LogitTransform(scale=1 / c)),
+    "output_multiplier_scale": ("scales", lambda c: LogitTransform(scale=c)),
+    "lm_head_multiplier": ("scales", lambda c: LogitTransform(scale=c)),
 }
 _CHECKED = "_gtpo_head_checked"  # set on a model whose logits the probe found to be hidden @ W.T (+ b)
 
@@ -43,9 +44,10 @@ def decoder_of(model):
     return decoder
 
 
-def logit_transform(model) -> Optional[Tuple[str, Callable]]:
+def logit_transform(model) -> Optional[Tuple[str, LogitTransform]]:
     """``(description, f)`` when ``model``'s logits are ``f(hidden @ W.T (+ b))`` for one of the known transforms
-    (`LOGIT_TRANSFORMS`), else ``None``."""
+    (`LOGIT_TRANSFORMS`), else ``None``; ``f.scale``, ``f.softcap`` are the fused functions' ``logit_scale``,
+    ``logit_softcap``."""
     config = text_config(unwrap(model))
     found = [(attr, getattr(config, attr, None)) for attr in LOGIT_TRANSFORMS]
     found = [(attr, value) for attr, value in found if value not in (None, 1, 1.0)]
@@ -54,14 +56,14 @@ def logit_transform(model) -> Optional[Tuple[str, Callable]]:
     if len(found) > 1:
         raise ValueError(f"{type(unwrap(model)).__name__} sets several logit transforms {found}; not supported")
     attr, value = found[0]
-    what, fn = LOGIT_TRANSFORMS[attr]
-    return f"{what} its logits (config.{attr} = {value})", lambda x: fn(x, value)
+    what, transform = LOGIT_TRANSFORMS[attr]
+    return f"{what} its logits (config.{attr} = {value})", transform(value)
 
 
-def head_logit_transform(model) -> Optional[Tuple[str, Callable]]:
-    """For a trainer that can take either path: ``None`` when ``model``'s logits are ``hidden @ W.T (+ b)`` (the
-    fused path), ``(description, f)`` when they are ``f`` of that for a known transform (checked on a few
-    tokens like `check_hidden_states_supported`); raises ``ValueError`` for anything else."""
+def head_logit_transform(model) -> Optional[Tuple[str, LogitTransform]]:
+    """For a trainer that passes the transform to the fused functions: ``None`` when ``model``'s logits are
+    ``hidden @ W.T (+ b)``, ``(description, f)`` when they are ``f`` of that for a known transform (checked on a
+    few tokens like `check_hidden_states_supported`); raises ``ValueError`` for anything else."""
     transform = logit_transform(model)
     if transform is None:
         check_hidden_states_supported(model)
@@ -81,7 +83,8 @@ def check_hidden_states_supported(model, allow_unknown: bool = False) -> None:
     if transform is not None:
         raise ValueError(
             f"{type(unwrap(model)).__name__} {transform[0]} after lm_head; hidden @ lm_head.weight.T "
-            f"would not be its logits: use gtpo_loss on model(...).logits"
+            f"would not be its logits: pass logit_scale={transform[1].scale}, logit_softcap={transform[1].softcap} "
+            f"to the fused functions, or use gtpo_loss on model(...).logits"
         )
     _check_head(
         model,

@@ -42,14 +42,12 @@ from typing import Optional
 
 import torch
 
-from ..chunked_logits import transformed_logits_gtpo_loss, transformed_logits_token_stats
 from ..config import GTPOConfig
 from ..conflict import conflict_weights
 from ..fused_linear import fused_linear_gtpo_loss, fused_linear_token_logprobs_and_entropy
 from ..hf import decoder_of, head_logit_transform
 from ..hf.model_config import linear_head, unwrap
 from ..result import GTPOMetrics
-from ..rows import LossRows
 from .trl_settings import check_settings, with_trl_loss_terms
 
 try:
@@ -114,13 +112,14 @@ def add_gtpo_head(model, trainer: GTPOTrainer) -> None:
     ``model(input_ids, attention_mask, gtpo_loss=dict(...))``: ``(GTPOLossOutput of the last L tokens, the router
     load-balancing loss of a Mixture-of-Experts model when TRL adds one, else None)``.
     Both run the decoder, then the fused kernels on its final hidden states; never the logits. A model that
-    soft-caps or scales its logits (Gemma 2/3, Cohere, Granite, ...) takes the logits path instead: its logits,
-    transformed, in chunks of rows that are rebuilt in backward (`chunked_logits`), so memory stays bounded."""
+    soft-caps or scales its logits (Gemma 2/3, Cohere, Granite, ...) hands its transform to the fused kernels
+    (``logit_scale``, ``logit_softcap``), which apply it to each chunk's logits."""
     transform = head_logit_transform(model)
+    head_transform = {}
     if transform is not None:
+        head_transform = dict(logit_scale=transform[1].scale, logit_softcap=transform[1].softcap)
         logger.info(
-            "GTPOTrainer: %s %s: the loss takes the logits path (in chunks of rows) instead of the fused "
-            "hidden @ lm_head kernels",
+            "GTPOTrainer: %s %s: the fused hidden @ lm_head kernels apply it to each chunk's logits",
             type(model).__name__,
             transform[0],
         )
@@ -158,19 +157,15 @@ def add_gtpo_head(model, trainer: GTPOTrainer) -> None:
             if gtpo_stats is not None:
                 completion_ids = input_ids[:, -length:]
                 mask = kwargs["attention_mask"][:, -length:] if kwargs.get("attention_mask") is not None else None
-                if transform is not None:
-                    return transformed_logits_token_stats(
-                        hidden,
-                        weight,
-                        bias,
-                        transform[1],
-                        completion_ids,
-                        mask,
-                        temperature=temperature,
-                        max_chunk_bytes=trainer.gtpo_config.max_chunk_bytes,
-                    )
                 return fused_linear_token_logprobs_and_entropy(
-                    hidden, weight, completion_ids, mask, lm_head_bias=bias, temperature=temperature
+                    hidden,
+                    weight,
+                    completion_ids,
+                    mask,
+                    lm_head_bias=bias,
+                    temperature=temperature,
+                    max_chunk_bytes=trainer.gtpo_config.max_chunk_bytes,
+                    **head_transform,
                 )
             inputs = dict(gtpo_loss)
             ids, mask, advantages = (
@@ -178,12 +173,9 @@ def add_gtpo_head(model, trainer: GTPOTrainer) -> None:
                 inputs.pop("completion_mask"),
                 inputs.pop("advantages"),
             )
-            if transform is not None:
-                config, group = inputs.pop("config"), inputs.pop("entropy_quantile_group", None)
-                given = LossRows(ids, mask, advantages, **inputs)
-                out = transformed_logits_gtpo_loss(hidden, (weight, bias, transform[1]), given, config, group)
-            else:
-                out = fused_linear_gtpo_loss(hidden, weight, ids, mask, advantages, lm_head_bias=bias, **inputs)
+            out = fused_linear_gtpo_loss(
+                hidden, weight, ids, mask, advantages, lm_head_bias=bias, **head_transform, **inputs
+            )
         aux = router_load_balancing_loss(self, decoded, kwargs.get("attention_mask")) if router_loss else None
         return out, aux
 
