@@ -24,8 +24,9 @@ backward.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -67,8 +68,10 @@ def all_gather_ranks(tensor: torch.Tensor, group) -> torch.Tensor:
 
 
 # Process groups by name, for registered operators (whose schemas take no process group): `group_name` registers one,
-# `group_named` gives it back inside the operator. Strong references: a group lives as long as the process anyway.
-_GROUPS: Dict[str, object] = {}
+# `group_named` gives it back inside the operator. Weak references: a group the caller has let go of (after
+# destroy_process_group) must not outlive it here, or gloo's threads are torn down at interpreter exit, which aborts
+# the process ("terminate called without an active exception", after the work was done).
+_GROUPS: weakref.WeakValueDictionary[str, object] = weakref.WeakValueDictionary()
 
 
 def group_name(group) -> Optional[str]:

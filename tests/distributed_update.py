@@ -4,6 +4,7 @@ tests/test_trainer_distributed.py: ``python tests/distributed_update.py MODEL_DI
 Every process builds the same batch (4 prompt groups of 3, fixed seed) and keeps its share of the groups,
 as the trainer does; process 0 writes the updated parameters and the step's loss to OUT_FILE."""
 
+import gc
 import sys
 
 import torch
@@ -94,3 +95,4 @@ def main(model_dir: str, out_file: str, fsdp: bool) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], "--fsdp" in sys.argv[3:])
+    gc.collect()  # FSDP2's cycles that hold the process group, before the interpreter's exit (as gtpo-train's main)

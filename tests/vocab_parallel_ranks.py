@@ -142,7 +142,8 @@ def report(loss, entropy, oracle, grad_error, collectives, oracle_grad, batch, t
     relative to the loss or, where the loss is a difference of larger terms (``terms``, `helpers.loss_scale`), to
     their size."""
     return {
-        "loss": float((loss.detach().double() - oracle.loss).abs()) / max(float(oracle.loss.abs()), terms, 1e-300),
+        "loss": float((loss.detach().double() - oracle.loss.detach()).abs())
+        / max(float(oracle.loss.detach().abs()), terms, 1e-300),
         "grad": grad_error,
         "entropy": relative(entropy, oracle.metrics.entropy),
         "forward_collectives": collectives[0],

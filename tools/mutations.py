@@ -207,6 +207,14 @@ MUTANTS: Tuple[Mutant, ...] = (
         "Gemma 2's and Granite's loss and gradient are those of their own logits",
     ),
     Mutant(
+        "vocab parallel: the group registry holds strong references",
+        "gtpo_kernels/vocab_parallel.py",
+        "_GROUPS: weakref.WeakValueDictionary[str, object] = weakref.WeakValueDictionary()",
+        "_GROUPS: dict = {}",
+        ("tests/test_vocab_parallel.py::test_a_named_group_is_not_kept_alive",),
+        "a process group the caller let go of is not kept until interpreter exit",
+    ),
+    Mutant(
         "packed: the fused walk writes d_hidden at the padded rows",
         "gtpo_kernels/fused_chunks.py",
         "return self.flat[t0:t1] if self.packed is None else self.packed[t0:t1]",

@@ -17,6 +17,7 @@ batch's counts (all-reduced), which makes K processes update exactly as one woul
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import re
@@ -509,8 +510,19 @@ def load_session(config: TrainConfig, dist: Distributed, train_set, eval_set) ->
 
 
 def run(config: TrainConfig, dist: Optional[Distributed] = None) -> dict:
+    """The whole run; returns its summary. Under torchrun the process group it starts is closed when the run ends
+    (not after an error: a peer may be gone)."""
+    if dist is not None:
+        return run_in(config, dist, time.time())
     run_started = time.time()  # wall clock of the whole run: loading, evaluations and saving included
-    dist = dist or Distributed.start(config.device)
+    dist = Distributed.start(config.device)
+    result = run_in(config, dist, run_started)
+    dist.close()
+    return result
+
+
+def run_in(config: TrainConfig, dist: Distributed, run_started: float) -> dict:
+    """`run` in the processes of ``dist``, started at ``run_started``."""
     out_dir = Path(config.output_dir)
     checkpoint_path = out_dir / "checkpoint.pt"
     # Everything that can be checked without the model is, before anything is loaded or written: a bad setting
@@ -781,6 +793,9 @@ def main(argv=None) -> None:
     config = parse_args(argv)
     try:
         result = run(config)
+        # FSDP2's modules sit in reference cycles that hold the process group: freed now, while the interpreter is
+        # whole, not at its exit, where tearing down gloo's threads aborts a finished run (exit status -6).
+        gc.collect()
     except ConfigError as exc:  # a setting, model or dataset that cannot be used: one line, not a traceback
         print(f"gtpo-train: error: {exc}", file=sys.stderr)
         sys.exit(2)
