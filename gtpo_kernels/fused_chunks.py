@@ -105,19 +105,15 @@ class LogitTransform:
     @classmethod
     def checked(cls, logit_scale, logit_softcap) -> LogitTransform:
         """The arguments ``logit_scale`` and ``logit_softcap`` of the fused functions, checked."""
-        if isinstance(logit_scale, bool) or not isinstance(logit_scale, (int, float)) or not 0 < logit_scale < math.inf:
+
+        def positive(value) -> bool:
+            return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value < math.inf
+
+        if not positive(logit_scale):
             raise ValueError(f"logit_scale must be a positive finite float (1.0: none), got {logit_scale!r}")
-        if logit_softcap is not None and (
-            isinstance(logit_softcap, bool)
-            or not isinstance(logit_softcap, (int, float))
-            or not 0 < logit_softcap < math.inf
-        ):
+        if logit_softcap is not None and not positive(logit_softcap):
             raise ValueError(f"logit_softcap must be a positive finite float or None (none), got {logit_softcap!r}")
         return cls(float(logit_scale), None if logit_softcap is None else float(logit_softcap))
-
-    @property
-    def identity(self) -> bool:
-        return self.scale == 1.0 and self.softcap is None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The transformed logits (a new tensor; autograd follows it)."""

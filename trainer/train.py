@@ -510,14 +510,14 @@ def load_session(config: TrainConfig, dist: Distributed, train_set, eval_set) ->
 
 
 def run(config: TrainConfig, dist: Optional[Distributed] = None) -> dict:
-    """The whole run; returns its summary. Under torchrun the process group it starts is closed when the run ends
-    (not after an error: a peer may be gone)."""
-    if dist is not None:
-        return run_in(config, dist, time.time())
+    """The whole run; returns its summary. Under torchrun the process group it starts (``dist`` not given) is
+    closed when the run ends (not after an error: a peer may be gone)."""
     run_started = time.time()  # wall clock of the whole run: loading, evaluations and saving included
-    dist = Distributed.start(config.device)
+    started_here = dist is None
+    dist = dist or Distributed.start(config.device)
     result = run_in(config, dist, run_started)
-    dist.close()
+    if started_here:
+        dist.close()
     return result
 
 
@@ -794,7 +794,8 @@ def main(argv=None) -> None:
     try:
         result = run(config)
         # FSDP2's modules sit in reference cycles that hold the process group: freed now, while the interpreter is
-        # whole, not at its exit, where tearing down gloo's threads aborts a finished run (exit status -6).
+        # whole, not at its exit, where tearing down gloo's threads can abort a finished process (exit status -6,
+        # seen in the two-process FSDP2 update test).
         gc.collect()
     except ConfigError as exc:  # a setting, model or dataset that cannot be used: one line, not a traceback
         print(f"gtpo-train: error: {exc}", file=sys.stderr)
