@@ -38,8 +38,9 @@ from bench.common import PeakTensorMemory
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def worker(tokens: int, hidden: int, vocab: int, dtype_name: str, what: str) -> dict:
-    """One measurement in this process, with the ``gtpo_kernels`` imported before this module (`measure`)."""
+def worker(tokens: int, hidden: int, vocab: int, dtype_name: str, what: str, inner: int = 1) -> dict:
+    """One measurement in this process, with the ``gtpo_kernels`` imported before this module (`measure`): the
+    median of ``inner`` timed calls after a warm one (a single call's time moves with the clock by several per cent)."""
     import gtpo_kernels
 
     assert str(gtpo_kernels.__file__).startswith(os.environ["GTPO_SOURCE"]), gtpo_kernels.__file__
@@ -57,27 +58,29 @@ def worker(tokens: int, hidden: int, vocab: int, dtype_name: str, what: str) -> 
     def loss():
         return gtpo_kernels.fused_linear_gtpo_loss(h, w, ids, mask, adv, group_size=8, backend="cpu").loss
 
+    def timed(call, before=lambda: None) -> float:
+        times = []
+        for _ in range(inner):
+            arg = before()
+            start = time.perf_counter()
+            call(arg)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
     if what == "step":
         loss().backward()  # warm
-        start = time.perf_counter()
-        loss().backward()
-        seconds = time.perf_counter() - start
+        seconds = timed(lambda _: loss().backward())
         with PeakTensorMemory() as memory:
             loss().backward()
     elif what == "no_grad":
         with torch.no_grad():
             loss()  # warm
-            start = time.perf_counter()
-            loss()
-            seconds = time.perf_counter() - start
+            seconds = timed(lambda _: loss())
             with PeakTensorMemory() as memory:
                 loss()
     else:
         loss().backward()  # warm
-        out = loss()
-        start = time.perf_counter()
-        out.backward()
-        seconds = time.perf_counter() - start
+        seconds = timed(lambda out: out.backward(), before=loss)
         out = loss()
         with PeakTensorMemory() as memory:
             out.backward()
@@ -89,7 +92,7 @@ def measure(source: Path, args, what: str) -> dict:
     code = (
         f"import sys, json; sys.path.insert(0, {str(source)!r}); import gtpo_kernels; "
         f"sys.path[0] = {str(ROOT)!r}; from bench.fused_work import worker; "
-        f"print(json.dumps(worker({args.tokens}, {args.hidden}, {args.vocab}, {args.dtype!r}, {what!r})))"
+        f"print(json.dumps(worker({args.tokens}, {args.hidden}, {args.vocab}, {args.dtype!r}, {what!r}, {args.inner})))"
     )
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), GTPO_SOURCE=str(source))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd="/")
@@ -117,6 +120,7 @@ def main(argv=None) -> None:
     p.add_argument("--vocab", type=int, default=49152)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--reps", type=int, default=4, help="measurements per source (even: as often first as second)")
+    p.add_argument("--inner", type=int, default=3, help="timed calls per process (their median is its measurement)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--name", default="fused-work-cpu", help="the table's file name (in bench/results/local/)")
     p.add_argument("--before-tree", help="a checkout of --before with its own C++ build (when csrc/ differs)")
@@ -147,7 +151,9 @@ def main(argv=None) -> None:
                 subprocess.run(["git", "worktree", "remove", "--force", str(before)], cwd=ROOT, capture_output=True)
     lines = [
         f"`python -m bench fused_work --before {args.before}`: fused_linear_gtpo_loss, C++ backend, T = {args.tokens}, "
-        f"H = {args.hidden}, V = {args.vocab}, {args.dtype}, {args.threads} threads; times the median of {args.reps}. "
+        f"H = {args.hidden}, V = {args.vocab}, {args.dtype}, {args.threads} threads; times the median of {args.reps} "
+        f"processes per source, each the median of "
+        f"{args.inner} calls. "
         "Memory: exact, the storage of every tensor an operator made outside the fused operator plus that "
         "operator's outputs (its chunk of logits, internal, is not seen; it is the same in both sources).",
         "",
@@ -163,7 +169,10 @@ def main(argv=None) -> None:
                 f"| {name} | {labels[what]} | {ms:.1f} | {runs[0]['largest_mib']:.1f} | {runs[0]['peak_mib']:.1f} |"
             )
         first, second = (statistics.median(r["ms"] for r in results[name][what]) for name in sources)
-        lines.append(f"| after / before | {labels[what]} | {second / first:.3f} | | |")
+        # Each rep's pair was measured back to back: the spread of their ratios says how far the median can be trusted.
+        pairs = sorted(b["ms"] / a["ms"] for a, b in zip(*(results[name][what] for name in sources)))
+        spread = f" (pairs {pairs[0]:.3f}-{pairs[-1]:.3f})" if len(pairs) > 1 else ""
+        lines.append(f"| after / before | {labels[what]} | {second / first:.3f}{spread} | | |")
     common.write_markdown(args.name, lines)
 
 
