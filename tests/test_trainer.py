@@ -16,7 +16,7 @@ datasets = pytest.importorskip("datasets")
 
 from trainer import train as train_module  # noqa: E402
 from trainer.config import ConfigError, TrainConfig, parse_args  # noqa: E402
-from trainer.data import arithmetic_problems, gsm8k_final_answer, load_problems  # noqa: E402
+from trainer.data import HELD_OUT_SEED, arithmetic_problems, gsm8k_final_answer, load_problems  # noqa: E402
 from trainer.distributed import Distributed  # noqa: E402
 from trainer.intervals import metric_intervals, wilson, with_interval  # noqa: E402
 from trainer.metrics_log import MetricsLog  # noqa: E402
@@ -405,6 +405,38 @@ def test_config_files_from_before_worked_examples_keep_their_prompts(tmp_path):
 def test_held_out_split_is_disjoint():
     train, held_out = load_problems("arithmetic", seed=0, eval_size=30, train_size=2000)
     assert len(held_out) == 30 and not set(train["question"]) & set(held_out["question"])
+
+
+def test_training_stream_mixes_the_operations_evenly():
+    """Every block of difficulty + 1 training problems holds each operation once, so every step's prompts mix
+    them (a seed whose stream drifted to subtracting taught the model to subtract everywhere); a problem drawn
+    again for the held-out set keeps its operation; the held-out problems are the free generator's."""
+
+    def operation(question: str) -> str:
+        return (
+            "boxes"
+            if "boxes" in question
+            else "loses"
+            if "loses" in question
+            else "more"
+            if "more" in question
+            else "left"
+        )
+
+    for difficulty in (1, 2, 3):  # (at 4 a fifth kind repeats the fourth's operation)
+        train, held_out = load_problems("arithmetic", seed=3, eval_size=40, difficulty=difficulty, train_size=600)
+        kinds = difficulty + 1
+        ops = [operation(q) for q in train["question"]]
+        assert len(ops) == 600
+        blocks = [ops[i : i + kinds] for i in range(0, len(ops), kinds)]
+        assert all(len(set(block)) == len(block) for block in blocks), difficulty
+        assert held_out["question"] == arithmetic_problems(40, seed=HELD_OUT_SEED, difficulty=difficulty)["question"]
+        assert not set(train["question"]) & set(held_out["question"])
+    # A redrawn problem keeps its place's operation.
+    first = arithmetic_problems(8, seed=5, balanced=True)
+    redrawn = arithmetic_problems(8, seed=5, balanced=True, exclude={first["question"][0]})
+    assert redrawn["question"][0] != first["question"][0]
+    assert operation(redrawn["question"][0]) == operation(first["question"][0])
 
 
 def test_seed_changes_training_problems_not_held_out():

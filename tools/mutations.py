@@ -95,6 +95,23 @@ MUTANTS: Tuple[Mutant, ...] = (
         ("tests/test_compare.py::test_each_seeds_final_figure_comes_with_its_interval",),
         "runs saved before the count was kept still get their intervals, from config.json's eval_size",
     ),
+    # ---------------------------------------------------------------- the default run (issue 39)
+    Mutant(
+        "data: the training stream drawn freely",
+        "trainer/data.py",
+        "train_size, seed=seed, difficulty=difficulty, balanced=True, exclude=",
+        "train_size, seed=seed, difficulty=difficulty, balanced=False, exclude=",
+        ("tests/test_trainer.py::test_training_stream_mixes_the_operations_evenly",),
+        "every step's prompts mix the operations evenly (a stream that drifted to one taught it everywhere)",
+    ),
+    Mutant(
+        "data: a held-out problem redrawn with any operation",
+        "trainer/data.py",
+        "            q, a = _problem(rng, difficulty, kind)\n        questions",
+        "            q, a = _problem(rng, difficulty)\n        questions",
+        ("tests/test_trainer.py::test_training_stream_mixes_the_operations_evenly",),
+        "a training problem drawn again because it is held out keeps its place's operation",
+    ),
     # ---------------------------------------------------------------- the trainer on several processes
     Mutant(
         "trainer: no world-size factor on the loss",

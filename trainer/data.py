@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 import re
 from pathlib import Path
-from typing import Tuple
+from typing import AbstractSet, Optional, Tuple
 
 from datasets import Dataset, load_dataset
 
@@ -21,12 +21,14 @@ NAMES = ["Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Gus", "Hana", "Ivan", "
 ITEMS = ["apples", "books", "coins", "stickers", "marbles", "pencils", "shells", "cards", "stamps", "eggs"]
 
 
-def _problem(rng: random.Random, difficulty: int) -> Tuple[str, int]:
+def _problem(rng: random.Random, difficulty: int, kind: Optional[int] = None) -> Tuple[str, int]:
+    """One problem; its operation ``kind`` (0 to ``difficulty``) drawn after its numbers unless given."""
     name, other = rng.sample(NAMES, 2)
     item = rng.choice(ITEMS)
     hi = [0, 9, 20, 50, 100][difficulty]
     a, b, c = rng.randint(2, hi), rng.randint(2, hi), rng.randint(1, hi)
-    kind = rng.randrange(difficulty + 1)
+    if kind is None:
+        kind = rng.randrange(difficulty + 1)
     if kind == 0:
         return f"{name} has {a} {item}. {other} gives {name} {b} more. How many {item} does {name} have now?", a + b
     if kind == 1:
@@ -42,13 +44,25 @@ def _problem(rng: random.Random, difficulty: int) -> Tuple[str, int]:
     )
 
 
-def arithmetic_problems(n: int, seed: int, difficulty: int = 1) -> Dataset:
+def arithmetic_problems(
+    n: int, seed: int, difficulty: int = 1, balanced: bool = False, exclude: AbstractSet[str] = frozenset()
+) -> Dataset:
     """``n`` word problems; the same seed gives the same problems. Difficulty 1 uses one operation
-    on small numbers; each level adds an operation type and larger numbers."""
+    on small numbers; each level adds an operation type and larger numbers.
+
+    ``balanced``: each block of ``difficulty + 1`` consecutive problems holds every operation once, in a
+    shuffled order, so that any run of a training stream mixes the operations evenly (`load_problems`).
+    A problem whose question is in ``exclude`` is drawn again, with the same operation."""
     rng = random.Random(f"arithmetic-{seed}-{difficulty}")
-    questions, answers = [], []
+    questions, answers, block = [], [], []
     for _ in range(n):
-        q, a = _problem(rng, difficulty)
+        kind = None
+        if balanced:
+            block = block or rng.sample(range(difficulty + 1), difficulty + 1)
+            kind = block.pop()
+        q, a = _problem(rng, difficulty, kind)
+        while q in exclude:
+            q, a = _problem(rng, difficulty, kind)
         questions.append(q)
         answers.append(str(a))
     return Dataset.from_dict({"question": questions, "answer": answers})
@@ -103,12 +117,19 @@ def load_problems(
 
     ``seed`` picks the training problems only: the held-out problems are the same for every seed, so
     runs that differ only in their seed are scored on the same questions and their spread is the
-    spread of training, not of the test set."""
+    spread of training, not of the test set.
+
+    The built-in problems' training stream is balanced (`arithmetic_problems`): every step of 4 prompts at
+    difficulty 1 adds twice and subtracts twice. Drawn freely, a seed's 48 problems of the default run held 18
+    to 27 additions, and a stream that drifted to subtraction taught the 135M model the subtracting worked
+    example's wording for every problem ("gives away 5: 6 - 5 = 1" for "gives Chen 5 more": 21 of 64 held-out
+    greedy answers of seed 3 at lr 2e-5; results/README.md). The held-out problems are drawn freely, as before."""
     if dataset == "arithmetic":
         held_out = arithmetic_problems(eval_size, seed=HELD_OUT_SEED, difficulty=difficulty)
-        seen = set(held_out["question"])
-        train = arithmetic_problems(train_size, seed=seed, difficulty=difficulty)
-        return train.filter(lambda row: row["question"] not in seen), held_out
+        train = arithmetic_problems(
+            train_size, seed=seed, difficulty=difficulty, balanced=True, exclude=set(held_out["question"])
+        )
+        return train, held_out
     if dataset == "gsm8k":
         try:
             ds = load_dataset("openai/gsm8k", "main")
