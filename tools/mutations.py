@@ -112,6 +112,22 @@ MUTANTS: Tuple[Mutant, ...] = (
         ("tests/test_trainer.py::test_training_stream_mixes_the_operations_evenly",),
         "a training problem drawn again because it is held out keeps its place's operation",
     ),
+    Mutant(
+        "answers: a sample judged instead of the greedy answer",
+        "trainer/train.py",
+        "(t[0] for t in texts)",
+        "(t[1] for t in texts)",
+        ("tests/test_answers.py::test_wrong_greedy_answers_come_from_the_final_evaluation",),
+        "the wrong answers listed are the greedy ones the summary's accuracy counts",
+    ),
+    Mutant(
+        "answers: the training problems instead of the held-out ones",
+        "trainer/answers.py",
+        "_, held_out = load_problems(",
+        "held_out, _ = load_problems(",
+        ("tests/test_answers.py::test_wrong_greedy_answers_come_from_the_final_evaluation",),
+        "the report is of the run's held-out problems",
+    ),
     # ---------------------------------------------------------------- the trainer on several processes
     Mutant(
         "trainer: no world-size factor on the loss",

@@ -5,4 +5,4 @@ One job per module: `config` (the settings, one dataclass, and the command line)
 problems and how answers are scored), `model` (loading), `sampling` (rollouts, each prompt run once),
 `distributed` (DDP / FSDP2 under torchrun), `checkpoint` (checkpoints and the run's state), `metrics_log`
 (metrics.jsonl), `stopping` (stop requests and why a run stopped), `seeding` (a step's random draws),
-`plots`, `compare` (runs side by side), `quantisation`."""
+`plots`, `compare` (runs side by side), `answers` (a saved model's wrong held-out answers), `quantisation`."""

@@ -329,9 +329,11 @@ def evaluate(
     seed: int,
     stop: Optional[StopRequests] = None,
     desc: str = "eval",
+    greedy_answers: Optional[list] = None,
 ) -> Optional[dict]:
     """Greedy accuracy and format rate; with eval_k, pass@k and maj@k from k samples per problem. Each process
-    takes every K-th problem; the counts are summed. Returns None if a stop was requested meanwhile."""
+    takes every K-th problem; the counts are summed. Returns None if a stop was requested meanwhile.
+    ``greedy_answers``, a list, gets this process's ``(question, reference answer, greedy completion)``."""
     model.eval()
     torch.manual_seed(step_seed(config.seed, "eval", seed, dist.rank))
     mine = problems.select(range(dist.rank, len(problems), dist.world))
@@ -364,6 +366,8 @@ def evaluate(
             stopped = True
             break
         texts = [out["texts"][i * (k + 1) : (i + 1) * (k + 1)] for i in range(len(chunk))]
+        if greedy_answers is not None:
+            greedy_answers.extend(zip(chunk["question"], chunk["answer"], (t[0] for t in texts)))
         sums[0] += sum(
             answers_match(extract_answer(t[0], config.answer_in_block), a) for t, a in zip(texts, chunk["answer"])
         )

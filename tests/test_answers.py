@@ -1,0 +1,56 @@
+"""`python -m gtpo_train.answers`: a saved model's wrong greedy answers, through the trainer's own evaluation."""
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import trainer.train as train_module  # noqa: E402
+from trainer import answers  # noqa: E402
+from trainer.config import TrainConfig  # noqa: E402
+from trainer.data import load_problems  # noqa: E402
+
+
+def test_operation_reads_the_first_one_between_numbers():
+    assert answers.operation("Ana has 6 and gives 5: 6 - 5 = 1.") == "-"
+    assert answers.operation("<reasoning>\n2 + 6 = 8\n</reasoning>") == "+"
+    assert answers.operation("3 x 4 = 12, then 12 - 2") == "*"
+    assert answers.operation("no numbers-here, 7") == "none"
+
+
+def test_wrong_greedy_answers_come_from_the_final_evaluation(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """Each problem's greedy completion (the first of its rows) is what is judged, with the run's answer rule, on
+    the run's held-out problems; the samples after it only feed pass@k and maj@k. The report counts the
+    operations the wrong answers write, and the metrics are the evaluation's."""
+    config = TrainConfig(model=tiny_model_dir, eval_size=6, eval_k=2, max_new_tokens=4, steps=3, precision="fp32")
+    _, held_out = load_problems("arithmetic", config.seed, config.eval_size, config.difficulty)
+    gold = dict(zip(held_out["question"], held_out["answer"]))
+    wrong_questions = set(held_out["question"][1::2])  # every other problem answered wrong, by subtracting
+
+    def fake_generate(model, tokenizer, questions, n, config, device, greedy_first=False, **kwargs):
+        assert greedy_first and n == 3
+        texts = []
+        for q in questions:
+            value = int(gold[q]) + 1 if q in wrong_questions else int(gold[q])
+            greedy = f"<reasoning>\n9 - 2 = {value}\n</reasoning>\n<answer>\n{value}\n</answer>"
+            texts += [greedy, f"<answer>\n{gold[q]}\n</answer>", "no answer"]  # a right sample, a wrong one
+        return {"texts": texts}
+
+    monkeypatch.setattr(train_module, "generate", fake_generate)
+    metrics, wrong = answers.wrong_answers(tiny_model_dir, config)
+    assert {q for q, _, _ in wrong} == wrong_questions
+    assert all(g == gold[q] and f"<answer>\n{int(g) + 1}\n</answer>" in text for q, g, text in wrong)
+    assert metrics == {"accuracy": 0.5, "format_rate": 1.0, "pass@2": 1.0, "maj@2": 1.0}
+
+    # The command line reads the run's config.json beside the model folder and writes the report.
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps(config.to_dict()))
+    monkeypatch.setattr(answers, "load_model_and_tokenizer", lambda path, device: (torch.nn.Linear(1, 1), None))
+    answers.main([str(run / "final"), "--out", str(tmp_path / "wrong.md")])
+    text = (tmp_path / "wrong.md").read_text()
+    assert text == capsys.readouterr().out.rstrip("\n") + "\n"
+    assert "**3 wrong**; the operation their reasoning writes: `-` 3." in text
+    assert "accuracy 0.500" in text and sum(q in text for q in wrong_questions) == 3
