@@ -1,6 +1,6 @@
 """One training step of ``gtpo-train`` against one of TRL's ``GRPOTrainer`` on the same work, side by side.
 
-    python -m bench trainer [--precision fp32|bf16] [--steps 2] [--prompts 4 --group-size 8 --max-new-tokens 48]
+    python -m bench trainer [--precision fp32|bf16] [--steps 2] [--prompts 8 --group-size 4 --max-new-tokens 48]
 
 Both load the built-in SmolLM2-135M-Instruct, take the same first prompts of the built-in arithmetic stream
 (``--seed``'s), asked in the same chat (system prompt, worked examples), sample ``--group-size`` completions of

@@ -40,8 +40,10 @@ class TrainConfig:
     output_dir: str = "runs/default"  # where metrics.jsonl, checkpoint.pt, final/ and the plot go
     # Rollouts
     steps: int = 12  # optimiser steps (one rollout batch each)
-    prompts_per_step: int = 4  # B prompts per step
-    group_size: int = 8  # G completions per prompt
+    # 8 x 4 (was 4 x 8): twice the problems a step for the same 32 completions; with 4 x 8 and 6 x 6 a seed could
+    # settle on a wrong wording or rule that no later step undid (results/README.md, the probes of 2026-12-03)
+    prompts_per_step: int = 8  # B prompts per step
+    group_size: int = 4  # G completions per prompt
     max_new_tokens: int = 48  # generation cap per completion (tokens)
     temperature: float = 1.0  # sampling temperature; the loss uses the same softmax(logits / T)
     num_iterations: int = 1  # updates per rollout batch; > 1 uses old log-probs and the ratio

@@ -119,11 +119,13 @@ def load_problems(
     runs that differ only in their seed are scored on the same questions and their spread is the
     spread of training, not of the test set.
 
-    The built-in problems' training stream is balanced (`arithmetic_problems`): every step of 4 prompts at
-    difficulty 1 adds twice and subtracts twice. Drawn freely, a seed's 48 problems of the default run held 18
-    to 27 additions, and a stream that drifted to subtraction taught the 135M model the subtracting worked
-    example's wording for every problem ("gives away 5: 6 - 5 = 1" for "gives Chen 5 more": 21 of 64 held-out
-    greedy answers of seed 3 at lr 2e-5; results/README.md). The held-out problems are drawn freely, as before."""
+    The built-in problems' training stream is balanced (`arithmetic_problems`): every two problems at
+    difficulty 1 add once and subtract once, so each step of the default's 8 prompts adds four times and
+    subtracts four times. Drawn freely, the 48 problems of a 12-step run of 4 prompts held 18 to 27 additions
+    (seeds 0-4), and seed 3's, with 18, taught the 135M model the subtracting worked example's wording for
+    additions ("gives away 5: 6 - 5 = 1" for "gives Chen 5 more"; held-out greedy accuracy 0.81 -> 0.67).
+    Balancing makes that drift rarer, not impossible (results/README.md). The held-out problems are drawn
+    freely, as before."""
     if dataset == "arithmetic":
         held_out = arithmetic_problems(eval_size, seed=HELD_OUT_SEED, difficulty=difficulty)
         train = arithmetic_problems(
