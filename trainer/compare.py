@@ -10,7 +10,7 @@ Runs are grouped by variant: the algorithm, the loss preset and the loss overrid
 - per run: the peak and final held-out metrics and whether the run collapsed, by `COLLAPSE_RULE`;
 
 and ``comparison.png``: per-step curves across seeds (mean, band from min to max) of the train entropy
-against ln 2, the train format reward, the held-out greedy accuracy and format rate (at every evaluation:
+against ln 2, the train format reward, the held-out greedy accuracy, pass@k, maj@k and format rate (at every evaluation:
 ``--eval-every``), the filtered fraction and the conflict-token fractions.
 """
 
@@ -158,14 +158,27 @@ def _band(runs: List[dict], rows: str, key: str):
     return steps, [_mean(v) for v in values], [min(v) for v in values], [max(v) for v in values]
 
 
-CURVES = (  # (panel title, rows, key, y-limits)
-    ("train entropy (nats)", "train", "entropy", None),
-    ("train format reward", "train", "format_reward", None),
-    ("held-out greedy accuracy", "evals", "accuracy", (0, 1)),
-    ("held-out format rate", "evals", "format_rate", (0, 1.05)),
-    ("filtered fraction (completions)", "train", "filtered_fraction", (0, 1)),
-    ("conflict tokens: amplified (solid), skipped (dashed)", "train", "amplified_fraction", None),
+CURVES = (  # (panel title, rows, keys: solid, dashed, dotted; a key ending in "@" stands for each k, y-limits)
+    ("train entropy (nats)", "train", ("entropy",), None),
+    ("train format reward", "train", ("format_reward",), None),
+    (
+        "held-out: greedy (solid), pass@k (dashed), maj@k (dotted)",
+        "evals",
+        ("accuracy", "pass@", "maj@"),
+        (0, 1),
+    ),
+    ("held-out format rate", "evals", ("format_rate",), (0, 1.05)),
+    ("filtered fraction (completions)", "train", ("filtered_fraction",), (0, 1)),
+    ("conflict tokens: amplified (solid), skipped (dashed)", "train", ("amplified_fraction", "skipped_fraction"), None),
 )
+
+
+def _curve_keys(runs: List[dict], rows: str, keys) -> List[str]:
+    """``keys`` with each ``"pass@"``-like prefix replaced by the matching keys the runs' rows hold."""
+    found = {k for run in runs for row in run[rows] for k in row}
+    return [
+        k for key in keys for k in ([key] if not key.endswith("@") else sorted(f for f in found if f.startswith(key)))
+    ]
 
 
 def plot(by_variant: Dict[str, List[dict]], path: Path) -> None:
@@ -177,10 +190,9 @@ def plot(by_variant: Dict[str, List[dict]], path: Path) -> None:
     fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
     palette = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:gray"]
     colors = {name: palette[i % len(palette)] for i, name in enumerate(sorted(by_variant))}
-    for ax, (title, rows, key, ylim) in zip(axes.flat, CURVES):
+    for ax, (title, rows, keys, ylim) in zip(axes.flat, CURVES):
         for name, runs in sorted(by_variant.items()):
-            keys = [key, "skipped_fraction"] if key == "amplified_fraction" else [key]
-            for k, style in zip(keys, ("-", "--")):
+            for k, style in zip(_curve_keys(runs, rows, keys), ("-", "--", ":")):
                 steps, mean, low, high = _band(runs, rows, k)
                 if not steps:
                     continue
@@ -194,7 +206,7 @@ def plot(by_variant: Dict[str, List[dict]], path: Path) -> None:
                     label=f"{name} (n={len(runs)})" if style == "-" else None,
                 )
                 ax.fill_between(steps, low, high, color=colors[name], alpha=0.15)
-        if key == "entropy":
+        if keys == ("entropy",):
             ax.axhline(LN2, color="red", linestyle=":", label="ln 2")
         if ylim:
             ax.set_ylim(*ylim)
