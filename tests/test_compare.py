@@ -112,6 +112,17 @@ def test_tables_and_plot(tmp_path):
     assert mean[-1] == pytest.approx(0.6)
 
 
+def test_the_held_out_panel_draws_pass_and_maj_at_each_k():
+    # "pass@" and "maj@" stand for the k the runs were evaluated at; runs without samples (eval_k 0) draw accuracy.
+    sampled = [{"evals": [{"step": 0, "accuracy": 0.5, "pass@4": 0.7, "maj@4": 0.6, "format_rate": 1.0}], "train": []}]
+    greedy = [{"evals": [{"step": 0, "accuracy": 0.5, "format_rate": 1.0}]}]
+    keys = next(keys for title, rows, keys, _ in compare.CURVES if title.startswith("held-out: greedy"))
+    assert compare._curve_keys(sampled, "evals", keys) == ["accuracy", "pass@4", "maj@4"]
+    assert compare._curve_keys(greedy, "evals", keys) == ["accuracy"]
+    conflict = next(keys for title, rows, keys, _ in compare.CURVES if title.startswith("conflict tokens"))
+    assert compare._curve_keys(sampled, "train", conflict) == ["amplified_fraction", "skipped_fraction"]
+
+
 def test_each_seeds_final_figure_comes_with_its_interval(tmp_path):
     # The count from summary.json, or (summaries written before it was saved) from config.json's eval_size.
     saved = _run(tmp_path, "saved", seed=0, accuracy=(0.4, 0.6, 0.5))

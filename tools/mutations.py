@@ -95,6 +95,14 @@ MUTANTS: Tuple[Mutant, ...] = (
         ("tests/test_compare.py::test_each_seeds_final_figure_comes_with_its_interval",),
         "runs saved before the count was kept still get their intervals, from config.json's eval_size",
     ),
+    Mutant(
+        "compare: the held-out panel's pass@k and maj@k prefixes not expanded",
+        "trainer/compare.py",
+        "sorted(f for f in found if f.startswith(key))",
+        "[key]",
+        ("tests/test_compare.py::test_the_held_out_panel_draws_pass_and_maj_at_each_k",),
+        "the curve of the default's 48 steps plots pass@4 and maj@4 beside greedy accuracy",
+    ),
     # ---------------------------------------------------------------- the default run (issue 39)
     Mutant(
         "data: the training stream drawn freely",
