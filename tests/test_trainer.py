@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -714,6 +715,28 @@ def test_the_run_state_survives_a_checkpoint(tmp_path):
     assert isinstance(saved, dict)  # a plain dict in the file: a checkpoint loads without this class
     assert RunState.from_dict(saved) == state
     assert RunState.from_dict({"step": 4}) == RunState(step=4)  # a field added later takes its default
+
+
+def test_a_checkpoint_that_cannot_be_written_is_one_clear_error_and_leaves_the_last_one(tmp_path, monkeypatch):
+    """A full disk: torch.save fails part-way (as "unexpected pos ...", a RuntimeError). The error names the file, the
+    free space and the fix; the partial file is removed (it would hold the space the next write needs) and the
+    previous checkpoint still loads."""
+    import trainer.checkpoint as checkpoint
+
+    path = tmp_path / "checkpoint.pt"
+    checkpoint.save_checkpoint(path, {}, {}, {}, checkpoint.RunState(step=2), {"seed": 0})
+
+    def full_disk(payload, file):
+        Path(file).write_bytes(b"partial")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 105216 vs 105110")
+
+    monkeypatch.setattr(checkpoint.torch, "save", full_disk)
+    expected = r"could not write the checkpoint .*checkpoint\.pt .*GiB free.*--save-every 0"
+    with pytest.raises(ConfigError, match=expected):
+        checkpoint.save_checkpoint(path, {}, {}, {}, checkpoint.RunState(step=4), {"seed": 0})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
+    monkeypatch.undo()
+    assert checkpoint.load_checkpoint(path)["state"]["step"] == 2
 
 
 def test_only_the_time_cap_finishes_a_stopped_run():

@@ -103,6 +103,24 @@ MUTANTS: Tuple[Mutant, ...] = (
         ("tests/test_compare.py::test_the_held_out_panel_draws_pass_and_maj_at_each_k",),
         "the curve of the default's 48 steps plots pass@4 and maj@4 beside greedy accuracy",
     ),
+    # ---------------------------------------------------------------- checkpoints on a full disk
+    Mutant(
+        "checkpoint: a failed write leaves its partial file",
+        "trainer/checkpoint.py",
+        "        tmp.unlink(missing_ok=True)  # a partial file would hold the space the next write needs\n",
+        "",
+        ("tests/test_trainer.py::test_a_checkpoint_that_cannot_be_written_is_one_clear_error_and_leaves_the_last_one",),
+        "a checkpoint write that fails part-way (a full disk) removes its partial checkpoint.pt.tmp",
+    ),
+    Mutant(
+        "checkpoint: torch's full-disk error passed through as a traceback",
+        "trainer/checkpoint.py",
+        "    except (OSError, RuntimeError) as exc:",
+        "    except OSError as exc:",
+        ("tests/test_trainer.py::test_a_checkpoint_that_cannot_be_written_is_one_clear_error_and_leaves_the_last_one",),
+        "torch reports a full disk as a RuntimeError ('unexpected pos'): it becomes one line naming the file, the free "
+        "space and --save-every 0",
+    ),
     # ---------------------------------------------------------------- the default run (issue 39)
     Mutant(
         "data: the training stream drawn freely",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -35,7 +36,9 @@ class RunState:
 def save_checkpoint(
     path: Path, model_state: dict, optimizer_state: dict, scheduler_state: dict, state: RunState, config: dict
 ) -> None:
-    """Written to a temporary file, then renamed: a crash never leaves a half-written checkpoint."""
+    """Written to a temporary file, then renamed: a crash never leaves a half-written checkpoint. A write that fails
+    (a full disk: about 1.5 GB for the built-in model with its optimiser) removes its partial file and leaves the
+    previous checkpoint as it was."""
     payload = {
         "model": model_state,
         "optimizer": optimizer_state,
@@ -44,7 +47,16 @@ def save_checkpoint(
         "config": config,
     }
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(payload, tmp)
+    try:
+        torch.save(payload, tmp)
+    except (OSError, RuntimeError) as exc:  # torch reports a full disk as "unexpected pos ..." (a RuntimeError)
+        tmp.unlink(missing_ok=True)  # a partial file would hold the space the next write needs
+        free = shutil.disk_usage(path.parent).free / 2**30
+        raise ConfigError(
+            f"could not write the checkpoint {path} ({type(exc).__name__}: {str(exc).strip()[:200]}); "
+            f"{free:.1f} GiB free on its disk. Free some space (old runs' checkpoint.pt files can go), or pass "
+            f"--save-every 0 to write one only at the end; the previous checkpoint, if any, is intact"
+        ) from None
     os.replace(tmp, path)
 
 
