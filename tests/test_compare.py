@@ -74,6 +74,26 @@ def test_variants_name_the_overrides(tmp_path):
     ]
 
 
+def test_runs_that_differ_in_more_than_their_seed_are_not_one_variant(tmp_path):
+    """Two seeds at one setting are one variant; a run at another precision or learning rate is another, named by
+    what differs, so its gain does not enter the first's mean and spread. Settings that do not change what a run
+    learns (its folder, its evaluation cadence) do not split."""
+    base = {"precision": "bf16", "learning_rate": 2e-5, "steps": 12, "eval_every": 0}
+    runs = [
+        _run(tmp_path, "s0", seed=0, config={**base, "seed": 0, "output_dir": "runs/s0"}),
+        _run(tmp_path, "s1", seed=1, config={**base, "seed": 1, "output_dir": "runs/s1", "eval_every": 4}),
+        _run(tmp_path, "fp32", config={**base, "precision": "fp32"}),
+        _run(tmp_path, "lr", config={**base, "learning_rate": 3e-5}),
+    ]
+    by_variant = compare.load(runs)
+    assert {name: len(found) for name, found in by_variant.items()} == {
+        "gtpo paper (learning_rate=2e-05, precision=bf16)": 2,
+        "gtpo paper (learning_rate=2e-05, precision=fp32)": 1,
+        "gtpo paper (learning_rate=3e-05, precision=bf16)": 1,
+    }
+    assert sorted(compare.load(runs[:2])) == ["gtpo paper"]  # seeds alone: the plain name, as before
+
+
 def test_collapse_rule_by_hand(tmp_path):
     healthy = compare.load([_run(tmp_path, "ok")])["gtpo paper"][0]
     assert compare.collapsed(healthy) == (False, "")

@@ -121,6 +121,22 @@ MUTANTS: Tuple[Mutant, ...] = (
         "torch reports a full disk as a RuntimeError ('unexpected pos'): it becomes one line naming the file, the free "
         "space and --save-every 0",
     ),
+    Mutant(
+        "compare: runs at another precision or learning rate pooled with the seeds",
+        "trainer/compare.py",
+        "    settings = differing_settings([config for _, config in found])",
+        "    settings = []",
+        ("tests/test_compare.py::test_runs_that_differ_in_more_than_their_seed_are_not_one_variant",),
+        "a float32 run among bf16 seeds (or an lr 3e-5 one among lr 2e-5 seeds) is its own variant, not a seed",
+    ),
+    Mutant(
+        "compare: runs split by their folder and evaluation cadence",
+        "trainer/compare.py",
+        "set.intersection(*(set(c) for c in known)) - NOT_A_VARIANT - LOSS_SETTINGS",
+        "set.intersection(*(set(c) for c in known)) - LOSS_SETTINGS",
+        ("tests/test_compare.py::test_runs_that_differ_in_more_than_their_seed_are_not_one_variant",),
+        "seeds that differ in output_dir or eval_every are still one variant",
+    ),
     # ---------------------------------------------------------------- the default run (issue 39)
     Mutant(
         "data: the training stream drawn freely",

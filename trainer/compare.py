@@ -1,7 +1,10 @@
 """Compare finished runs: ``python -m gtpo_train.compare runs/gtpo-seed* runs/grpo-seed* [--out results/]``.
 
 Runs are grouped by variant: the algorithm, the loss preset and the loss overrides of their ``config.json``
-(``--entropy-coef``, ``--no-entropy-filter``, ``--no-conflict-weights``, ``--entropy-threshold``). Writes
+(``--entropy-coef``, ``--no-entropy-filter``, ``--no-conflict-weights``, ``--entropy-threshold``), and any other
+setting in which the runs given differ (``precision=fp32``, ``learning_rate=3e-05``, ``steps=64``), apart from the
+seed and the settings that do not change what a run learns (`NOT_A_VARIANT`): seeds of one variant differ in their
+seed only, so their spread is the seed's. Writes
 ``comparison.md``, two tables:
 
 - per variant and held-out metric: the mean before and after training over seeds, the gain per seed, the
@@ -37,8 +40,31 @@ COLLAPSE_RULE = (
 )
 
 
-def variant(summary: dict, config: Optional[dict]) -> str:
-    """``grpo``, ``gtpo paper``, ``gtpo official``, with the loss overrides the run was given."""
+# Settings that do not change what a run learns: runs that differ only in these (and the seed) are one variant.
+NOT_A_VARIANT = frozenset(
+    {"seed", "output_dir", "resume", "eval_every", "save_every", "max_minutes", "device", "eval_batch_size"}
+)
+# Settings `variant` names in its own words.
+LOSS_SETTINGS = frozenset({"algo", "preset", "conflict_weights", "entropy_filter", "entropy_coef", "entropy_threshold"})
+
+
+def differing_settings(configs: List[Optional[dict]]) -> List[str]:
+    """The settings, in every given ``config.json``, whose values differ between the runs, but for `NOT_A_VARIANT`
+    and `LOSS_SETTINGS`."""
+    known = [c for c in configs if c]
+    if len(known) < 2:
+        return []
+    shared = set.intersection(*(set(c) for c in known)) - NOT_A_VARIANT - LOSS_SETTINGS
+    return sorted(k for k in shared if len({json.dumps(c[k], sort_keys=True) for c in known}) > 1)
+
+
+def _setting(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def variant(summary: dict, config: Optional[dict], settings: List[str] = ()) -> str:
+    """``grpo``, ``gtpo paper``, ``gtpo official``, with the loss overrides the run was given and its values of
+    ``settings`` (`differing_settings`)."""
     config = config or {}
     preset = summary.get("preset") or config.get("preset") or ("paper" if summary["algo"] == "gtpo" else "grpo")
     label = "grpo" if summary["algo"] == "grpo" and preset == "grpo" else f"{summary['algo']} {preset}"
@@ -51,12 +77,13 @@ def variant(summary: dict, config: Optional[dict]) -> str:
         extras.append(f"gamma={config['entropy_coef']:g}")
     if config.get("entropy_threshold") is not None:
         extras.append(f"tau={config['entropy_threshold']:g}")
+    extras += [f"{name}={_setting(config.get(name))}" for name in settings]
     return label + (f" ({', '.join(extras)})" if extras else "")
 
 
 def load(run_dirs: List[str]) -> Dict[str, List[dict]]:
     """Finished runs (those with a ``summary.json``) by variant, each with its metric rows."""
-    by_variant: Dict[str, List[dict]] = defaultdict(list)
+    found = []
     for d in run_dirs:
         summary_path = Path(d) / "summary.json"
         if not summary_path.exists():
@@ -74,7 +101,11 @@ def load(run_dirs: List[str]) -> Dict[str, List[dict]]:
         )
         # Summaries written before 2026-12-02 lack the count; their config.json has it.
         summary.setdefault("eval_problems", (config or {}).get("eval_size"))
-        by_variant[variant(summary, config)].append(summary)
+        found.append((summary, config))
+    settings = differing_settings([config for _, config in found])
+    by_variant: Dict[str, List[dict]] = defaultdict(list)
+    for summary, config in found:
+        by_variant[variant(summary, config, settings)].append(summary)
     return by_variant
 
 
