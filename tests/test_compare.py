@@ -122,6 +122,7 @@ def test_tables_and_plot(tmp_path):
     compare.main(runs + ["--out", str(out)])
     text = (out / "comparison.md").read_text()
     assert "| gtpo paper | 0,1,2 | accuracy | 0.400 | 0.600 | +0.200 | +0.100 +0.200 +0.300 | 0.200 | no |" in text
+    assert "| grpo | 0 | accuracy | 0.400 | 0.500 | +0.100 | +0.100 | 0.000 | - (one seed) |" in text  # nothing to beat
     assert (
         "| grpo | 0 | 0.40 / 0.80 / 0.50 | 0.60 / 1.00 / 1.00 | 1.00 / 0.30 / 0.30 | yes: accuracy 0.80 -> 0.50 |"
         in text

@@ -137,6 +137,14 @@ MUTANTS: Tuple[Mutant, ...] = (
         ("tests/test_compare.py::test_runs_that_differ_in_more_than_their_seed_are_not_one_variant",),
         "seeds that differ in output_dir or eval_every are still one variant",
     ),
+    Mutant(
+        "compare: one run's gain called larger than its spread",
+        "trainer/compare.py",
+        'if len(runs) > 1 else "- (one seed)"',
+        'if len(runs) > 0 else "- (one seed)"',
+        ("tests/test_compare.py::test_tables_and_plot",),
+        "a variant of one run has no spread to beat: its verdict is '- (one seed)', not 'yes'",
+    ),
     # ---------------------------------------------------------------- the default run (issue 39)
     Mutant(
         "data: the training stream drawn freely",

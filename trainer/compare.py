@@ -143,10 +143,12 @@ def gain_table(by_variant: Dict[str, List[dict]]) -> str:
             after = [r["after"][metric] for r in runs]
             gains = [a - b for a, b in zip(after, before)]
             spread = max(after) - min(after)
+            # one run has no spread to beat: its gain alone says nothing about the seed's part in it
+            verdict = ("yes" if _mean(gains) > spread else "no") if len(runs) > 1 else "- (one seed)"
             lines.append(
                 f"| {name} | {','.join(str(r['seed']) for r in runs)} | {metric} | {_mean(before):.3f} | "
                 f"{_mean(after):.3f} | {_mean(gains):+.3f} | {' '.join(f'{g:+.3f}' for g in gains)} | "
-                f"{spread:.3f} | {'yes' if _mean(gains) > spread else 'no'} | "
+                f"{spread:.3f} | {verdict} | "
                 + "; ".join(
                     with_interval(r["after"][metric], r["eval_problems"]) if r["eval_problems"] else "-" for r in runs
                 )
