@@ -667,7 +667,7 @@ def test_compare_runs_table(tmp_path):
     by_algo = load([str(p) for p in sorted(tmp_path.iterdir())])
     text = table(by_algo)
     assert "| gtpo paper | 0,1 | accuracy | 0.400 | 0.550 | +0.150 | +0.100 +0.200 | 0.100 | yes |" in text
-    assert "| grpo | 0 | accuracy | 0.400 | 0.400 | +0.000 | +0.000 | 0.000 | no |" in text
+    assert "| grpo | 0 | accuracy | 0.400 | 0.400 | +0.000 | +0.000 | 0.000 | - (one seed) |" in text
 
 
 @pytest.mark.parametrize("in_block", [True, False])
