@@ -9,7 +9,7 @@ transformers = pytest.importorskip("transformers")
 
 from transformers.cache_utils import DynamicLayer  # noqa: E402
 
-from trainer.sampling import _InPlaceLayer, draw_tokens, sample  # noqa: E402
+from trainer.sampling import DRAW_BLOCK, _InPlaceLayer, draw_tokens, sample  # noqa: E402
 
 inf = float("inf")
 
@@ -82,6 +82,49 @@ def test_draw_tokens_never_passes_the_last_possible_token(monkeypatch):
     (the trailing tokens of probability 0 are never taken)."""
     monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.ones(shape, **kw))  # the worst draw there is
     assert draw_tokens(torch.tensor([[1.0, 2.0, -inf, -inf], [0.5, -inf, 0.1, -inf]])).tolist() == [1, 2]
+
+
+@pytest.mark.parametrize("vocab", [DRAW_BLOCK // 2 + 3, 3 * DRAW_BLOCK, 5 * DRAW_BLOCK + 17])
+def test_draw_tokens_inverts_the_whole_cumulative_distribution(vocab):
+    """The two-level lookup (block, then entry) takes the token that one cumulative sum over the whole
+    vocabulary gives for the same uniform number, over rows whose probability is spread, peaked, or held in
+    a few entries with whole blocks of probability 0 between them."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(96, vocab, generator=g) * torch.tensor([0.5, 4.0, 12.0]).repeat(32)[:, None]
+    sparse = torch.rand(32, vocab, generator=g) < 4 / vocab
+    sparse[:, vocab // 2] = True
+    logits[64:] = torch.where(sparse, logits[64:], -inf)
+    temperature = 0.8
+    torch.manual_seed(3)
+    drawn = draw_tokens(logits, temperature)
+    torch.manual_seed(3)
+    u = torch.rand(logits.shape[0], 1, dtype=torch.float64)
+    cdf = torch.softmax(logits.double() / temperature, -1).cumsum(-1)
+    expected = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
+    assert torch.equal(drawn, expected)
+    assert bool(torch.isfinite(logits.gather(1, drawn[:, None])).all())
+
+
+@pytest.mark.parametrize("draw", [0.0, 1.0], ids=["lowest", "highest"])
+def test_draw_tokens_at_the_ends_of_the_draw_take_the_first_and_last_possible_tokens(monkeypatch, draw):
+    """The lowest and the highest uniform number land on the first and the last token of positive probability,
+    past whole blocks of probability 0 before and after them."""
+    vocab = 4 * DRAW_BLOCK + 9
+    logits = torch.full((2, vocab), -inf)
+    first, last = [DRAW_BLOCK + 7, 2 * DRAW_BLOCK - 1], [3 * DRAW_BLOCK + 2, 3 * DRAW_BLOCK]
+    for r in range(2):
+        logits[r, first[r]], logits[r, last[r]] = 0.3, -0.2
+        logits[r, (first[r] + last[r]) // 2] = 1.0
+    monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.full(shape, draw, **kw))
+    assert draw_tokens(logits).tolist() == (first if draw == 0.0 else last)
+
+
+def test_the_highest_draw_stays_in_its_block_when_the_block_sums_round_apart(monkeypatch):
+    """The highest draw takes the last token on rows where the block's entries, summed one by one, round below
+    the sum that chose the block (a quarter of these rows): never the entry past the block's end."""
+    logits = torch.randn(256, 2 * DRAW_BLOCK, generator=torch.Generator().manual_seed(0)) * 5
+    monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.ones(shape, **kw))
+    assert draw_tokens(logits).tolist() == [2 * DRAW_BLOCK - 1] * 256
 
 
 @pytest.mark.parametrize("greedy", [False, True], ids=["sampled", "greedy"])

@@ -178,6 +178,34 @@ MUTANTS: Tuple[Mutant, ...] = (
         ("tests/test_answers.py::test_wrong_greedy_answers_come_from_the_final_evaluation",),
         "the report is of the run's held-out problems",
     ),
+    # ---------------------------------------------------------------- the token draw in two levels
+    Mutant(
+        "sampling: the entry looked up without the earlier blocks' mass",
+        "trainer/sampling.py",
+        "    within = within + before\n",
+        "",
+        (
+            "tests/test_sampling.py::test_draw_tokens_inverts_the_whole_cumulative_distribution",
+            "tests/test_sampling.py::test_draw_tokens_follows_the_tempered_distribution",
+        ),
+        "the block-then-entry lookup takes the token of one cumulative sum over the whole vocabulary",
+    ),
+    Mutant(
+        "sampling: the block chosen by the sum before it, not its own",
+        "trainer/sampling.py",
+        "block = torch.searchsorted(block_cdf, u, right=True)",
+        "block = torch.searchsorted(block_cdf, u, right=False)",
+        ("tests/test_sampling.py::test_draw_tokens_at_the_ends_of_the_draw_take_the_first_and_last_possible_tokens",),
+        "the lowest draw skips whole blocks of probability 0 to the first possible token",
+    ),
+    Mutant(
+        "sampling: the draw not kept under its block's entry-by-entry sum",
+        "trainer/sampling.py",
+        "    u = torch.minimum(u, torch.nextafter(within[:, -1:], torch.zeros_like(u)))\n",
+        "",
+        ("tests/test_sampling.py::test_the_highest_draw_stays_in_its_block_when_the_block_sums_round_apart",),
+        "a draw between the two roundings of a block's sum would take the entry past the block's end",
+    ),
     # ---------------------------------------------------------------- the trainer on several processes
     Mutant(
         "trainer: no world-size factor on the loss",

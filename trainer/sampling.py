@@ -10,7 +10,7 @@ default run (2 CPU cores), none of which changes what is sampled beyond float ro
 - the key/value cache is written in place (`_InPlaceLayer`) instead of concatenated at every token;
 - a token is drawn by inverting the cumulative distribution with one uniform number per row
   (`draw_tokens`): ``torch.multinomial`` draws an exponential number per vocabulary entry, 37 ms a
-  token for 32 rows over SmolLM2's 49152 entries, against about 1 ms.
+  token for 32 rows over SmolLM2's 49152 entries, against about 4 ms.
 """
 
 from __future__ import annotations
@@ -53,20 +53,38 @@ def _reserve(cache, extra: int) -> None:
             layer.reserve(extra)
 
 
+# The vocabulary is searched in blocks of this many entries: the block, then the entry within it.
+DRAW_BLOCK = 1024
+
+
 def draw_tokens(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """``[R]`` token ids, row ``r`` drawn from ``softmax(logits[r] / temperature)`` (``logits: [R, V]``).
 
     One uniform number per row (the global torch generator) is looked up in the row's cumulative
-    distribution, summed in float64 so that no token's share is off by more than about 1e-12. A token of
-    probability 0 is never drawn: it adds nothing to the cumulative sum, and the lookup takes the first
-    entry whose sum exceeds the draw."""
+    distribution, summed in float64 so that no token's share is off by more than about 1e-12. The lookup
+    goes in two levels: the cumulative sum of the `DRAW_BLOCK`-entry blocks' sums finds the block, then the
+    cumulative sum within that block finds the token (a float64 cumulative sum over the whole vocabulary
+    was two thirds of a draw's time: 9 of 13 ms for 32 rows of SmolLM2's 49152 entries on 2 CPU cores). A
+    token of probability 0 is never drawn: it adds nothing to either sum, and each lookup takes the first
+    entry whose sum exceeds the draw, kept within the range its block covers."""
     probs = torch.softmax(logits.float() / temperature, dim=-1)
-    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
-    total = cdf[:, -1:]
+    rows, vocab = probs.shape
+    blocks = -(-vocab // DRAW_BLOCK)
+    probs = torch.nn.functional.pad(probs, (0, blocks * DRAW_BLOCK - vocab)).view(rows, blocks, DRAW_BLOCK)
+    block_sums = probs.sum(-1, dtype=torch.float64)  # [R, blocks]
+    block_cdf = block_sums.cumsum(-1)
+    total = block_cdf[:, -1:]
     u = torch.rand(total.shape, dtype=torch.float64, device=logits.device) * total
-    # u < total in exact arithmetic; rounding may give u == total, which no entry exceeds.
+    # u < total in exact arithmetic; rounding may give u == total, which no block's sum exceeds.
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, u, right=True).squeeze(1)
+    block = torch.searchsorted(block_cdf, u, right=True)  # [R, 1]: the first block whose sum exceeds u
+    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)  # <= u
+    within = probs.gather(1, block[:, :, None].expand(rows, 1, DRAW_BLOCK)).squeeze(1).cumsum(-1, dtype=torch.float64)
+    within = within + before
+    # The block's sum taken again, entry by entry, may round below u: keep u under it.
+    u = torch.minimum(u, torch.nextafter(within[:, -1:], torch.zeros_like(u)))
+    entry = torch.searchsorted(within, u, right=True)
+    return (block * DRAW_BLOCK + entry).squeeze(1)
 
 
 @torch.no_grad()
