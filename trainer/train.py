@@ -493,8 +493,14 @@ def load_session(config: TrainConfig, dist: Distributed, train_set, eval_set) ->
         (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     check_hidden_states_supported(model)  # before wrapping: its check runs the model once on a few tokens
     policy = wrap(PolicyLoss(model), model.get_decoder().layers, dist, config.fsdp)
+    # fused: one kernel over all parameters; on 2 CPU cores 0.07 s a step for SmolLM2-135M against 0.39 s for
+    # the loop over parameters torch picks on a CPU (the same update, summed in another order).
     optimizer = torch.optim.AdamW(
-        policy.parameters(), lr=config.learning_rate, betas=(0.9, 0.99), weight_decay=config.weight_decay
+        policy.parameters(),
+        lr=config.learning_rate,
+        betas=(0.9, 0.99),
+        weight_decay=config.weight_decay,
+        fused=dist.device.type in ("cpu", "cuda") or None,
     )
     total_updates = config.steps * config.num_iterations
     return Session(
