@@ -206,6 +206,37 @@ MUTANTS: Tuple[Mutant, ...] = (
         ("tests/test_sampling.py::test_the_highest_draw_stays_in_its_block_when_the_block_sums_round_apart",),
         "a draw between the two roundings of a block's sum would take the entry past the block's end",
     ),
+    # ---------------------------------------------------------------- grouped-query attention on the CPU
+    Mutant(
+        "model: SDPA's grouped-query attention left off in a float32 run on the CPU",
+        "trainer/model.py",
+        '        os.environ.setdefault(FORCE_GQA, "1")',
+        '        os.environ.setdefault(FORCE_GQA, "0")',
+        (
+            "tests/test_cpu_attention.py::test_a_float32_run_on_the_cpu_turns_grouped_query_attention_on_and_keeps_a_users_choice",
+        ),
+        "loading a float32 run's policy on a CPU turns transformers' switch on",
+    ),
+    Mutant(
+        "model: the user's own setting of the switch overwritten",
+        "trainer/model.py",
+        '        os.environ.setdefault(FORCE_GQA, "1")',
+        '        os.environ[FORCE_GQA] = "1"',
+        (
+            "tests/test_cpu_attention.py::test_a_float32_run_on_the_cpu_turns_grouped_query_attention_on_and_keeps_a_users_choice",
+        ),
+        "a value the user set is kept",
+    ),
+    Mutant(
+        "trainer: grouped-query attention turned on under bf16 autocast too",
+        "trainer/train.py",
+        'if dist.device.type == "cpu" and not uses_bf16(config, dist.device):',
+        'if dist.device.type == "cpu":',
+        (
+            "tests/test_cpu_attention.py::test_a_float32_run_on_the_cpu_turns_grouped_query_attention_on_and_keeps_a_users_choice",
+        ),
+        "transformers' own attention path stays under bf16 autocast, where the grouped kernel decodes slower",
+    ),
     # ---------------------------------------------------------------- the trainer on several processes
     Mutant(
         "trainer: no world-size factor on the loss",
