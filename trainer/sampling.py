@@ -10,7 +10,7 @@ default run (2 CPU cores), none of which changes what is sampled beyond float ro
 - the key/value cache is written in place (`_InPlaceLayer`) instead of concatenated at every token;
 - a token is drawn by inverting the cumulative distribution with one uniform number per row
   (`draw_tokens`): ``torch.multinomial`` draws an exponential number per vocabulary entry, 37 ms a
-  token for 32 rows over SmolLM2's 49152 entries, against about 4 ms.
+  token for 32 rows over SmolLM2's 49152 entries, against about 3 ms.
 """
 
 from __future__ import annotations
@@ -70,7 +70,9 @@ def draw_tokens(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     rows, vocab = probs.shape
     blocks = -(-vocab // DRAW_BLOCK)
-    probs = torch.nn.functional.pad(probs, (0, blocks * DRAW_BLOCK - vocab)).view(rows, blocks, DRAW_BLOCK)
+    if blocks * DRAW_BLOCK != vocab:  # padding copies the probabilities: a tenth of a draw, where none is needed
+        probs = torch.nn.functional.pad(probs, (0, blocks * DRAW_BLOCK - vocab))
+    probs = probs.view(rows, blocks, DRAW_BLOCK)
     block_sums = probs.sum(-1, dtype=torch.float64)  # [R, blocks]
     block_cdf = block_sums.cumsum(-1)
     total = block_cdf[:, -1:]
