@@ -206,6 +206,14 @@ MUTANTS: Tuple[Mutant, ...] = (
         ("tests/test_sampling.py::test_the_highest_draw_stays_in_its_block_when_the_block_sums_round_apart",),
         "a draw between the two roundings of a block's sum would take the entry past the block's end",
     ),
+    Mutant(
+        "sampling: a vocabulary's last partial block left unpadded",
+        "trainer/sampling.py",
+        "    if blocks * DRAW_BLOCK != vocab:",
+        "    if False:",
+        ("tests/test_sampling.py::test_draw_tokens_inverts_the_whole_cumulative_distribution",),
+        "a vocabulary that is not a whole number of blocks (V = 515, 5137) is still drawn from",
+    ),
     # ---------------------------------------------------------------- grouped-query attention on the CPU
     Mutant(
         "model: SDPA's grouped-query attention left off in a float32 run on the CPU",
