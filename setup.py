@@ -4,9 +4,10 @@ torch.utils.cpp_extension against the torch already installed, which is why the 
 
 The kernels are compiled once per instruction set (gtpo_kernels/backends/cpu_build.py) and the package
 loads the best variant the running machine supports. A variant that fails to compile does not stop the
-install: the compiler's message is printed and kept in gtpo_kernels/backends/_cpu_build_error.txt, and
-the package then JIT-compiles the kernels on first use (saying so), or falls back to the PyTorch
-backend with one warning. GTPO_NO_EXTENSION=1 skips the build.
+install (a plain or an editable one): it is left out of the install, the compiler's message is printed
+and kept in gtpo_kernels/backends/_cpu_build_error.txt, and the variants that compiled install. When the
+machine's variant is missing the package JIT-compiles it on first use (saying so), or falls back to the
+PyTorch backend with one warning. GTPO_NO_EXTENSION=1 skips the build.
 """
 
 import importlib.util
@@ -45,7 +46,10 @@ if os.environ.get("GTPO_NO_EXTENSION", "0") == "0":
         ]
 
         class OptionalBuildExtension(BuildExtension):
-            """Builds every variant; a failing one is reported (with the compiler's message), not fatal."""
+            """Builds every variant; a failing one is reported (with the compiler's message), not fatal, and left
+            out of the install's files."""
+
+            failed = ()
 
             def _error_files(self):
                 """Next to the built extensions, and in the source package (editable installs read it there)."""
@@ -63,10 +67,24 @@ if os.environ.get("GTPO_NO_EXTENSION", "0") == "0":
                         os.remove(path)
                 super().run()
 
+            def build_extensions(self):
+                self.failed = []
+                super().build_extensions()
+                # What the install copies and records (wheel, editable or not) is read from self.extensions
+                # after this: a failed variant listed there is a file that does not exist, which fails it.
+                self.extensions = [ext for ext in self.extensions if ext.name not in self.failed]
+                if not self.extensions:
+                    print(
+                        "gtpo_kernels: WARNING: no variant of the C++ CPU kernels compiled; the package installs "
+                        "without them and tries a JIT build on first use, else uses backend='torch'",
+                        file=sys.stderr,
+                    )
+
             def build_extension(self, ext):
                 try:
                     super().build_extension(ext)
                 except Exception as exc:  # noqa: BLE001 (any compiler failure: install without this variant)
+                    self.failed.append(ext.name)
                     detail, cause = str(exc), exc
                     while cause is not None and not getattr(cause, "cmd", None):
                         cause = cause.__cause__ or cause.__context__

@@ -41,6 +41,9 @@ def module_name(variant: str) -> str:
 
 
 def compile_args(variant: str) -> List[str]:
+    """The variant's flags. No ``-std=``: torch's ``cpp_extension`` adds the standard its own headers need (C++17
+    in torch 2.11 and before, C++20 from 2.13 on, which the headers of 2.15 require) to the install-time build and
+    the JIT build alike, and a standard named here would override it."""
     # at::parallel_for is OpenMP in torch's CPU builds: compile the pragmas and let the symbols resolve
     # to torch's own libgomp at load time (no second OpenMP runtime is linked).
-    return ["-O3", "-fopenmp", "-std=c++17", *_FLAGS[variant]]
+    return ["-O3", "-fopenmp", *_FLAGS[variant]]
