@@ -65,7 +65,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _mmap_threshold(nbytes: int) -> None:
+def mmap_threshold(nbytes: int) -> None:
     """glibc only: allocations of at least ``nbytes`` get their own mapping (returned on free), and
     freed heap memory is handed back first (else new allocations reuse it unseen)."""
     try:
@@ -85,7 +85,7 @@ TIMING_MMAP_THRESHOLD = 32 * 2**20
 MEMORY_MMAP_THRESHOLD = 64 * 2**10
 
 
-class _RssPeak:
+class ResidentPeak:
     """Peak resident memory of this process while active, above what it held on entry (CPU runs).
 
     Linux keeps the exact high-water mark (VmHWM), which /proc/self/clear_refs resets; where that is
@@ -134,6 +134,11 @@ class _RssPeak:
     def extra(self) -> int:
         return self.peak - self.start
 
+    @property
+    def exact(self) -> bool:
+        """Whether ``peak`` is the kernel's high-water mark (else the highest of the samples)."""
+        return self._hwm
+
 
 class _ModelOutput(torch.autograd.Function):
     """Stands for the model: hands ``data`` on as a non-leaf tensor (no copy), drops its gradient."""
@@ -177,7 +182,7 @@ def measure(
     """
     cpu = device.type != "cuda"
     if cpu:
-        _mmap_threshold(TIMING_MMAP_THRESHOLD)
+        mmap_threshold(TIMING_MMAP_THRESHOLD)
     fwd, bwd, tot = [], [], []
     for _ in range(warmup):
         forward(make_input()).backward()
@@ -203,13 +208,13 @@ def measure(
         bwd.append(t2 - t1)
         tot.append(t2 - t0)
     if cpu:
-        _mmap_threshold(MEMORY_MMAP_THRESHOLD)
+        mmap_threshold(MEMORY_MMAP_THRESHOLD)
         x = make_input()
-        with _RssPeak() as tracker:
+        with ResidentPeak() as tracker:
             forward(x).backward()
         peak_extra = tracker.extra
         del x
-        _mmap_threshold(TIMING_MMAP_THRESHOLD)
+        mmap_threshold(TIMING_MMAP_THRESHOLD)
     med = lambda xs: 1e3 * statistics.median(xs)
     return Timing(med(fwd), med(bwd), med(tot), peak_extra / 2**20)
 

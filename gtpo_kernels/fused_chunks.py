@@ -234,6 +234,7 @@ class ChunkWalk:
         ``None``: each piece's logits are computed again for the gradient)."""
         pieces, logits = self.pieces(r0, r1), None
         for t0, t1 in pieces:
+            logits = None  # the last piece's logits freed before this piece's are made
             h, y, temperature = self._inputs(t0, t1)
             logits = self.logits(h)
             everything = torch.ones((1, t1 - t0), dtype=torch.bool, device=h.device)
@@ -273,6 +274,7 @@ class ChunkWalk:
             if slope is not None:
                 piece_logits.mul_(slope)
             grads.add(self.tokens, t0, t1, piece_logits, h, self.w)
+            del piece_logits, slope  # freed before the next piece's logits are made
 
 
 @dataclass
@@ -348,6 +350,7 @@ def fused_forward(
         rows = rows.replace(entropy_floor=entropy_floor(chunks.stats[3], rows.valid, config, gather))
     parts = []
     for r0, r1 in chunks.chunks:
+        logits = None  # the last chunk's logits freed before this chunk's are made (one alive at a time)
         logits = None if two_passes else chunks.statistics(r0, r1)
         # A slice keeps the whole call's counts: the chunks' losses add up to the call's.
         logp, entropy, part = chunks.stats[2, r0:r1], chunks.stats[3, r0:r1], rows.slice(slice(r0, r1))
