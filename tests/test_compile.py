@@ -268,6 +268,7 @@ def compare_step(compiled, eager, model, batch):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.cpu_kernels
 def test_dynamic_shapes_compile_once_more_at_most():
     from torch._dynamo.utils import counters
 

@@ -20,6 +20,7 @@ FP32_RESOLUTION = 6e-8
 
 @pytest.mark.parametrize("preset", ["paper", "official"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.cpu_kernels
 def test_gradient_on_confident_rows_within_2x_of_torch(preset, dtype):
     torch_error, completion_entropy = gradient_error("torch", "confident", dtype, preset)
     threshold = GTPOConfig(preset=preset).entropy_threshold

@@ -30,6 +30,7 @@ def test_extension_is_built():
 
 
 @pytest.mark.parametrize("seed", range(6))
+@pytest.mark.cpu_kernels
 def test_conflict_weights_bit_for_bit(seed):
     g = torch.Generator().manual_seed(seed)
     group, length = [2, 3, 8][seed % 3], [1, 6, 40][seed % 3]
@@ -44,6 +45,7 @@ def test_conflict_weights_bit_for_bit(seed):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.cpu_kernels
 def test_deterministic_across_runs_and_thread_counts(dtype):
     logits, ids, mask, adv = random_batch(4, 4, 9, 3001, dtype=dtype, seed=3)
     config = GTPOConfig(entropy_mode="penalty")
@@ -65,6 +67,7 @@ def test_deterministic_across_runs_and_thread_counts(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.cpu_kernels
 def test_gradient_rounding_matches_torch_backend(dtype):
     # Both backends compute the gradient in float32 and round once to the logits' dtype (to nearest).
     logits, ids, mask, _ = random_batch(2, 3, 4, 777, dtype=dtype, seed=4)
@@ -110,6 +113,7 @@ def test_forced_capability_must_be_supported(monkeypatch):
 
 @pytest.mark.skipif(os.environ.get("GTPO_CPU_CAPABILITY") is not None, reason="already running a forced variant")
 @pytest.mark.parametrize("variant", ["default", "avx2"])
+@pytest.mark.cpu_kernels
 def test_cpu_suite_passes_with_a_lower_variant(variant):
     """The portable builds: the CPU tests again in a process that loads the baseline (or AVX2) variant."""
     supported = cpu_extension.supported_variant()

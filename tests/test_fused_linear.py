@@ -361,6 +361,7 @@ def test_gradient_scales_with_incoming_gradient():
     assert_rel_close(hx.grad, 3.0 * dh_ref, RTOL[torch.float32], "3 * d_hidden")
 
 
+@pytest.mark.cpu_kernels
 def test_tied_groups_under_the_entropy_shift_are_not_called_signal_free():
     """Every group tied (advantages all 0): the paper preset's shift still gives each kept completion -gamma Hbar, so
     the loss and gradient are not 0 and the call must not warn that they are (the fused path said so before its
@@ -378,6 +379,7 @@ def test_tied_groups_under_the_entropy_shift_are_not_called_signal_free():
     assert_rel_close(hx.grad, dh_ref, RTOL[torch.float32], "d_hidden")
 
 
+@pytest.mark.cpu_kernels
 def test_no_grad_computes_no_gradient():
     """Under torch.no_grad (an evaluation, TRL's prediction_step) a head that requires grad costs no d_weight, no
     d_hidden: no storage the size of either is made (the walk's logits chunk is smaller here), the same loss."""
@@ -390,6 +392,7 @@ def test_no_grad_computes_no_gradient():
     assert memory.largest < min(wx.numel(), hx.numel()) * 4, memory.largest
 
 
+@pytest.mark.cpu_kernels
 def test_backward_hands_on_the_stored_gradients_without_a_copy():
     """The backward scales the gradients the forward stored in place: no new storage the size of d_weight or
     d_hidden at the backward's peak, the values still those of the incoming gradient (3 x), and a second backward
@@ -659,6 +662,7 @@ def test_equal_per_completion_temperatures_are_the_float(backend):
         assert torch.equal(a, b_)
 
 
+@pytest.mark.cpu_kernels
 def test_one_long_completion_through_a_small_budget(monkeypatch):
     """A completion of 8192 tokens with a 4 MiB budget (512 tokens of V = 2048): split into 16 pieces,
     statistics first, then the gradient piece by piece; equal to the unchunked float64 reference, and the

@@ -99,6 +99,7 @@ def tolerance(case: str, name: str) -> float:
 
 # One test per launch (a fixture shared by several tests would launch once per xdist worker).
 @pytest.mark.parametrize("world", [2, 3], ids=["2 ranks", "3 ranks"])
+@pytest.mark.cpu_kernels
 def test_ranks_against_the_whole_vocabulary_oracle(world, tmp_path):
     """Logits shards (padded and packed) and head shards (the fused path: the shard's weight and bias gradients,
     and the hidden states' summed over the group), each case's oracle gradient non-zero and every shard holding
