@@ -67,24 +67,42 @@ def worker(tokens: int, hidden: int, vocab: int, dtype_name: str, what: str, inn
             times.append(time.perf_counter() - start)
         return statistics.median(times)
 
+    def resident_peak(call) -> float:
+        """MiB: the resident set's high-water mark above its start during ``call``, which sees the operator's own
+        chunks of logits (the dispatch mode sees only its outputs); large frees handed back at once."""
+        common.mmap_threshold(common.MEMORY_MMAP_THRESHOLD)
+        with common.ResidentPeak() as peak:
+            call()
+        common.mmap_threshold(common.TIMING_MMAP_THRESHOLD)
+        return peak.extra / 2**20
+
     if what == "step":
         loss().backward()  # warm
         seconds = timed(lambda _: loss().backward())
         with PeakTensorMemory() as memory:
             loss().backward()
+        resident = resident_peak(lambda: loss().backward())
     elif what == "no_grad":
         with torch.no_grad():
             loss()  # warm
             seconds = timed(lambda _: loss())
             with PeakTensorMemory() as memory:
                 loss()
+            resident = resident_peak(loss)
     else:
         loss().backward()  # warm
         seconds = timed(lambda out: out.backward(), before=loss)
         out = loss()
         with PeakTensorMemory() as memory:
             out.backward()
-    return {"ms": 1e3 * seconds, "largest_mib": memory.largest / 2**20, "peak_mib": memory.peak / 2**20}
+        out = loss()
+        resident = resident_peak(out.backward)
+    return {
+        "ms": 1e3 * seconds,
+        "largest_mib": memory.largest / 2**20,
+        "peak_mib": memory.peak / 2**20,
+        "resident_mib": resident,
+    }
 
 
 def measure(source: Path, args, what: str) -> dict:
@@ -154,11 +172,13 @@ def main(argv=None) -> None:
         f"H = {args.hidden}, V = {args.vocab}, {args.dtype}, {args.threads} threads; times the median of {args.reps} "
         f"processes per source, each the median of "
         f"{args.inner} calls. "
-        "Memory: exact, the storage of every tensor an operator made outside the fused operator plus that "
-        "operator's outputs (its chunk of logits, internal, is not seen; it is the same in both sources).",
+        "Memory: largest and peak new storage are exact, the storage of every tensor an operator made outside the "
+        "fused operator plus that operator's outputs (its chunks of logits, internal, are not seen); peak resident is "
+        "the process's resident-set high-water mark above its start during the call (Linux's VmHWM, reset before it), "
+        "which sees the operator's chunks too: the memory a step needs at once.",
         "",
-        "| source | what | ms | largest new storage MiB | peak new storage MiB |",
-        "|---|---|---|---|---|",
+        "| source | what | ms | largest new storage MiB | peak new storage MiB | peak resident MiB |",
+        "|---|---|---|---|---|---|",
     ]
     labels = {"step": "forward + backward", "no_grad": "no_grad forward", "backward": "backward"}
     for what in args.what:
@@ -166,13 +186,14 @@ def main(argv=None) -> None:
             runs = results[name][what]
             ms = statistics.median(r["ms"] for r in runs)
             lines.append(
-                f"| {name} | {labels[what]} | {ms:.1f} | {runs[0]['largest_mib']:.1f} | {runs[0]['peak_mib']:.1f} |"
+                f"| {name} | {labels[what]} | {ms:.1f} | {runs[0]['largest_mib']:.1f} | {runs[0]['peak_mib']:.1f} "
+                f"| {statistics.median(r['resident_mib'] for r in runs):.1f} |"
             )
         first, second = (statistics.median(r["ms"] for r in results[name][what]) for name in sources)
         # Each rep's pair was measured back to back: the spread of their ratios says how far the median can be trusted.
         pairs = sorted(b["ms"] / a["ms"] for a, b in zip(*(results[name][what] for name in sources)))
         spread = f" (pairs {pairs[0]:.3f}-{pairs[-1]:.3f})" if len(pairs) > 1 else ""
-        lines.append(f"| after / before | {labels[what]} | {second / first:.3f}{spread} | | |")
+        lines.append(f"| after / before | {labels[what]} | {second / first:.3f}{spread} | | | |")
     common.write_markdown(args.name, lines)
 
 

@@ -686,6 +686,72 @@ MUTANTS: Tuple[Mutant, ...] = (
         ("tests/test_config.py::test_replace_keeps_an_explicit_value_and_depends_on_the_fields_only",),
         "config.replace(preset=..., knob=value) keeps the value even when it equals the old preset's",
     ),
+    # ---------------------------------------------------------------- one chunk of logits alive at a time
+    Mutant(
+        "fused walk: the previous chunk's logits kept while the next chunk's are made",
+        "gtpo_kernels/fused_chunks.py",
+        "        logits = None  # the last chunk's logits freed before this chunk's are made (one alive at a time)\n",
+        "",
+        ("tests/test_fused_memory.py", "-k", "rows or soft"),
+        "the peak of a step over several chunks stays under the gradients plus 1.5 chunks",
+    ),
+    Mutant(
+        "fused walk: the previous piece's logits kept while the next piece's statistics are made",
+        "gtpo_kernels/fused_chunks.py",
+        "            logits = None  # the last piece's logits freed before this piece's are made\n",
+        "",
+        ("tests/test_fused_memory.py", "-k", "pieces"),
+        "a completion longer than the budget is walked one piece of logits at a time",
+    ),
+    Mutant(
+        "fused walk: the previous piece's gradient kept while the next piece's logits are made",
+        "gtpo_kernels/fused_chunks.py",
+        "            del piece_logits, slope  # freed before the next piece's logits are made\n",
+        "",
+        ("tests/test_fused_memory.py", "-k", "pieces"),
+        "a long completion's gradient is taken one piece of logits at a time",
+    ),
+    # ---------------------------------------------------------------- the install and the torch internals
+    Mutant(
+        "setup.py: a variant that failed to compile kept among the install's extensions",
+        "setup.py",
+        "                self.extensions = [ext for ext in self.extensions if ext.name not in self.failed]\n",
+        "",
+        ("tests/test_build.py",),
+        "an editable install with variants that do not compile succeeds (it copied the missing file and failed)",
+    ),
+    Mutant(
+        "cpu_build: the C++ standard fixed at C++17 instead of torch's own",
+        "gtpo_kernels/backends/cpu_build.py",
+        'return ["-O3", "-fopenmp", *_FLAGS[variant]]',
+        'return ["-O3", "-fopenmp", "-std=c++17", *_FLAGS[variant]]',
+        ("tests/test_build.py::test_the_compile_flags_leave_the_standard_to_torch",),
+        "the kernels build with the standard torch's headers need (torch 2.15's require C++20)",
+    ),
+    Mutant(
+        "autograd: a second derivative through a closed-form backward let through as a constant",
+        "gtpo_kernels/_autograd.py",
+        "        raise RuntimeError(ctx.message)",
+        "        return (None, *grads)",
+        ("tests/test_structure.py", "-k", "double_backward"),
+        "differentiating a gtpo_kernels gradient again raises instead of treating it as a constant",
+    ),
+    Mutant(
+        "torch internals: a private torch name used outside torch_internals.py",
+        "gtpo_kernels/_autograd.py",
+        'internal("torch._is_functional_tensor")(tensor)',
+        "torch._is_functional_tensor(tensor)",
+        ("tests/test_torch_internals.py::test_no_other_module_of_the_package_reaches_into_torch_privately",),
+        "every private torch name the package uses is in the one module whose test looks each up by name",
+    ),
+    Mutant(
+        "torch internals: eager_autograd without the dispatcher guard",
+        "gtpo_kernels/_autograd.py",
+        '    with internal("torch._C._ForceDispatchKeyGuard")(include, _EAGER_EXCLUDE):',
+        "    with contextlib.nullcontext():",
+        ("tests/test_torch_internals.py::test_eager_autograd_records_inside_a_registered_operator",),
+        "inside a registered operator's body, autograd records again only with the guard",
+    ),
 )
 
 
