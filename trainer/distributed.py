@@ -97,8 +97,8 @@ def wrap(module: torch.nn.Module, decoder_layers, dist_: Distributed, fsdp: bool
 
 @contextmanager
 def full_parameters(wrapped: torch.nn.Module):
-    """Inside, the root's parameters are whole (FSDP2 shards them between forwards): for generation, which
-    calls the model's own ``generate`` rather than the wrapped forward."""
+    """Inside, the root's parameters are whole (FSDP2 shards them between forwards): for sampling, which runs the
+    unwrapped model's decoder and head step by step (`sampling.sample`) rather than the wrapped forward."""
     unshard = getattr(wrapped, "unshard", None)
     if unshard is None:
         yield
