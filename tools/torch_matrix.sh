@@ -6,7 +6,7 @@
 #   GTPO_MATRIX_DIR=/big/disk KEEP_VENVS=1 bash tools/torch_matrix.sh
 #
 # For each torch version: a fresh venv, the package installed as the README says with that torch in place of
-# torch==2.13.0 (`pip install torch==V`, then `pip install --no-build-isolation -e ".[train,dev]"` with torch held
+# torch==2.13.0 (`pip install torch==V "setuptools>=70.1"`, then `pip install --no-build-isolation -e ".[train,dev]"` with torch held
 # at V by a constraint, so no other requirement can replace it), from a copy of this working tree (each version
 # builds its own C++ kernels; the checkout's are left alone), then the core tests: every kernel against the float64
 # oracle on every backend that builds (C++ kernels; Triton under its CPU interpreter; torch), torch.compile, the
@@ -44,9 +44,9 @@ row_for() {  # one version: prints its report row on stdout, everything else int
   echo "torch==$v" >"$out/constraint.txt"
   # Above this machine's pip cap (the releases on its disk), pip reads no config: PyPI's wheels.
   local pipenv=()
-  if ! "$py" -m pip install -q "torch==$v" >"$out/pip-torch.log" 2>&1; then
+  if ! "$py" -m pip install -q "torch==$v" "setuptools>=70.1" >"$out/pip-torch.log" 2>&1; then
     pipenv=(env PIP_CONFIG_FILE=/dev/null)
-    if ! "${pipenv[@]}" "$py" -m pip install -q "torch==$v" >>"$out/pip-torch.log" 2>&1; then
+    if ! "${pipenv[@]}" "$py" -m pip install -q "torch==$v" "setuptools>=70.1" >>"$out/pip-torch.log" 2>&1; then
       echo "| $v | - | - | torch did not install (\`$out/pip-torch.log\`) | - | - | - | $(( SECONDS - start )) s | $when |"
       return
     fi
