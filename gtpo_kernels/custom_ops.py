@@ -18,8 +18,8 @@ the closed-form backwards raises, as in eager mode. Everything else in the losse
 which the compiler traces; value checks (`validation`) run only in eager mode.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: torch.library.custom_op reads the signatures of the operators
+# registered in this module, and torch 2.4-2.6 cannot read annotations written as strings (tools/torch-matrix.md).
 from typing import List, Optional, Tuple
 
 import torch

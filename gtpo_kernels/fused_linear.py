@@ -24,8 +24,8 @@ the walk itself is `fused_chunks.fused_forward`.
 log-probs and the initial entropy, from hidden states.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: torch.library.custom_op reads the signatures of the operators
+# registered in this module, and torch 2.4-2.6 cannot read annotations written as strings (tools/torch-matrix.md).
 import json
 from typing import List, Optional, Tuple
 

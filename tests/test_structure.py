@@ -3,6 +3,7 @@ an oracle nothing on the hot path imports, second derivatives refused rather tha
 statistics that do not depend on the batch a token sits in."""
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -141,3 +142,15 @@ def test_statistics_do_not_depend_on_the_batch(backend, dtype):
     # Neighbours masked or not: the same.
     _, _, logp_m, _ = kernels.forward(logits, ids, mask, 0.7)
     assert torch.equal(logp_m[mask], logp[mask])
+
+
+def test_modules_that_register_operators_keep_their_annotations_as_objects():
+    """torch.library.custom_op reads an operator's signature, and torch 2.4-2.6 cannot read annotations written as
+    strings (`from __future__ import annotations`): the package would not import there (tools/torch-matrix.md)."""
+    registering = [
+        path.name for path in sorted(PACKAGE.rglob("*.py")) if "torch.library.custom_op(" in path.read_text()
+    ]
+    assert registering, "no module registers an operator: the test looks in the wrong place"
+    future = re.compile(r"^from __future__ import annotations", re.M)
+    postponed = [name for name in registering if future.search((PACKAGE / name).read_text())]
+    assert not postponed, f"string annotations in modules that register operators: {postponed}"

@@ -745,6 +745,14 @@ MUTANTS: Tuple[Mutant, ...] = (
         "every private torch name the package uses is in the one module whose test looks each up by name",
     ),
     Mutant(
+        "operators: postponed (string) annotations in a module that registers operators",
+        "gtpo_kernels/custom_ops.py",
+        "from typing import List, Optional, Tuple\n",
+        "from __future__ import annotations\n\nfrom typing import List, Optional, Tuple\n",
+        ("tests/test_structure.py::test_modules_that_register_operators_keep_their_annotations_as_objects",),
+        "torch 2.4-2.6's custom_op cannot read string annotations: the package would not import there",
+    ),
+    Mutant(
         "torch internals: eager_autograd without the dispatcher guard",
         "gtpo_kernels/_autograd.py",
         '    with internal("torch._C._ForceDispatchKeyGuard")(include, _EAGER_EXCLUDE):',
