@@ -75,7 +75,8 @@ class LossRows:
         return validation.token_temperature(self.temperature, tuple(self.ids.shape))
 
     def replace(self, **changes) -> LossRows:
-        return dataclasses.replace(self, **changes)
+        # Not dataclasses.replace: torch 2.6's compiler cannot trace its look-up of the class's fields.
+        return LossRows(**{**{name: getattr(self, name) for name in _FIELDS}, **changes})
 
     def slice(self, rows) -> LossRows:
         """The same inputs for ``rows`` (a slice or an index tensor) as this call's share: the counts stay this
@@ -128,6 +129,9 @@ class LossRows:
         temperature = temperature if per_row is None else per_row
         conflict = None if lambda_ is None else (lambda_, n_conflict)
         return cls(ids, valid, advantages, conflict, old, ref, sampling, initial_entropy, temperature, *counts)
+
+
+_FIELDS = tuple(field.name for field in dataclasses.fields(LossRows))  # read once, outside any compiled code
 
 
 def checked_rows(

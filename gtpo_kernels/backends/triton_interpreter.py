@@ -24,9 +24,13 @@ def _interpreter_index_fix() -> None:
     if original is None or getattr(original, "_gtpo_index_fix", False):
         return
 
-    def patch_lang_tensor(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+    def patch_lang_tensor(tensor, *scope):  # triton 3.6 passes a scope to patch through; 3.0-3.2 patch in place
+        original(tensor, *scope)
+        index = lambda self: int(self.handle.data.item())
+        if scope:
+            scope[0].set_attr(tensor, "__index__", index)
+        else:
+            tensor.__index__ = index
 
     patch_lang_tensor._gtpo_index_fix = True
     interpreter._patch_lang_tensor = patch_lang_tensor
