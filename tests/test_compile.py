@@ -179,6 +179,14 @@ def test_opcheck_fused_linear(backend, packed):
 # ---- a compiled training step ----------------------------------------------------------------------
 
 
+# Compiling a whole transformers model step: under torch 2.6's compiler, transformers' own model code (its
+# `func.__code__.co_varnames` look-up) does not trace, whatever the loss (tools/torch-matrix.md).
+MODEL_COMPILES = pytest.mark.skipif(
+    tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 7),
+    reason="transformers' model code does not trace under torch < 2.7's compiler (the loss alone does)",
+)
+
+
 def tiny_llama(vocab=101):
     config = transformers.LlamaConfig(
         vocab_size=vocab,
@@ -241,6 +249,7 @@ def make_step(model, backend, fused, prompt=4):
 
 @pytest.mark.parametrize("fused", [False, True], ids=["logits", "fused_linear"])
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
+@MODEL_COMPILES
 def test_compiled_step_equals_eager_without_graph_breaks_or_recompiles(backend, fused):
     model = tiny_llama()
     compiled = torch.compile(make_step(model, backend, fused), fullgraph=True)  # fullgraph: a break raises
@@ -268,6 +277,7 @@ def compare_step(compiled, eager, model, batch):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
+@MODEL_COMPILES
 @pytest.mark.cpu_kernels
 def test_dynamic_shapes_compile_once_more_at_most():
     from torch._dynamo.utils import counters

@@ -19,7 +19,7 @@ cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 DIR=${GTPO_MATRIX_DIR:-/tmp/gtpo-torch-matrix}
 REPORT=tools/torch-matrix.md
-DEFAULT_VERSIONS="2.4.0 2.11.0 2.13.0 2.14.1 2.15.0"
+DEFAULT_VERSIONS="2.6.0 2.11.0 2.13.0 2.14.1 2.15.0"
 VERSIONS=${*:-$DEFAULT_VERSIONS}
 CORE_TESTS=(
   tests/test_parity.py tests/test_fused_linear.py tests/test_cpu_backend.py tests/test_triton.py
