@@ -140,6 +140,18 @@ class ResidentPeak:
         return self._hwm
 
 
+def resident_peak(call) -> ResidentPeak:
+    """The resident peak of ``call()`` above its start, with glibc handing large frees back at once during it (the
+    timing threshold restored after): it sees every allocation, an operator's internal buffers too."""
+    mmap_threshold(MEMORY_MMAP_THRESHOLD)
+    try:
+        with ResidentPeak() as peak:
+            call()
+    finally:
+        mmap_threshold(TIMING_MMAP_THRESHOLD)
+    return peak
+
+
 class _ModelOutput(torch.autograd.Function):
     """Stands for the model: hands ``data`` on as a non-leaf tensor (no copy), drops its gradient."""
 

@@ -68,13 +68,9 @@ def worker(tokens: int, hidden: int, vocab: int, dtype_name: str, what: str, inn
         return statistics.median(times)
 
     def resident_peak(call) -> float:
-        """MiB: the resident set's high-water mark above its start during ``call``, which sees the operator's own
-        chunks of logits (the dispatch mode sees only its outputs); large frees handed back at once."""
-        common.mmap_threshold(common.MEMORY_MMAP_THRESHOLD)
-        with common.ResidentPeak() as peak:
-            call()
-        common.mmap_threshold(common.TIMING_MMAP_THRESHOLD)
-        return peak.extra / 2**20
+        """MiB: the resident peak of ``call`` (`common.resident_peak`), which sees the operator's own chunks of logits
+        (the dispatch mode sees only its outputs)."""
+        return common.resident_peak(call).extra / 2**20
 
     if what == "step":
         loss().backward()  # warm

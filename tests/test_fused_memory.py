@@ -2,7 +2,7 @@
 over several chunks stays below the gradients it returns plus one and a half chunks (two chunks alive at once, the
 next one's logits made while the last one's are still bound, is over it).
 
-Measured in a fresh process by its resident set's high-water mark (``bench.common.ResidentPeak``), which sees the
+Measured in a fresh process by its resident set's high-water mark (``bench.common.resident_peak``), which sees the
 operator's internal chunks (a dispatch mode sees only its outputs), with glibc handing large frees back at once.
 """
 
@@ -21,7 +21,7 @@ MiB = 2**20
 # One step in a subprocess: a warm call, then the peak above the resident set of a second, and the persistent bytes.
 _STEP = """
 import json, torch
-from bench.common import MEMORY_MMAP_THRESHOLD, ResidentPeak, mmap_threshold
+from bench.common import MEMORY_MMAP_THRESHOLD, mmap_threshold, resident_peak
 from gtpo_kernels import GTPOConfig, fused_linear_gtpo_loss
 torch.manual_seed(0)
 n, length, hidden, vocab, budget, softcap, quantile = {args}
@@ -38,10 +38,9 @@ def step():
     out.loss.backward()
     assert torch.isfinite(out.loss)
     h.grad = w.grad = None
-mmap_threshold(MEMORY_MMAP_THRESHOLD)
+mmap_threshold(MEMORY_MMAP_THRESHOLD)  # the warm step's frees handed back too
 step()
-with ResidentPeak() as peak:
-    step()
+peak = resident_peak(step)
 print(json.dumps({{"peak": peak.extra, "resident_peak_exact": peak.exact}}))
 """
 
