@@ -70,33 +70,34 @@ def run_config(args):
         device="cpu",
         model=args.model or TrainConfig.model,
         output_dir=tempfile.mkdtemp(prefix="bench-trainer-"),
+        eval_size=1,
     )
 
 
-def problems(config):
-    """The built-in problems of ``config``'s stream and the one process the bench runs as."""
-    from trainer.data import load_problems
+def task_and_process(config):
+    """``config``'s task (the built-in one: its rows, prompts and rewards) and the one process the bench runs as."""
     from trainer.distributed import Distributed
+    from trainer.task import load_task
 
-    train_set, eval_set = load_problems(config.dataset, config.seed, 1, config.difficulty)
-    return train_set, eval_set, Distributed.start("cpu")
+    return load_task(config, train_size=config.steps * config.prompts_per_step), Distributed.start("cpu")
 
 
 def ours(args) -> list:
     """``gtpo-train``'s steps, as its run takes them (`trainer.train.train_step`), each step's parts."""
-    from trainer import train
+    from trainer import rollout, train, update
     from trainer.checkpoint import RunState
+    from trainer.session import load_session
 
     config = run_config(args)
-    train_set, eval_set, dist = problems(config)
-    session = train.load_session(config, dist, train_set, eval_set)
+    task, dist = task_and_process(config)
+    session = load_session(config, dist, task)
     state, steps, totals = RunState(), [], {}
     # The rollout's sampling (the rest of it scores them); in the update, the decoder's forward (to the hidden
     # states) and the fused loss (its forward computes the gradients too; its backward hands them on).
     undoes = [
-        _timed(train, "generate", totals, "sampling"),
-        _timed(train, "completion_hidden_states", totals, "decoder_forward"),
-        _timed(train, "fused_linear_gtpo_loss", totals, "loss"),
+        _timed(rollout, "generate", totals, "sampling"),
+        _timed(update, "completion_hidden_states", totals, "decoder_forward"),
+        _timed(update, "fused_linear_gtpo_loss", totals, "loss"),
     ]
     try:
         for step in range(args.steps):
@@ -127,30 +128,21 @@ def trl_steps(args) -> list:
     from trl import GRPOConfig, GRPOTrainer
 
     from trainer.model import default_model_path
-    from trainer.rewards import DEFAULT_REWARDS
-    from trainer.train import chat, step_problems
+    from trainer.session import step_rows
 
     config = run_config(args)
     path = args.model or default_model_path()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
-    train_set, _, dist = problems(config)
-    # gtpo-train's prompts, step by step; TRL takes them in order (shuffle_dataset=False).
-    steps = [step_problems(train_set, step, config, dist) for step in range(config.steps)]
+    task, dist = task_and_process(config)
+    # gtpo-train's prompts as conversations, step by step; TRL takes them in order (shuffle_dataset=False).
+    steps = [step_rows(task.train, step, config, dist) for step in range(config.steps)]
     dataset = Dataset.from_dict(
         {
-            "prompt": [chat(q, config.worked_examples) for batch in steps for q in batch["question"]],
-            "answer": [a for batch in steps for a in batch["answer"]],
+            "prompt": [task.messages(p) for rows in steps for p in rows[task.prompt_column]],
+            "answer": [a for rows in steps for a in rows["answer"]],
         }
     )
-
-    def as_trl_reward(reward):
-        def score(completions, answer, **kwargs):
-            texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-            return reward(texts, answer=answer, answer_in_block=config.answer_in_block)
-
-        score.__name__ = reward.__name__
-        return score
 
     totals: dict = {}
     per_step: list = []
@@ -184,7 +176,7 @@ def trl_steps(args) -> list:
     )
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=[as_trl_reward(r) for r in DEFAULT_REWARDS],
+        reward_funcs=task.rewards,  # TRL's signature: the same functions
         args=trl_config,
         train_dataset=dataset,
         processing_class=tokenizer,

@@ -13,7 +13,7 @@ import transformers
 from gtpo_kernels import compute_advantages, conflict_weights
 from trainer.config import TrainConfig
 from trainer.distributed import Distributed, full_parameters, full_state, wrap
-from trainer.train import PolicyLoss, token_stats, update
+from trainer.update import PolicyLoss, token_stats, update
 
 
 def fixed_batch(vocab: int, groups: int = 4, group_size: int = 3, prompt_len: int = 5, length: int = 6):

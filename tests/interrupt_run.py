@@ -8,6 +8,7 @@ import os
 import sys
 import time
 
+import trainer.session as session
 import trainer.train as train
 
 SLOW_PHASE = os.environ.get("SLOW_PHASE")
@@ -31,7 +32,7 @@ def slow_layers(model):
         layer.register_forward_hook(after_forward)
 
 
-real_load = train.load_model_and_tokenizer
+real_load = session.load_model_and_tokenizer
 
 
 def load(name, device):
@@ -55,10 +56,10 @@ def marked(fn, name):
     return wrapper
 
 
-train.load_model_and_tokenizer = load
+session.load_model_and_tokenizer = load
 train.rollout = marked(train.rollout, "sampling")
 train.update = marked(train.update, "update")
-train.evaluate = marked(train.evaluate, "evaluation")
+session.evaluate = marked(session.evaluate, "evaluation")
 
 if __name__ == "__main__":
     train.main(sys.argv[1:])

@@ -7,10 +7,10 @@ import torch
 
 pytest.importorskip("transformers")
 
-import trainer.train as train_module  # noqa: E402
+import trainer.evaluation as evaluation  # noqa: E402
 from trainer import answers  # noqa: E402
 from trainer.config import TrainConfig  # noqa: E402
-from trainer.data import load_problems  # noqa: E402
+from trainer.data import arithmetic_rows  # noqa: E402
 
 
 def test_operation_reads_the_first_one_between_numbers():
@@ -25,24 +25,33 @@ def test_wrong_greedy_answers_come_from_the_final_evaluation(tiny_model_dir, tmp
     the run's held-out problems; the samples after it only feed pass@k and maj@k. The report counts the
     operations the wrong answers write, and the metrics are the evaluation's."""
     config = TrainConfig(model=tiny_model_dir, eval_size=6, eval_k=2, max_new_tokens=4, steps=3, precision="fp32")
-    _, held_out = load_problems("arithmetic", config.seed, config.eval_size, config.difficulty)
-    gold = dict(zip(held_out["question"], held_out["answer"]))
-    wrong_questions = set(held_out["question"][1::2])  # every other problem answered wrong, by subtracting
+    _, held_out = arithmetic_rows(config.seed, config.eval_size, config.difficulty)
+    gold = dict(zip(held_out["prompt"], held_out["answer"]))
+    wrong_questions = set(held_out["prompt"][1::2])  # every other problem answered wrong, by subtracting
 
-    def fake_generate(model, tokenizer, questions, n, config, device, greedy_first=False, **kwargs):
+    def fake_generate(model, tokenizer, task, questions, n, config, device, greedy_first=False, **kwargs):
         assert greedy_first and n == 3
         texts = []
         for q in questions:
             value = int(gold[q]) + 1 if q in wrong_questions else int(gold[q])
             greedy = f"<reasoning>\n9 - 2 = {value}\n</reasoning>\n<answer>\n{value}\n</answer>"
             texts += [greedy, f"<answer>\n{gold[q]}\n</answer>", "no answer"]  # a right sample, a wrong one
-        return {"texts": texts}
+        ids = torch.ones(len(texts), 2, dtype=torch.long)
+        return {"texts": texts, "completion_ids": ids, "completion_mask": ids.bool()}
 
-    monkeypatch.setattr(train_module, "generate", fake_generate)
+    monkeypatch.setattr(evaluation, "generate", fake_generate)
     metrics, wrong = answers.wrong_answers(tiny_model_dir, config)
     assert {q for q, _, _ in wrong} == wrong_questions
     assert all(g == gold[q] and f"<answer>\n{int(g) + 1}\n</answer>" in text for q, g, text in wrong)
-    assert metrics == {"accuracy": 0.5, "format_rate": 1.0, "pass@2": 1.0, "maj@2": 1.0}
+    assert metrics == {
+        "accuracy": 0.5,
+        "format_rate": 1.0,
+        "pass@2": 1.0,
+        "maj@2": 1.0,
+        "reward": 1.0,  # half right (1) and every one in the layout (0.5)
+        "rewards/correctness_reward": 0.5,
+        "rewards/format_reward": 0.5,
+    }
 
     # The command line reads the run's config.json beside the model folder and writes the report.
     run = tmp_path / "run"

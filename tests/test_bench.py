@@ -93,14 +93,14 @@ def test_trainer_benchmark_harness(tiny_model_dir, tmp_path, monkeypatch):
     most the step, the completions' tokens are what was sampled, and the table's ratio is the two steps'."""
     pytest.importorskip("trl")
     from bench import trainer as bench_trainer
-    from trainer import train as train_module
+    from trainer import rollout
 
-    generate = train_module.generate
+    generate = rollout.generate
     args = bench_trainer.parser().parse_args(
         ["--model", tiny_model_dir, "--steps", "1", "--prompts", "2", "--group-size", "2", "--max-new-tokens", "4"]
     )
     results = {"gtpo-train": bench_trainer.ours(args), "TRL GRPOTrainer": bench_trainer.trl_steps(args)}
-    assert train_module.generate is generate  # the timing wrapper is undone
+    assert rollout.generate is generate  # the timing wrapper is undone
     for steps in results.values():
         (step,) = steps
         assert step["sampling"] > 0 and step["scoring"] >= 0 and step["update"] > 0

@@ -21,19 +21,19 @@ def test_a_float32_run_on_the_cpu_turns_grouped_query_attention_on_and_keeps_a_u
 ):
     """On for a float32 run; left as transformers has it under bf16 autocast (where the grouped kernel decodes
     slower); a value the user set stays."""
-    from trainer import train
     from trainer.config import TrainConfig
-    from trainer.data import load_problems
     from trainer.distributed import Distributed
+    from trainer.session import load_session
+    from trainer.task import load_task
 
     config = TrainConfig(model=str(tiny_model_dir), output_dir=str(tmp_path), precision=precision, eval_size=4)
-    problems = load_problems(config.dataset, config.seed, config.eval_size, config.difficulty, train_size=64)
+    task = load_task(config, train_size=64)
     dist = Distributed.start("cpu")
     monkeypatch.delenv(FORCE_GQA, raising=False)
-    train.load_session(config, dist, *problems)
+    load_session(config, dist, task)
     assert os.environ.get(FORCE_GQA) == ("1" if precision == "fp32" else None)
     monkeypatch.setenv(FORCE_GQA, "0")
-    train.load_session(config, dist, *problems)
+    load_session(config, dist, task)
     assert os.environ.get(FORCE_GQA) == "0"
 
 

@@ -15,13 +15,15 @@ import torch
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 
+from trainer import report, rollout, session, update  # noqa: E402
 from trainer import train as train_module  # noqa: E402
 from trainer.config import ConfigError, TrainConfig, parse_args  # noqa: E402
-from trainer.data import HELD_OUT_SEED, arithmetic_problems, gsm8k_final_answer, load_problems  # noqa: E402
+from trainer.data import HELD_OUT_SEED, arithmetic_problems, arithmetic_rows  # noqa: E402
 from trainer.distributed import Distributed  # noqa: E402
 from trainer.intervals import metric_intervals, wilson, with_interval  # noqa: E402
 from trainer.metrics_log import MetricsLog  # noqa: E402
-from trainer.rewards import correctness_reward, extract_answer, format_reward, parse_number  # noqa: E402
+from trainer.rewards import correctness_reward, extract_answer, final_answer, format_reward, parse_number  # noqa: E402
+from trainer.task import load_task  # noqa: E402
 
 
 def tiny_config(model_dir, out_dir, **overrides):
@@ -40,6 +42,11 @@ def tiny_config(model_dir, out_dir, **overrides):
     )
     values.update(overrides)
     return TrainConfig(**values)
+
+
+def builtin_task(config):
+    """The built-in task of ``config`` with a short training stream (the held-out rows are the run's)."""
+    return load_task(config, train_size=16)
 
 
 def train_rows(out_dir):
@@ -68,7 +75,9 @@ def test_a_few_steps_run_with_finite_losses(tiny_model_dir, tmp_path, algo):
     saved = json.loads((tmp_path / "summary.json").read_text())
     assert saved["eval_problems"] == summary["eval_problems"] == 4
     for when in ("before", "after"):
-        assert saved["intervals_95"][when] == {k: list(wilson(v, 4)) for k, v in saved[when].items()}
+        shares = {k: v for k, v in saved[when].items() if not k.startswith("reward")}  # a mean has no interval
+        assert set(shares) == {"accuracy", "format_rate", "pass@2", "maj@2"}
+        assert saved["intervals_95"][when] == {k: list(wilson(v, 4)) for k, v in shares.items()}
 
 
 def test_the_summary_says_whether_each_figure_moved_beyond_its_interval(tmp_path, capsys):
@@ -83,7 +92,7 @@ def test_the_summary_says_whether_each_figure_moved_beyond_its_interval(tmp_path
         "minutes": 1.0,
         "wall_minutes": 1.5,
     }
-    train_module.print_summary(summary, MetricsLog(tmp_path / "metrics.jsonl"), None)
+    report.print_summary(summary, MetricsLog(tmp_path / "metrics.jsonl"), None)
     lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.strip()}
     assert "64 problems" in lines["held-out"]
     assert with_interval(0.25, 64) in lines["accuracy"]
@@ -104,15 +113,15 @@ def test_a_step_without_signal_is_skipped_without_the_loss_warning(tiny_model_di
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
     config = TrainConfig(model=tiny_model_dir, group_size=3, max_new_tokens=6, algo="grpo")  # no other term
     torch.manual_seed(0)
-    batch = train_module.generate(model, tokenizer, ["1+2?", "3+4?"], 3, config, torch.device("cpu"))
+    batch = rollout.generate(model, tokenizer, builtin_task(config), ["1+2?", "3+4?"], 3, config, torch.device("cpu"))
     batch["advantages"] = torch.zeros(6)
     batch["conflict"] = conflict_weights(batch["completion_ids"], batch["completion_mask"], batch["advantages"], 3)
     before = [p.detach().clone() for p in model.parameters()]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = train_module.update(
-            train_module.PolicyLoss(model),
+        result = update.update(
+            update.PolicyLoss(model),
             optimizer,
             batch,
             config.loss_config(),
@@ -131,11 +140,11 @@ def test_the_schedule_moves_on_a_step_without_an_update_without_a_warning():
     import warnings
 
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-2)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, train_module.warmup_cosine(2, 10))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, session.warmup_cosine(2, 10))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        train_module.advance_schedule(scheduler)
-        train_module.advance_schedule(scheduler)
+        update.advance_schedule(scheduler)
+        update.advance_schedule(scheduler)
     assert not caught, [str(w.message) for w in caught]
     assert scheduler.last_epoch == 2
 
@@ -163,13 +172,13 @@ def test_loss_is_on_the_sampling_distribution(tiny_model_dir, fused_linear):
         model=tiny_model_dir, temperature=0.5, group_size=3, max_new_tokens=6, fused_linear=fused_linear
     )
     torch.manual_seed(0)
-    batch = train_module.generate(model, tokenizer, ["1+2?", "3+4?"], 3, config, torch.device("cpu"))
+    batch = rollout.generate(model, tokenizer, builtin_task(config), ["1+2?", "3+4?"], 3, config, torch.device("cpu"))
     advantages = torch.tensor([1.0, -0.5, -0.5, 0.7, 0.0, -0.7])
     loss_config = GTPOConfig(preset="paper")
 
     batch["advantages"] = advantages
     batch["conflict"] = conflict_weights(batch["completion_ids"], batch["completion_mask"], advantages, 3)
-    out = train_module.PolicyLoss(model)(
+    out = update.PolicyLoss(model)(
         batch,
         slice(0, 2),
         loss_config,
@@ -184,7 +193,7 @@ def test_loss_is_on_the_sampling_distribution(tiny_model_dir, fused_linear):
     model.zero_grad()
 
     with torch.no_grad():
-        logits = train_module.completion_logits(model, batch, slice(0, 2), 3).double()
+        logits = update.completion_logits(model, batch, slice(0, 2), 3).double()
     logits.requires_grad_()
     ref = reference_gtpo_loss(
         logits / 0.5,
@@ -197,7 +206,7 @@ def test_loss_is_on_the_sampling_distribution(tiny_model_dir, fused_linear):
     )
     ref.loss.backward()
     # The parameter gradient through the model, from the oracle's gradient w.r.t. the logits.
-    train_module.completion_logits(model, batch, slice(0, 2), 3).backward(logits.grad.float())
+    update.completion_logits(model, batch, slice(0, 2), 3).backward(logits.grad.float())
     want_grad = model.model.layers[0].mlp.up_proj.weight.grad
     assert out.loss.item() == pytest.approx(ref.loss.item(), rel=1e-5, abs=1e-7)
     torch.testing.assert_close(got_grad, want_grad.to(got_grad.dtype), rtol=1e-4, atol=1e-7)
@@ -225,9 +234,11 @@ def straight_rows(tiny_model_dir, tmp_path_factory):
 
 
 def stop_once(monkeypatch, target: str, when, action):
-    """Wraps ``train_module.<target>`` so that on the call where ``when(call_number, args)`` holds it runs
-    ``action`` (send a signal, or crash) before the real call."""
-    real = getattr(train_module, target)
+    """Wraps ``target`` (``train.rollout``: a name the trainer's module ``train`` calls) so that on the call where
+    ``when(call_number, args)`` holds it runs ``action`` (send a signal, or crash) before the real call."""
+    module, target = target.split(".")
+    owner = {"train": train_module, "session": session}[module]
+    real = getattr(owner, target)
     calls = {"n": 0}
 
     def wrapped(*args, **kwargs):
@@ -236,7 +247,7 @@ def stop_once(monkeypatch, target: str, when, action):
             action()
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(train_module, target, wrapped)
+    monkeypatch.setattr(owner, target, wrapped)
 
 
 def signal_self(sig):
@@ -255,14 +266,14 @@ def crash():
     "point, target, when, action",
     [
         # Ctrl-C while sampling step 3's rollouts: the random state is already drawn, the step still completes.
-        ("during a rollout", "rollout", lambda n, a, k: n == 3, signal_self(signal.SIGINT)),
+        ("during a rollout", "train.rollout", lambda n, a, k: n == 3, signal_self(signal.SIGINT)),
         # Ctrl-C in the middle of the update (the optimiser steps, then the counter would move).
-        ("during an update", "update", lambda n, a, k: n == 2, signal_self(signal.SIGINT)),
+        ("during an update", "train.update", lambda n, a, k: n == 2, signal_self(signal.SIGINT)),
         # SIGTERM during the evaluation after step 2 (evaluation 2 of 4: before, 2, 4, after).
-        ("during an evaluation", "evaluate", lambda n, a, k: n == 2, signal_self(signal.SIGTERM)),
-        ("during the first evaluation", "evaluate", lambda n, a, k: n == 1, signal_self(signal.SIGINT)),
+        ("during an evaluation", "session.evaluate", lambda n, a, k: n == 2, signal_self(signal.SIGTERM)),
+        ("during the first evaluation", "session.evaluate", lambda n, a, k: n == 1, signal_self(signal.SIGINT)),
         # kill -9 during step 4, after step 3's row was logged and the last checkpoint is step 2's.
-        ("killed between checkpoints", "rollout", lambda n, a, k: n == 4, crash),
+        ("killed between checkpoints", "train.rollout", lambda n, a, k: n == 4, crash),
     ],
 )
 def test_resume_anywhere_reproduces_the_uninterrupted_run(
@@ -352,9 +363,9 @@ def test_parse_number():
 
 def test_arithmetic_generator_is_deterministic_per_seed():
     a, b, c = arithmetic_problems(50, seed=1), arithmetic_problems(50, seed=1), arithmetic_problems(50, seed=2)
-    assert a["question"] == b["question"] and a["answer"] == b["answer"]
-    assert a["question"] != c["question"]
-    for q, ans in zip(a["question"], a["answer"]):
+    assert a["prompt"] == b["prompt"] and a["answer"] == b["answer"]
+    assert a["prompt"] != c["prompt"]
+    for q, ans in zip(a["prompt"], a["answer"]):
         assert q.endswith("?") and ans.lstrip("-").isdigit()
 
 
@@ -363,23 +374,27 @@ def test_difficulty_grows_numbers_and_operations():
     hard = arithmetic_problems(200, seed=0, difficulty=4)
     assert max(int(a) for a in easy["answer"]) <= 18
     assert max(int(a) for a in hard["answer"]) > 50
-    assert any("boxes" in q for q in hard["question"]) and not any("boxes" in q for q in easy["question"])
+    assert any("boxes" in q for q in hard["prompt"]) and not any("boxes" in q for q in easy["prompt"])
 
 
 def test_worked_examples_precede_the_question_and_are_never_problems():
     from trainer.data import ITEMS, NAMES
     from trainer.rewards import WORKED_EXAMPLES
+    from trainer.task import worked_example_turns
 
-    conversation = train_module.chat("Q?", worked_examples=2)
+    def chat(question, worked_examples):
+        return builtin_task(TrainConfig(worked_examples=worked_examples, eval_size=1)).messages(question)
+
+    conversation = chat("Q?", worked_examples=2)
     assert [m["role"] for m in conversation] == ["system", "user", "assistant", "user", "assistant", "user"]
     assert conversation[-1]["content"] == "Q?"
     assert [m["content"] for m in conversation[1:5]] == [text for example in WORKED_EXAMPLES for text in example]
-    assert [m["role"] for m in train_module.chat("Q?", worked_examples=1)] == ["system", "user", "assistant", "user"]
-    assert [m["role"] for m in train_module.chat("Q?", worked_examples=0)] == ["system", "user"]
+    assert [m["role"] for m in chat("Q?", worked_examples=1)] == ["system", "user", "assistant", "user"]
+    assert [m["role"] for m in chat("Q?", worked_examples=0)] == ["system", "user"]
     with pytest.raises(ValueError, match="between 0 and 2"):
-        train_module.chat("Q?", worked_examples=3)
+        worked_example_turns(3)
     # One example per operation of difficulty 1 (the built-in problems add or subtract)...
-    operations = {"+" if "more" in q else "-" for q in arithmetic_problems(50, seed=0)["question"]}
+    operations = {"+" if "more" in q else "-" for q in arithmetic_problems(50, seed=0)["prompt"]}
     assert operations == {"+", "-"} and [" + " in a for _, a in WORKED_EXAMPLES] == [True, False]
     assert [" - " in a for _, a in WORKED_EXAMPLES] == [False, True]
     for (question, answer), result in zip(WORKED_EXAMPLES, ["7", "5"]):  # 3 + 4 and 8 - 3
@@ -404,8 +419,8 @@ def test_config_files_from_before_worked_examples_keep_their_prompts(tmp_path):
 
 
 def test_held_out_split_is_disjoint():
-    train, held_out = load_problems("arithmetic", seed=0, eval_size=30, train_size=2000)
-    assert len(held_out) == 30 and not set(train["question"]) & set(held_out["question"])
+    train, held_out = arithmetic_rows(seed=0, eval_size=30, train_size=2000)
+    assert len(held_out) == 30 and not set(train["prompt"]) & set(held_out["prompt"])
 
 
 def test_training_stream_mixes_the_operations_evenly():
@@ -425,62 +440,32 @@ def test_training_stream_mixes_the_operations_evenly():
         )
 
     for difficulty in (1, 2, 3):  # (at 4 a fifth kind repeats the fourth's operation)
-        train, held_out = load_problems("arithmetic", seed=3, eval_size=40, difficulty=difficulty, train_size=600)
+        train, held_out = arithmetic_rows(seed=3, eval_size=40, difficulty=difficulty, train_size=600)
         kinds = difficulty + 1
-        ops = [operation(q) for q in train["question"]]
+        ops = [operation(q) for q in train["prompt"]]
         assert len(ops) == 600
         blocks = [ops[i : i + kinds] for i in range(0, len(ops), kinds)]
         assert all(len(set(block)) == len(block) for block in blocks), difficulty
-        assert held_out["question"] == arithmetic_problems(40, seed=HELD_OUT_SEED, difficulty=difficulty)["question"]
-        assert not set(train["question"]) & set(held_out["question"])
+        assert held_out["prompt"] == arithmetic_problems(40, seed=HELD_OUT_SEED, difficulty=difficulty)["prompt"]
+        assert not set(train["prompt"]) & set(held_out["prompt"])
     # A redrawn problem keeps its place's operation.
     first = arithmetic_problems(8, seed=5, balanced=True)
-    redrawn = arithmetic_problems(8, seed=5, balanced=True, exclude={first["question"][0]})
-    assert redrawn["question"][0] != first["question"][0]
-    assert operation(redrawn["question"][0]) == operation(first["question"][0])
+    redrawn = arithmetic_problems(8, seed=5, balanced=True, exclude={first["prompt"][0]})
+    assert redrawn["prompt"][0] != first["prompt"][0]
+    assert operation(redrawn["prompt"][0]) == operation(first["prompt"][0])
 
 
 def test_seed_changes_training_problems_not_held_out():
-    train0, held0 = load_problems("arithmetic", seed=0, eval_size=30, train_size=200)
-    train1, held1 = load_problems("arithmetic", seed=1, eval_size=30, train_size=200)
-    assert held0["question"] == held1["question"]
-    assert train0["question"][:20] != train1["question"][:20]
+    train0, held0 = arithmetic_rows(seed=0, eval_size=30, train_size=200)
+    train1, held1 = arithmetic_rows(seed=1, eval_size=30, train_size=200)
+    assert held0["prompt"] == held1["prompt"]
+    assert train0["prompt"][:20] != train1["prompt"][:20]
 
 
-@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
-def test_local_files_load(tmp_path, suffix):
-    rows = {"question": [f"q{i}?" for i in range(20)], "answer": [f"work... #### {i},000" for i in range(20)]}
-    path = tmp_path / f"data{suffix}"
-    ds = datasets.Dataset.from_dict(rows)
-    ds.to_json(path) if suffix == ".jsonl" else ds.to_parquet(path)
-    train, held_out = load_problems(str(path), seed=0, eval_size=5)
-    assert len(train) == 15 and len(held_out) == 5
-    assert not set(train["question"]) & set(held_out["question"])
-    train1, held_out1 = load_problems(str(path), seed=1, eval_size=5)
-    assert held_out1["question"] == held_out["question"] and train1["question"] != train["question"]
-    assert all(a.endswith("000") and "#" not in a for a in held_out["answer"])
-
-
-def test_bad_dataset_is_a_clear_error(tmp_path):
-    with pytest.raises(ValueError, match="neither 'arithmetic', 'gsm8k' nor an existing"):
-        load_problems("no/such/file.jsonl", seed=0, eval_size=4)
-    bad = tmp_path / "bad.jsonl"
-    datasets.Dataset.from_dict({"prompt": ["x"] * 10}).to_json(bad)
-    with pytest.raises(ValueError, match=r"bad.jsonl:1: each line must be an object with 'question' and 'answer'"):
-        load_problems(str(bad), seed=0, eval_size=2)
-    broken = tmp_path / "broken.jsonl"
-    broken.write_text('{"question": "q?", "answer": "1"}\n{"question": "q2?", "answer": 2\n')
-    with pytest.raises(ValueError, match=r"broken.jsonl:2: not valid JSON"):
-        load_problems(str(broken), seed=0, eval_size=1)
-    bad_parquet = tmp_path / "bad.parquet"
-    bad_parquet.write_text("not parquet")
-    with pytest.raises(ValueError, match="bad.parquet: cannot be read as parquet"):
-        load_problems(str(bad_parquet), seed=0, eval_size=1)
-
-
-def test_gsm8k_answer_parsing():
-    assert gsm8k_final_answer("She has 3 + 4 = <<3+4=7>>7 apples.\n#### 7") == "7"
-    assert gsm8k_final_answer("#### 1,250") == "1250"
+def test_final_answer_reads_gsm8ks_last_line():
+    assert final_answer("She has 3 + 4 = <<3+4=7>>7 apples.\n#### 7") == "7"
+    assert final_answer("#### 1,250") == "1250"
+    assert correctness_reward(["<answer>1250</answer>"], answer=["work... #### 1,250"]) == [1.0]
 
 
 # ---- configuration and CLI -------------------------------------------------------------------------
@@ -531,7 +516,7 @@ def test_cli_errors_are_one_line(tmp_path):
         (["--top-entropy-quantile", "0"], "--top-entropy-quantile must be a number in (0, 1]"),
         (["--weight-decay", "-0.1"], "--weight-decay must be a number >= 0 (AdamW's decoupled weight decay)"),
         (["--config", "CONFIG"], "--learning-rate must be a positive number"),
-        (["--dataset", "missing.jsonl"], "dataset 'missing.jsonl' is neither"),
+        (["--dataset", "missing.jsonl"], "dataset 'missing.jsonl': no such file or folder"),
         (["--model", "./nowhere"], "is not a local folder"),
         (["--model", "EMPTY"], "not a folder with a config.json"),
         (["--resume"], "--resume: no checkpoint at"),
@@ -547,7 +532,7 @@ def test_every_bad_setting_stops_before_loading_in_one_line(tmp_path, monkeypatc
     def must_not_load(*args, **kwargs):
         raise AssertionError("the model was loaded before the setting was checked")
 
-    monkeypatch.setattr(train_module, "load_model_and_tokenizer", must_not_load)
+    monkeypatch.setattr(session, "load_model_and_tokenizer", must_not_load)
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as exit_info:
         train_module.main([*setting, "--output-dir", str(out)])
@@ -573,7 +558,7 @@ def test_a_hub_model_out_of_reach_stops_at_once(tmp_path, monkeypatch, capsys, o
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
     monkeypatch.setattr(socket, "getaddrinfo", no_network)
-    monkeypatch.setattr(train_module, "load_model_and_tokenizer", must_not_load)
+    monkeypatch.setattr(session, "load_model_and_tokenizer", must_not_load)
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as exit_info:
         train_module.main(["--model", "no-such-org/no-such-model", "--output-dir", str(out)])
@@ -680,7 +665,7 @@ def test_answer_in_block_reaches_rewards_and_evaluation(monkeypatch, in_block):
 
     texts = []
 
-    def fake_generate(model, tokenizer, questions, n, config, device, **kwargs):
+    def fake_generate(model, tokenizer, task, questions, n, config, device, **kwargs):
         rows = len(questions) * n
         return {
             "prompt_ids": torch.ones(len(questions), 2, dtype=torch.long),
@@ -690,18 +675,29 @@ def test_answer_in_block_reaches_rewards_and_evaluation(monkeypatch, in_block):
             "texts": texts[:rows],
         }
 
-    monkeypatch.setattr(train_module, "generate", fake_generate)
+    from trainer import evaluation
+
+    monkeypatch.setattr(rollout, "generate", fake_generate)
+    monkeypatch.setattr(evaluation, "generate", fake_generate)
     config = TrainConfig(
-        answer_in_block=in_block, group_size=3, prompts_per_step=1, eval_k=3, eval_batch_size=1, precision="fp32"
+        answer_in_block=in_block,
+        group_size=3,
+        prompts_per_step=1,
+        eval_k=3,
+        eval_batch_size=1,
+        precision="fp32",
+        eval_size=1,
     )
-    problems = Dataset.from_dict({"question": ["3 + 4?"], "answer": ["7"]})
+    task = builtin_task(config)
+    task.held_out = Dataset.from_dict({"prompt": ["3 + 4?"], "answer": ["7"]})
+    rows = task.held_out.to_dict()
     texts[:] = ["7", "<reasoning>x</reasoning>\n<answer>\n7\n</answer>", "8"]
     cpu = torch.device("cpu")
-    batch = train_module.rollout(torch.nn.Linear(1, 1), None, problems, config, config.loss_config(), cpu)
-    assert batch["reward_parts"]["correctness_reward"].tolist() == ([0.0, 1.0, 0.0] if in_block else [1.0, 1.0, 0.0])
+    batch = rollout.rollout(torch.nn.Linear(1, 1), None, task, rows, config, config.loss_config(), cpu)
+    assert batch["scores"][:, 0].tolist() == ([0.0, 1.0, 0.0] if in_block else [1.0, 1.0, 0.0])
     # Evaluation: the greedy answer first, then 3 samples; in the block only a wrong 8 is ever answered.
     texts[:] = ["7", "<answer>\n8\n</answer>", "7", "7"]
-    metrics = train_module.evaluate(torch.nn.Linear(1, 1), None, problems, config, Distributed(0, 1, cpu), seed=0)
+    metrics = evaluation.evaluate(torch.nn.Linear(1, 1), None, task, config, Distributed(0, 1, cpu), seed=0)
     expected = 0.0 if in_block else 1.0
     assert (metrics["accuracy"], metrics["pass@3"], metrics["maj@3"]) == (expected, expected, expected)
 

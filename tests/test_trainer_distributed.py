@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from trainer import train as train_module  # noqa: E402
+from trainer import update as train_module  # noqa: E402
 from trainer.config import TrainConfig  # noqa: E402
 from trainer.distributed import Distributed  # noqa: E402
 
@@ -230,7 +230,7 @@ def test_accumulation_that_would_drop_groups_is_refused_at_start(tmp_path, monke
     def must_not_load(*args, **kwargs):
         raise AssertionError("loaded the model before refusing the setting")
 
-    monkeypatch.setattr("trainer.train.load_model_and_tokenizer", must_not_load)
+    monkeypatch.setattr("trainer.session.load_model_and_tokenizer", must_not_load)
     out = tmp_path / "run"
     config = TrainConfig(model="unused", output_dir=str(out), prompts_per_step=prompts, grad_accum_steps=accumulation)
     with pytest.raises(ConfigError, match=f"--grad-accum-steps \\({accumulation}\\) must divide each process's") as err:

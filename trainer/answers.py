@@ -1,10 +1,10 @@
-"""The held-out problems a saved model answers wrong: ``python -m gtpo_train.answers RUN/final [--out FILE]``.
+"""The held-out rows a saved model answers wrong: ``python -m gtpo_train.answers RUN/final [--out FILE]``.
 
-The run's final evaluation again (its ``config.json`` beside the model folder: the same problems, prompts,
-precision and batches, so the same greedy answers as its summary's accuracy where the machine and thread
-count are the same), then each wrong greedy answer in full, and how many of them write each operation
-(``+ - * /``) in their reasoning: a model that learned one worked example's wording for every problem shows
-there (results/README.md).
+The run's final evaluation again (its ``config.json`` beside the model folder: the same task, rows, prompts,
+rewards, precision and batches, so the same greedy answers as its summary's accuracy where the machine and thread
+count are the same), then each greedy answer its accuracy reward does not score 1, in full, and how many of them
+write each operation (``+ - * /``): a model that learned one worked example's wording for every problem of the
+built-in task shows there (results/README.md).
 """
 
 from __future__ import annotations
@@ -17,11 +17,10 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 from .config import ConfigError, TrainConfig
-from .data import load_problems
 from .distributed import Distributed
+from .evaluation import evaluate
 from .model import load_model_and_tokenizer
-from .rewards import answers_match, extract_answer
-from .train import evaluate
+from .task import load_task
 
 _OPERATION = re.compile(r"\d\s*([-+*/x×])\s*\d")
 
@@ -35,14 +34,25 @@ def operation(completion: str) -> str:
 
 def wrong_answers(model_dir: str, config: TrainConfig) -> Tuple[dict, List[tuple]]:
     """``(metrics, wrong)``: the held-out metrics of the model in ``model_dir`` as the run's final evaluation
-    measures them, and its wrong greedy answers as ``(question, reference answer, completion)``."""
+    measures them, and its wrong greedy answers as ``(prompt, reference answer or "-", completion)``."""
     dist = Distributed.start(config.device)
-    _, held_out = load_problems(config.dataset, config.seed, config.eval_size, config.difficulty)
+    task = load_task(config, train_size=config.prompts_per_step)
     model, tokenizer = load_model_and_tokenizer(model_dir, dist.device)
-    answers: List[tuple] = []
-    metrics = evaluate(model, tokenizer, held_out, config, dist, seed=config.steps, greedy_answers=answers)
-    wrong = [a for a in answers if not answers_match(extract_answer(a[2], config.answer_in_block), a[1])]
+    if config.max_prompt_length is not None:
+        task.drop_long_prompts(tokenizer, config.max_prompt_length)
+    answers: List[dict] = []
+    metrics = evaluate(model, tokenizer, task, config, dist, seed=config.steps, greedy_answers=answers)
+    reference = next((c for c in ("answer", "solution") if c in task.held_out.column_names), None)
+    wrong = [
+        (_text(a[task.prompt_column]), a[reference] if reference else "-", a["completion"])
+        for a in answers
+        if not a["correct"]
+    ]
     return metrics, wrong
+
+
+def _text(prompt) -> str:
+    return prompt if isinstance(prompt, str) else prompt[-1]["content"]
 
 
 def report(model_dir: str, config: TrainConfig, metrics: dict, wrong: List[tuple]) -> str:
@@ -51,14 +61,14 @@ def report(model_dir: str, config: TrainConfig, metrics: dict, wrong: List[tuple
     lines = [
         f"# Wrong greedy answers of `{model_dir}`",
         "",
-        f"{config.eval_size} held-out problems (`{config.dataset}`, difficulty {config.difficulty}), precision "
+        f"{config.eval_size} held-out rows (`{config.dataset}`), precision "
         f"{config.precision}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()) + ".",
         "",
         f"**{len(wrong)} wrong**; the operation their reasoning writes: "
         + (", ".join(f"`{op}` {n}" for op, n in ops.most_common()) or "-")
         + ".",
         "",
-        "| question | answer | greedy completion |",
+        "| prompt | answer | greedy completion |",
         "|---|---|---|",
     ]
     for question, gold, text in wrong:

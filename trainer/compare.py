@@ -26,7 +26,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from .intervals import with_interval
+from .intervals import is_share, with_interval
 
 LN2 = math.log(2.0)
 # A run collapsed when any of these holds (stated in the table's heading; fixed before the study's final runs):
@@ -138,7 +138,7 @@ def gain_table(by_variant: Dict[str, List[dict]]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, runs in sorted(by_variant.items()):
-        for metric in runs[0]["after"]:
+        for metric in [m for m in runs[0]["after"] if is_share(m)]:  # a reward's mean: in the run's summary only
             before = [r["before"][metric] for r in runs]
             after = [r["after"][metric] for r in runs]
             gains = [a - b for a, b in zip(after, before)]

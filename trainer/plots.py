@@ -25,12 +25,17 @@ def plot_run(metrics_path: Path, png_path: Path, title: str = "") -> Optional[Pa
     (a_reward, a_acc, a_ent), (a_filt, a_conf, a_time) = axes
 
     a_reward.plot(steps, [r["reward"] for r in train], label="total")
-    for key in ("correctness_reward", "format_reward"):
-        a_reward.plot(steps, [r[key] for r in train], label=key.replace("_reward", ""), alpha=0.7)
+    # each reward function's mean: rewards/NAME (logs before 2026-12-04: the two built-in rewards' bare names)
+    reward_keys = [k for k in train[0] if k.startswith("rewards/") or k in ("correctness_reward", "format_reward")]
+    for key in reward_keys if train else []:
+        values = [r[key] if r[key] is not None else float("nan") for r in train]
+        a_reward.plot(steps, values, label=key.removeprefix("rewards/").replace("_reward", ""), alpha=0.7)
     a_reward.set_title("reward (train rollouts)")
 
-    a_acc.plot(steps, [r["accuracy"] for r in train], label="train rollouts", alpha=0.6)
-    a_acc.plot([r["step"] for r in evals], [r["accuracy"] for r in evals], "o-", label="held-out, greedy")
+    if train and "accuracy" in train[0]:
+        a_acc.plot(steps, [r.get("accuracy", float("nan")) for r in train], label="train rollouts", alpha=0.6)
+    if evals and "accuracy" in evals[0]:
+        a_acc.plot([r["step"] for r in evals], [r["accuracy"] for r in evals], "o-", label="held-out, greedy")
     for key in sorted({k for r in evals for k in r if k.startswith(("pass@", "maj@"))}):
         a_acc.plot([r["step"] for r in evals], [r[key] for r in evals], "s--", label=f"held-out {key}")
     a_acc.set_title("accuracy")

@@ -1,6 +1,8 @@
-"""Reward functions, TRL-style: ``f(completions: list[str], answer: list[str], **kwargs) -> list[float]``.
+"""The built-in reward functions, with TRL's signature: ``f(prompts, completions, completion_ids, **columns) ->
+list[float | None]`` (``--reward correctness``, ``format``, ``math_verify``); completions are strings, or lists of
+one assistant message for conversational prompts.
 
-The layout the GTPO authors train for::
+The layout the GTPO authors train for, which the built-in task's system prompt asks for::
 
     <reasoning>
     ...
@@ -13,7 +15,9 @@ The layout the GTPO authors train for::
 from __future__ import annotations
 
 import re
-from typing import List, Optional
+from typing import Callable, Dict, List, Optional, Union
+
+Completion = Union[str, List[dict]]
 
 SYSTEM_PROMPT = (
     "Solve the problem. Respond in the following format:\n"
@@ -87,16 +91,58 @@ def answers_match(predicted: Optional[str], gold: str) -> bool:
     return p is not None and g is not None and abs(p - g) < 1e-9
 
 
+def completion_text(completion: Completion) -> str:
+    """A completion's text: the string itself, or the content of a conversational completion's last message."""
+    return completion if isinstance(completion, str) else completion[-1]["content"]
+
+
+def final_answer(answer: str) -> str:
+    """A reference answer's final value: GSM8K's solutions end with ``#### <number>``; other answers pass through."""
+    match = re.search(r"####\s*(.+?)\s*$", answer.strip())
+    return (match.group(1) if match else answer).replace(",", "").strip()
+
+
 def correctness_reward(
-    completions: List[str], answer: List[str], answer_in_block: bool = True, **kwargs
+    completions: List[Completion], answer: List[str], answer_in_block: bool = True, **kwargs
 ) -> List[float]:
-    """1 when the answer (``extract_answer(c, answer_in_block)``) equals the reference answer, else 0."""
-    return [1.0 if answers_match(extract_answer(c, answer_in_block), a) else 0.0 for c, a in zip(completions, answer)]
+    """1 when the completion's answer (``extract_answer(c, answer_in_block)``) equals the row's ``answer`` column
+    (GSM8K's ``#### 42`` read as 42), else 0."""
+    return [
+        1.0 if answers_match(extract_answer(completion_text(c), answer_in_block), final_answer(str(a))) else 0.0
+        for c, a in zip(completions, answer)
+    ]
 
 
-def format_reward(completions: List[str], **kwargs) -> List[float]:
+def format_reward(completions: List[Completion], **kwargs) -> List[float]:
     """0.5 for the full reasoning/answer layout; 0.25 for an answer block alone."""
-    return [0.5 if _STRICT.match(c) else 0.25 if _ANSWER.search(c) else 0.0 for c in completions]
+    texts = [completion_text(c) for c in completions]
+    return [0.5 if _STRICT.match(c) else 0.25 if _ANSWER.search(c) else 0.0 for c in texts]
 
 
-DEFAULT_REWARDS = [correctness_reward, format_reward]
+def math_verify_reward(
+    completions: List[Completion], solution: Optional[List[str]] = None, answer: Optional[List[str]] = None, **kwargs
+) -> List[Optional[float]]:
+    """math-verify's equivalence of the completion's last math expression (``\\boxed{}`` first) and the row's
+    ``solution`` column (else its ``answer``): 1 or 0, None where the reference does not parse (TRL's rule)."""
+    from math_verify import parse, verify
+
+    gold = solution if solution is not None else answer
+    if gold is None:
+        raise ValueError("math_verify_reward reads a 'solution' or an 'answer' column; the rows have neither")
+    rewards: List[Optional[float]] = []
+    for completion, reference in zip(completions, gold):
+        parsed_gold = parse(str(reference))
+        if not parsed_gold:
+            rewards.append(None)
+            continue
+        rewards.append(float(verify(parsed_gold, parse(completion_text(completion)))))
+    return rewards
+
+
+# --reward NAME: the built-in functions, and the package each needs beyond the trainer's (pip's name).
+BUILTIN_REWARDS: Dict[str, Callable] = {
+    "correctness": correctness_reward,
+    "format": format_reward,
+    "math_verify": math_verify_reward,
+}
+BUILTIN_REQUIRES = {"math_verify": ("math_verify", "math-verify")}
