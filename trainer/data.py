@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import AbstractSet, Optional, Tuple
 
 from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
+from datasets.utils.logging import disable_progress_bar, enable_progress_bar, is_progress_bar_enabled
 
 from .config import ConfigError, TrainConfig
 
@@ -84,7 +85,18 @@ def _root_cause(exc: BaseException) -> BaseException:
 
 
 def read_rows(source: str, split: str, config_name: Optional[str] = None) -> Dataset:
-    """The rows of ``source`` (a hub id, local files or a ``save_to_disk`` folder) at ``split``."""
+    """The rows of ``source`` (a hub id, local files or a ``save_to_disk`` folder) at ``split``, without datasets'
+    progress bars (a one-line error stays one line; a small dataset loads in a blink)."""
+    shown = is_progress_bar_enabled()
+    disable_progress_bar()
+    try:
+        return _read_rows(source, split, config_name)
+    finally:
+        if shown:
+            enable_progress_bar()
+
+
+def _read_rows(source: str, split: str, config_name: Optional[str]) -> Dataset:
     path = Path(source).expanduser()
     if path.is_dir() and any(
         (path / name).exists() for name in ("dataset_info.json", "dataset_dict.json", "state.json")
@@ -108,6 +120,8 @@ def read_rows(source: str, split: str, config_name: Optional[str] = None) -> Dat
                 f"--eval-dataset FILE instead"
             )
         kind = FILE_FORMATS[suffixes.pop()]
+        if all(Path(f).stat().st_size == 0 for f in files):
+            raise ConfigError(f"{source}: no rows (empty file{'s' if len(files) > 1 else ''})")
         try:
             return load_dataset(kind, data_files=files, split="train")
         except Exception as exc:  # noqa: BLE001 (datasets wraps parse errors in long chains: one line instead)

@@ -55,17 +55,7 @@ def load_reward(spec: str, answer_in_block: bool = True) -> Callable:
             f"path/to/file.py:function"
         )
     if where.endswith(".py"):
-        path = Path(where).expanduser()
-        if not path.is_file():
-            raise ConfigError(f"--reward {spec!r}: no file {where}")
-        module_name = f"gtpo_train_reward_{path.stem}"
-        module_spec = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[module_name] = module  # dataclasses and pickling look a module up by name
-        try:
-            module_spec.loader.exec_module(module)
-        except Exception as exc:  # noqa: BLE001 (the user's file: its first error, in one line)
-            raise ConfigError(f"--reward {spec!r}: {where} failed to import: {type(exc).__name__}: {exc}") from None
+        module = _load_file(where, spec)
     else:
         try:
             module = importlib.import_module(where)
@@ -75,6 +65,26 @@ def load_reward(spec: str, answer_in_block: bool = True) -> Callable:
     if not callable(fn):
         raise ConfigError(f"--reward {spec!r}: {where} has no function {name!r}")
     return fn
+
+
+def _load_file(where: str, spec: str):
+    """The module of a reward file, executed once however many rewards name it (they share its globals)."""
+    path = Path(where).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"--reward {spec!r}: no file {where}")
+    module_name = f"gtpo_train_reward_{path.stem}"
+    loaded = sys.modules.get(module_name)
+    if loaded is not None and Path(getattr(loaded, "__file__", "")).resolve() == path.resolve():
+        return loaded
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module  # dataclasses and pickling look a module up by name
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as exc:  # noqa: BLE001 (the user's file: its first error, in one line)
+        del sys.modules[module_name]
+        raise ConfigError(f"--reward {spec!r}: {where} failed to import: {type(exc).__name__}: {exc}") from None
+    return module
 
 
 def required_columns(fn: Callable) -> List[str]:

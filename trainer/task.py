@@ -85,8 +85,8 @@ class Task:
             keep = [i for i, n in enumerate(lengths) if n <= limit]
             if not keep:
                 raise ConfigError(
-                    f"--max-prompt-length {limit}: every {split.replace('_', '-')} prompt is longer "
-                    f"(shortest {min(lengths)} tokens)"
+                    f"--max-prompt-length {limit}: every {'training' if split == 'train' else 'held-out'} prompt "
+                    f"is longer (shortest {min(lengths)} tokens)"
                 )
             lost[split] = len(rows) - len(keep)
             setattr(self, split, rows.select(keep) if lost[split] else rows)
