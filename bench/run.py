@@ -1,6 +1,6 @@
 """Entry point: ``python -m bench [NAME] [options]``, NAME one of logits (the default), fused_linear, cpu_kernels,
-accuracy, kernels, isa, layouts, fused_work, trainer (``python -m bench --help`` lists them; ``python -m bench NAME
---help`` gives one's options)."""
+accuracy, kernels, isa, layouts, fused_work, trainer, tracking (``python -m bench --help`` lists them;
+``python -m bench NAME --help`` gives one's options)."""
 
 import sys
 
@@ -14,6 +14,7 @@ BENCHMARKS = {
     "layouts": "bench.layouts",
     "fused_work": "bench.fused_work",
     "trainer": "bench.trainer",
+    "tracking": "bench.tracking",
 }
 SUMMARIES = {
     "logits": "the loss on materialised logits: eager and compiled PyTorch, our backends, Liger (the default)",
@@ -25,6 +26,7 @@ SUMMARIES = {
     "layouts": "packed (cu_seqlens) and vocab-parallel (vocab_group) calls against the padded whole-vocabulary one",
     "fused_work": "the fused loss under no_grad and in its backward, against an earlier commit (--before REV)",
     "trainer": "one step of gtpo-train against one of TRL's GRPOTrainer on the same work (TRL: the [trl] extra)",
+    "tracking": "what --report-to (TensorBoard, W&B offline, trackio) costs per logged row, against a run's step",
 }
 
 
