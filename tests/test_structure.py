@@ -154,3 +154,28 @@ def test_modules_that_register_operators_keep_their_annotations_as_objects():
     future = re.compile(r"^from __future__ import annotations", re.M)
     postponed = [name for name in registering if future.search((PACKAGE / name).read_text())]
     assert not postponed, f"string annotations in modules that register operators: {postponed}"
+
+
+TRAINER = PACKAGE.parent / "trainer"
+LONGEST_FUNCTION = 80  # lines: a trainer read top to bottom, each function in one screen
+
+
+def test_the_trainer_reads_in_short_functions_and_nothing_imports_the_script():
+    """No function of ``trainer/`` is over 80 lines, and no module imports ``trainer/train.py`` (the script at the
+    top: evaluation, the session and the report live in modules of their own that it and others import)."""
+    long = []
+    for path in sorted(TRAINER.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > LONGEST_FUNCTION:
+                    long.append(f"{path.name}:{node.name} ({length} lines)")
+        imports_train = [
+            node
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module == "train"
+        ]
+        if path.name not in ("train.py", "__main__.py"):
+            assert not imports_train, f"{path.name} imports the script trainer/train.py"
+    assert not long, long

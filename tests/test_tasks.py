@@ -283,6 +283,11 @@ def test_a_failing_reward_stops_the_run_in_one_line_with_its_checkpoint_intact(
         assert (out / "checkpoint.pt").read_bytes() == saved and max(steps) == 2
 
 
+def test_none_means_the_reward_does_not_apply():
+    values = score([lambda completions, **k: [None, 0.5]], ["a", "b"], ["x", "y"], [[1], [2]], {})
+    assert math.isnan(values[0, 0]) and values[1, 0] == 0.5
+
+
 def test_score_names_the_row_and_function():
     def broken(prompts, completions, completion_ids, **kwargs):
         return [1.0 / (len(c) - 3) for c in completions]

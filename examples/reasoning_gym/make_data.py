@@ -1,0 +1,66 @@
+"""A task of reasoning-gym's as JSONL files for ``gtpo-train``: its questions as chat prompts (a system turn, one
+worked example of the same task, the question), each row carrying reasoning-gym's own entry for its scorer.
+
+    python examples/reasoning_gym/make_data.py --task chain_sum --out data/chain_sum [--train 2000 --test 64]
+        [--config '{"min_terms": 2, "max_terms": 2}']
+
+writes ``OUT/train.jsonl`` and ``OUT/test.jsonl`` (generated offline: reasoning-gym draws its problems from a seed;
+the test rows from another seed than the training rows and the example, and no test question is a training one).
+Train on them with ``examples/reasoning_gym/reward.py`` (see docs/tasks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import reasoning_gym
+
+SYSTEM_PROMPT = (
+    "Answer the question. Respond in the following format:\n"
+    "<reasoning>\nshort reasoning\n</reasoning>\n<answer>\nthe answer only\n</answer>"
+)
+TRAIN_SEED, TEST_SEED, EXAMPLE_SEED = 1, 2, 3
+
+
+def worked_example(task: str, config: dict) -> list:
+    """One problem of the task and its answer in the asked-for layout, as two chat turns."""
+    entry = next(iter(reasoning_gym.create_dataset(task, size=1, seed=EXAMPLE_SEED, **config)))
+    answer = f"<reasoning>\nThe answer is {entry['answer']}.\n</reasoning>\n<answer>\n{entry['answer']}\n</answer>"
+    return [{"role": "user", "content": entry["question"]}, {"role": "assistant", "content": answer}]
+
+
+def rows(task: str, size: int, seed: int, config: dict, example: list, exclude=frozenset()) -> list:
+    out = []
+    for entry in reasoning_gym.create_dataset(task, size=size, seed=seed, **config):
+        if entry["question"] in exclude or entry["question"] == example[0]["content"]:
+            continue
+        prompt = [{"role": "system", "content": SYSTEM_PROMPT}, *example, {"role": "user", "content": entry["question"]}]
+        # The entry as JSON text: its metadata differs from task to task, which a column of one type cannot hold.
+        out.append({"prompt": prompt, "answer": str(entry["answer"]), "entry": json.dumps(entry, default=str)})
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--task", default="chain_sum", help="a reasoning-gym dataset name")
+    p.add_argument("--config", default="{}", help="the dataset's settings, as JSON")
+    p.add_argument("--train", type=int, default=2000)
+    p.add_argument("--test", type=int, default=64)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    config = json.loads(args.config)
+    example = worked_example(args.task, config)
+    test = rows(args.task, args.test, TEST_SEED, config, example)
+    train = rows(args.task, args.train, TRAIN_SEED, config, example, exclude={r["prompt"][-1]["content"] for r in test})
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, split in (("train", train), ("test", test)):
+        with open(out / f"{name}.jsonl", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in split)
+    print(f"{args.task}: {len(train)} training rows, {len(test)} test rows in {out}")
+
+
+if __name__ == "__main__":
+    main()
