@@ -72,6 +72,7 @@ def test_every_tracker_records_the_metrics_rows(tiny_model_dir, tmp_path):
             expected[(row["step"], key)] = value
     assert ("2", "train/loss") not in expected and (2, "train/loss") in expected and (0, "eval/reward") in expected
     assert any(key == "train/rewards/correctness_reward" for _, key in expected)
+    assert expected[(0, "eval/accuracy_ci95_high")] > expected[(0, "eval/accuracy")] >= 0  # the intervals too
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -141,3 +142,5 @@ def test_report_to_takes_known_trackers(value, message):
 def test_scalars_are_the_rows_numbers_under_their_kind():
     row = {"kind": "train", "step": 3, "loss": 0.5, "grad_norm": None, "updates": 1, "flag": True, "x": float("nan")}
     assert scalars(row) == {"train/loss": 0.5, "train/updates": 1.0}
+    evaluation = {"kind": "eval", "step": 0, "accuracy": 0.5, "intervals_95": {"accuracy": [0.2, 0.8]}}
+    assert scalars(evaluation) == {"eval/accuracy": 0.5, "eval/accuracy_ci95_low": 0.2, "eval/accuracy_ci95_high": 0.8}

@@ -96,6 +96,10 @@ def load(run_dirs: List[str]) -> Dict[str, List[dict]]:
         rows = (
             [json.loads(x) for x in metrics_path.read_text().splitlines() if x.strip()] if metrics_path.exists() else []
         )
+        for row in rows:  # logs before 2026-12-04 name the built-in rewards bare, not rewards/NAME
+            for name in ("correctness_reward", "format_reward"):
+                if name in row:
+                    row[f"rewards/{name}"] = row.pop(name)
         summary.update(
             dir=d, train=[r for r in rows if r["kind"] == "train"], evals=[r for r in rows if r["kind"] == "eval"]
         )
@@ -193,7 +197,7 @@ def _band(runs: List[dict], rows: str, key: str):
 
 CURVES = (  # (panel title, rows, keys: solid, dashed, dotted; a key ending in "@" stands for each k, y-limits)
     ("train entropy (nats)", "train", ("entropy",), None),
-    ("train format reward", "train", ("format_reward",), None),
+    ("train format reward", "train", ("rewards/format_reward",), None),
     (
         "held-out: greedy (solid), pass@k (dashed), maj@k (dotted)",
         "evals",

@@ -37,9 +37,10 @@ def check_trackers(report_to: List[str]) -> None:
 
 
 def scalars(row: dict) -> Dict[str, float]:
-    """``{"train/loss": ..., ...}``: a metrics row's numbers under its kind."""
+    """``{"train/loss": ..., ...}``: a metrics row's numbers under its kind; an evaluation's 95 % intervals as
+    ``eval/KEY_ci95_low`` and ``eval/KEY_ci95_high``."""
     prefix = row["kind"]
-    return {
+    values = {
         f"{prefix}/{key}": float(value)
         for key, value in row.items()
         if key not in ("kind", "step")
@@ -47,6 +48,9 @@ def scalars(row: dict) -> Dict[str, float]:
         and not isinstance(value, bool)
         and math.isfinite(value)
     }
+    for key, (low, high) in row.get("intervals_95", {}).items():
+        values.update({f"{prefix}/{key}_ci95_low": float(low), f"{prefix}/{key}_ci95_high": float(high)})
+    return values
 
 
 class Trackers:

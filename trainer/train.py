@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 from .checkpoint import RunState, load_checkpoint, require_checkpoint
 from .config import ConfigError, TrainConfig, parse_args
 from .distributed import Distributed, full_parameters, full_state, load_full_state
+from .intervals import metric_intervals
 from .metrics_log import MetricsLog
 from .model import check_model_source
 from .plots import plot_run
@@ -142,7 +143,7 @@ def train_and_evaluate(
             if before is None:
                 return stop.stopped("during the first evaluation"), None
             state.before, state.eval_step = before, 0
-            log.append({"kind": "eval", "step": 0, **before})
+            log.append(eval_row(session, 0, before))
             if dist.is_main:
                 print(f"before training: {before}")
         evaluate_if_due(session, state, log)
@@ -162,13 +163,23 @@ def train_and_evaluate(
     return stopped, after
 
 
+def eval_row(session: Session, step: int, result: dict) -> dict:
+    """An evaluation's log row: its figures, and each share's 95 % interval over the held-out rows."""
+    return {
+        "kind": "eval",
+        "step": step,
+        **result,
+        "intervals_95": metric_intervals(result, len(session.task.held_out)),
+    }
+
+
 def evaluate_if_due(session: Session, state: RunState, log: MetricsLog) -> None:
     """The evaluation every --eval-every steps, unless done (a resume may find it still owed)."""
     every, steps = session.config.eval_every, session.config.steps
     if every and state.step % every == 0 and 0 < state.step < steps and state.eval_step < state.step:
         result = session.evaluate(seed=state.step)
         if result is not None:
-            log.append({"kind": "eval", "step": state.step, **result})
+            log.append(eval_row(session, state.step, result))
             state.eval_step = state.step
 
 
@@ -217,7 +228,7 @@ def finish(
 ) -> dict:
     """The final evaluation logged, the last checkpoint, the model saved, the plot and the summary."""
     config, dist = session.config, session.dist
-    log.append({"kind": "eval", "step": state.step, **after})
+    log.append(eval_row(session, state.step, after))
     state.eval_step = state.step
     session.checkpoint(state)
     summary = None

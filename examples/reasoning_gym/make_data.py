@@ -36,7 +36,8 @@ def rows(task: str, size: int, seed: int, config: dict, example: list, exclude=f
     for entry in reasoning_gym.create_dataset(task, size=size, seed=seed, **config):
         if entry["question"] in exclude or entry["question"] == example[0]["content"]:
             continue
-        prompt = [{"role": "system", "content": SYSTEM_PROMPT}, *example, {"role": "user", "content": entry["question"]}]
+        question = {"role": "user", "content": entry["question"]}
+        prompt = [{"role": "system", "content": SYSTEM_PROMPT}, *example, question]
         # The entry as JSON text: its metadata differs from task to task, which a column of one type cannot hold.
         out.append({"prompt": prompt, "answer": str(entry["answer"]), "entry": json.dumps(entry, default=str)})
     return out
