@@ -5,6 +5,7 @@ when no completion carries signal."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +33,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(*args, processes=2, timeout=240):
+def torchrun(*args, processes=2, timeout=240, succeeds=True):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [
         sys.executable,
@@ -45,7 +46,7 @@ def torchrun(*args, processes=2, timeout=240):
         *args,
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert (proc.returncode == 0) == succeeds, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc
 
 
@@ -237,3 +238,33 @@ def test_accumulation_that_would_drop_groups_is_refused_at_start(tmp_path, monke
         run(config, dist=Distributed(rank=0, world=world))
     assert "\n" not in str(err.value)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("where", ["evaluation", "step"])
+def test_a_reward_failing_on_one_process_stops_every_process(tiny_model_dir, tmp_path, where):
+    """The reward raises on process 1 only, in the evaluation before training or in the first step: both processes
+    stop in one line each (process 1's names the function), none waits for the other until the timeout, and no
+    checkpoint is written."""
+    rewards = tmp_path / "rank_rewards.py"
+    rewards.write_text(
+        "import os\n\n"
+        "def fails_on_rank_1(completions, **kwargs):\n"
+        f"    if os.environ['RANK'] == '1' and {where == 'step'!r} == bool(os.environ.get('IN_STEP')):\n"
+        "        raise RuntimeError('rank 1 cannot score')\n"
+        "    os.environ['IN_STEP'] = '1'  # the next call (after the evaluation before training) is the first step's\n"
+        "    return [0.0] * len(completions)\n"
+    )
+    out = tmp_path / "run"
+    # fmt: off
+    proc = torchrun(
+        "-m", "trainer", "--model", tiny_model_dir, "--output-dir", str(out), "--steps", "2", "--prompts-per-step",
+        "2", "--group-size", "3", "--max-new-tokens", "4", "--eval-size", "2", "--eval-k", "0", "--precision", "fp32",
+        "--reward", f"{rewards}:fails_on_rank_1", timeout=120, succeeds=False,
+    )
+    # fmt: on
+    # The two processes write at once: their lines may share one line of the captured stderr.
+    failing = r"reward fails_on_rank_1 raised on row 0 \('[^']*'\): RuntimeError: rank 1 cannot score"
+    other = r"a reward function failed on another process \(its message is in that one's output\)"
+    errors = re.findall(f"gtpo-train: error: ({failing}|{other})", proc.stderr)
+    assert len(errors) == 2 and re.fullmatch(failing, sorted(errors)[1]), proc.stderr[-3000:]
+    assert not (out / "checkpoint.pt").exists()

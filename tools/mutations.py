@@ -188,6 +188,14 @@ MUTANTS: Tuple[Mutant, ...] = (
         "a tracker that is not installed stops the run before the model loads, with the pip command",
     ),
     Mutant(
+        "evaluation: a reward's failure on one process not shared with the others",
+        "trainer/evaluation.py",
+        "    stop_together(dist, failed)\n",
+        "",
+        ("tests/test_trainer_distributed.py::test_a_reward_failing_on_one_process_stops_every_process",),
+        "a reward failing on one process stops every process in one line each",
+    ),
+    Mutant(
         "structure: a trainer module imports the script",
         "trainer/answers.py",
         "from .distributed import Distributed\n",

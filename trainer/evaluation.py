@@ -19,6 +19,7 @@ from .config import TrainConfig
 from .distributed import Distributed
 from .precision import autocast
 from .rollout import generate, score_completions
+from .scoring import RewardError, stop_together
 from .seeding import step_seed
 from .stopping import Interrupted, StopRequests
 from .task import Task
@@ -120,7 +121,7 @@ def evaluate(
     # Progress on stderr, in a terminal only: rows done, and the token the current batch is at.
     bar = tqdm(total=len(mine), desc=desc, unit="problem", leave=False, disable=None if dist.is_main else True)
     on_token = lambda t: bar.set_postfix_str(f"token {t}/{config.max_new_tokens}", refresh=t % 4 == 0)  # noqa: E731
-    stopped = False
+    stopped, failed = False, None
     for start in range(0, len(mine), config.eval_batch_size):
         if stop is not None and stop.requested:
             stopped = True
@@ -131,6 +132,9 @@ def evaluate(
         except Interrupted:  # one process, a stop request: the layers' hooks cut the batch short
             stopped = True
             break
+        except RewardError as exc:  # raised below on every process together
+            failed = exc
+            break
         if greedy_answers is not None:
             for i, (texts, scores) in enumerate(decoded):
                 row = {column: values[i] for column, values in rows.items()}
@@ -139,6 +143,7 @@ def evaluate(
         bar.update(len(decoded))
     bar.close()
     model.train()
+    stop_together(dist, failed)
     if dist.any(stopped):
         return None
     return metrics(task, dist.all_sum(sums.to(dist.device)).cpu(), config.eval_k)

@@ -33,6 +33,13 @@ class RewardError(ConfigError):
     """A reward function failed on a batch: the run stops in one line, its last checkpoint as it was."""
 
 
+def stop_together(dist, failed: Optional[RewardError]) -> None:
+    """Every process raises when a reward failed on any of them: one process's error alone would leave the others
+    waiting in their next collective."""
+    if dist.any(failed is not None):
+        raise failed or RewardError("a reward function failed on another process (its message is in that one's output)")
+
+
 def reward_name(fn: Callable) -> str:
     """The name a reward is logged under: its function's ``__name__`` (as TRL logs ``rewards/NAME``)."""
     return getattr(fn, "__name__", type(fn).__name__)

@@ -38,7 +38,7 @@ from .plots import plot_run
 from .precision import autocast
 from .report import print_summary, save_final, summarise
 from .rollout import rollout
-from .scoring import RewardError
+from .scoring import RewardError, stop_together
 from .seeding import step_seed
 from .session import Session, check_process_shares, load_session, step_rows
 from .stopping import Interrupted, Stopped, StopReason
@@ -282,10 +282,7 @@ def train_step(session: Session, state: RunState, step: int) -> dict:
             )
         except RewardError as exc:
             failed = exc
-    if dist.any(failed is not None):  # every process stops, not only the one whose reward failed
-        raise failed or RewardError(
-            "a reward function failed on another process (its message is in that process's output)"
-        )
+    stop_together(dist, failed)
     t1 = time.time()
     old_logprobs = None
     if state.initial_entropy is None or config.num_iterations > 1:
