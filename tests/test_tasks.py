@@ -409,3 +409,15 @@ def test_rewards_of_a_file_see_the_rows_columns_as_keywords(reward_file):
     fn = load_reward(f"{reward_file}:parity_reward")
     assert fn(prompts=["a"], completions=["b"], completion_ids=[[1, 2, 3]], target=["go"]) == [1.0]
     assert textwrap.dedent(fn.__doc__).startswith("Needs the column")
+
+
+def test_the_math_verify_reward_reads_solution_then_answer():
+    pytest.importorskip("math_verify")
+    from trainer.rewards import math_verify_reward
+
+    completions = ["so it is $\\frac{1}{2}$", [{"role": "assistant", "content": "It is 0.5"}], "it is 3"]
+    assert math_verify_reward(completions, solution=["$0.5$", "$\\frac{1}{2}$", "$2$"]) == [1.0, 1.0, 0.0]
+    assert math_verify_reward(["x = 4"], answer=["4"]) == [1.0]
+    assert math_verify_reward(["x = 4"], solution=["4"], answer=["5"]) == [1.0]  # solution first, as TRL's reward
+    assert math_verify_reward(["x = 4"], solution=["no math here"]) == [None]  # the reference does not parse
+    assert load_reward("math_verify") is math_verify_reward

@@ -196,6 +196,14 @@ MUTANTS: Tuple[Mutant, ...] = (
         "a reward failing on one process stops every process in one line each",
     ),
     Mutant(
+        "rewards: math_verify reads answer before solution",
+        "trainer/rewards.py",
+        "    gold = solution if solution is not None else answer",
+        "    gold = answer if answer is not None else solution",
+        ("tests/test_tasks.py::test_the_math_verify_reward_reads_solution_then_answer",),
+        "the reference is the solution column where there is one (TRL's accuracy_reward reads it)",
+    ),
+    Mutant(
         "structure: a trainer module imports the script",
         "trainer/answers.py",
         "from .distributed import Distributed\n",
