@@ -52,19 +52,20 @@ def print_summary(summary: dict, log: MetricsLog, plot: Optional[Path]) -> None:
     # A gain counts when the after figure's interval lies wholly above the before figure's: a stricter test
     # than needed (the same problems are scored twice), so "within noise" may still hide a small gain. A reward's
     # mean has no interval here: it is printed, not judged.
+    width = max([12, *map(len, after)])
     print(f"\nheld-out metric on {n} problems, with 95 % intervals (Wilson)")
-    print(f"{'metric':<12} {'before':>20} {'after':>20}  verdict")
+    print(f"{'metric':<{width}} {'before':>20} {'after':>20}  verdict")
     for key in after:
         if not is_share(key):
             b = f"{before[key]:.3f}" if key in before and not math.isnan(before[key]) else "-"
-            print(f"{key:<12} {b:>20} {after[key]:>20.3f}  -")
+            print(f"{key:<{width}} {b:>20} {after[key]:>20.3f}  -")
             continue
         b, verdict = "-", "-"
         if key in before:
             b = with_interval(before[key], n)
             (b_low, b_high), (a_low, a_high) = (summary["intervals_95"][w][key] for w in ("before", "after"))
             verdict = "up" if a_low > b_high else "down" if a_high < b_low else "within noise"
-        print(f"{key:<12} {b:>20} {with_interval(after[key], n):>20}  {verdict}")
+        print(f"{key:<{width}} {b:>20} {with_interval(after[key], n):>20}  {verdict}")
     train_rows = log.rows("train")
     if train_rows:
         mean = lambda k: np.mean([r[k] for r in train_rows])  # noqa: E731
