@@ -315,6 +315,7 @@ def test_score_names_the_row_and_function():
         (dict(chat_template=False), "--no-chat-template: the prompts are chat messages"),
         (dict(eval_split="test"), "local files hold one split, 'train'"),
         (dict(dataset="arithmetic", prompt_column="question"), "--dataset arithmetic is generated"),
+        (dict(dataset="arithmetic", chat_template=False), "worked examples are chat turns; add --worked-examples 0"),
     ],
 )
 def test_a_bad_dataset_or_reward_stops_before_the_model_loads(

@@ -134,6 +134,10 @@ def load_task(config: TrainConfig, train_size: int = 100_000) -> Task:
         raise ConfigError("the held-out rows' prompts are in another format than the training rows': use one format")
     if conversational and not config.chat_template:
         raise ConfigError("--no-chat-template: the prompts are chat messages, which need the chat template")
+    if builtin and not config.chat_template and config.worked_examples:
+        raise ConfigError(
+            "--no-chat-template: the built-in task's worked examples are chat turns; add --worked-examples 0"
+        )
     specs = config.reward or ["correctness", "format"]
     rewards = [load_reward(spec, config.answer_in_block) for spec in specs]
     names = [reward_name(fn) for fn in rewards]
