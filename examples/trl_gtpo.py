@@ -17,33 +17,21 @@ from trl import GRPOConfig
 
 from gtpo_kernels import GTPOConfig
 from gtpo_kernels.integrations.trl import GTPOTrainer
-from gtpo_train.config import DEFAULT_MODEL
-from gtpo_train.data import arithmetic_problems
+from gtpo_train.config import DEFAULT_MODEL, TrainConfig
 from gtpo_train.model import default_model_path
-from gtpo_train.rewards import DEFAULT_REWARDS
-from gtpo_train.train import chat
+from gtpo_train.task import Task, load_task
 
 
-def as_text(completion) -> str:
-    """TRL hands conversational completions as message lists; the rewards read text."""
-    return completion if isinstance(completion, str) else completion[-1]["content"]
+def builtin_task(size: int, seed: int) -> Task:
+    """gtpo-train's built-in task: its rows, conversations (system prompt, worked examples) and rewards, which
+    already have TRL's signature."""
+    return load_task(TrainConfig(seed=seed, eval_size=1), train_size=size)
 
 
-def trl_reward(reward):
-    """One of the trainer's rewards with TRL's signature: ``f(completions, answer, **kwargs) -> list[float]``."""
-
-    def wrapped(completions, answer, **kwargs):
-        return reward([as_text(c) for c in completions], answer=answer)
-
-    wrapped.__name__ = reward.__name__
-    return wrapped
-
-
-def dataset(size: int, seed: int, worked_examples: int = 2) -> Dataset:
-    problems = arithmetic_problems(size, seed=seed)
-    return Dataset.from_dict(
-        {"prompt": [chat(q, worked_examples) for q in problems["question"]], "answer": problems["answer"]}
-    )
+def dataset(task: Task) -> Dataset:
+    """The task's rows in TRL's conversational format."""
+    rows = task.train
+    return Dataset.from_dict({"prompt": [task.messages(p) for p in rows["prompt"]], "answer": rows["answer"]})
 
 
 def main(argv=None) -> None:
@@ -80,11 +68,12 @@ def main(argv=None) -> None:
         bf16=gpu,
         disable_tqdm=False,
     )
+    task = builtin_task(1000, args.seed)
     trainer = GTPOTrainer(
         model=model,
-        reward_funcs=[trl_reward(r) for r in DEFAULT_REWARDS],
+        reward_funcs=task.rewards,  # the same functions gtpo-train calls
         args=trl_args,
-        train_dataset=dataset(1000, args.seed),
+        train_dataset=dataset(task),
         gtpo_config=gtpo_config,
     )
     trainer.train()
