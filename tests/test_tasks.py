@@ -124,7 +124,8 @@ def test_a_conversational_jsonl_trains_with_a_reward_file(tiny_model_dir, tmp_pa
     assert step["reward"] == pytest.approx(total, rel=1e-6)
     assert "accuracy" not in step  # length_reward is not 0/1: no accuracy, pass@k or maj@k
     evals = [r for r in rows_of(out) if r["kind"] == "eval"]
-    assert set(evals[0]) == {"kind", "step", "reward", "rewards/length_reward", "rewards/parity_reward"}
+    assert set(evals[0]) == {"kind", "step", "reward", "rewards/length_reward", "rewards/parity_reward", "intervals_95"}
+    assert evals[0]["intervals_95"] == {}  # reward means are not shares: no interval
 
 
 def test_combine_is_trls_weighted_nansum():
