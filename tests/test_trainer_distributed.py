@@ -15,7 +15,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from trainer import update as train_module  # noqa: E402
+from trainer import train as train_module  # noqa: E402
+from trainer import update as update_module  # noqa: E402
 from trainer.config import TrainConfig  # noqa: E402
 from trainer.distributed import Distributed  # noqa: E402
 
@@ -127,22 +128,22 @@ def test_a_step_without_signal_leaves_weights_and_optimiser_alone(tiny_model_dir
     config = TrainConfig(
         model=tiny_model_dir, group_size=3, prompts_per_step=4, preset="official", entropy_threshold=1e-6
     )
-    policy = train_module.PolicyLoss(model)
+    policy = update_module.PolicyLoss(model)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
     dist = Distributed()
     batch = fixed_batch(model.config.vocab_size)
     # A first step with signal, so that the optimiser has momentum to lose.
     signal_config = TrainConfig(model=tiny_model_dir, group_size=3, prompts_per_step=4)
-    first = train_module.update(policy, optimizer, batch, signal_config.loss_config(), signal_config, dist, None, 5.0)
+    first = update_module.update(policy, optimizer, batch, signal_config.loss_config(), signal_config, dist, None, 5.0)
     assert first["stepped"]
     params = {k: v.clone() for k, v in model.state_dict().items()}
     moments = {k: v.clone() for k, v in optimizer.state_dict()["state"][0].items()}
-    result = train_module.update(policy, optimizer, batch, config.loss_config(), config, dist, None, None)
+    result = update_module.update(policy, optimizer, batch, config.loss_config(), config, dist, None, None)
     assert not result["stepped"] and float(result["metrics"].filtered_fraction) == 1.0
     assert float(result["metrics"].signal_fraction) == 0.0
     assert all(torch.equal(v, params[k]) for k, v in model.state_dict().items())
     assert all(torch.equal(v, moments[k]) for k, v in optimizer.state_dict()["state"][0].items())
-    assert "entropy filter" in train_module.no_signal_cause(result["metrics"], config.loss_config())
+    assert "entropy filter" in update_module.no_signal_cause(result["metrics"], config.loss_config())
 
 
 def test_a_training_step_builds_no_vocabulary_sized_logits(tmp_path):
@@ -162,13 +163,13 @@ def test_a_training_step_builds_no_vocabulary_sized_logits(tmp_path):
     model = transformers.LlamaForCausalLM(config)
     train_config = TrainConfig(group_size=3, prompts_per_step=4, num_iterations=2, loss_chunk_mib=4)
     batch = fixed_batch(vocab)
-    policy = train_module.PolicyLoss(model)
+    policy = update_module.PolicyLoss(model)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
     n, length = batch["completion_ids"].shape
     full_logits = n * length * vocab * 4
     with PeakTensorMemory() as memory:
-        old_logprobs, _ = train_module.token_stats(model, batch, train_config)
-        train_module.update(
+        old_logprobs, _ = update_module.token_stats(model, batch, train_config)
+        update_module.update(
             policy, optimizer, batch, train_config.loss_config(), train_config, Distributed(), old_logprobs, 5.0
         )
     print(
@@ -190,7 +191,7 @@ def test_gradient_checkpointing_with_shared_prompts(tiny_model_dir):
         if checkpointing:
             (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
         model.train()
-        hidden, weight, _ = train_module.completion_hidden_states(model, batch, slice(0, 4), 3)
+        hidden, weight, _ = update_module.completion_hidden_states(model, batch, slice(0, 4), 3)
         (hidden.square() * batch["completion_mask"][..., None]).sum().backward()
         results.append(
             (hidden.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
