@@ -250,9 +250,10 @@ def test_a_reward_failing_on_one_process_stops_every_process(tiny_model_dir, tmp
     rewards.write_text(
         "import os\n\n"
         "def fails_on_rank_1(completions, **kwargs):\n"
-        f"    if os.environ['RANK'] == '1' and {where == 'step'!r} == bool(os.environ.get('IN_STEP')):\n"
+        "    in_step = bool(os.environ.get('IN_STEP'))  # the first call is the evaluation before training's\n"
+        "    os.environ['IN_STEP'] = '1'\n"
+        f"    if os.environ['RANK'] == '1' and in_step == {where == 'step'!r}:\n"
         "        raise RuntimeError('rank 1 cannot score')\n"
-        "    os.environ['IN_STEP'] = '1'  # the next call (after the evaluation before training) is the first step's\n"
         "    return [0.0] * len(completions)\n"
     )
     out = tmp_path / "run"
@@ -264,7 +265,10 @@ def test_a_reward_failing_on_one_process_stops_every_process(tiny_model_dir, tmp
     )
     # fmt: on
     # The two processes write at once: their lines may share one line of the captured stderr.
-    failing = r"reward fails_on_rank_1 raised on row 0 \('[^']*'\): RuntimeError: rank 1 cannot score"
+    # (in the evaluation case the function raises on its first call only, so no row raises alone: "a batch")
+    failing = (
+        r"reward fails_on_rank_1 raised on (?:row 0 \('[^']*'\)|a batch of 1 rows): RuntimeError: rank 1 cannot score"
+    )
     other = r"a reward function failed on another process \(its message is in that one's output\)"
     errors = re.findall(f"gtpo-train: error: ({failing}|{other})", proc.stderr)
     assert len(errors) == 2 and re.fullmatch(failing, sorted(errors)[1]), proc.stderr[-3000:]
