@@ -13,6 +13,7 @@ import transformers
 from gtpo_kernels import compute_advantages, conflict_weights
 from trainer.config import TrainConfig
 from trainer.distributed import Distributed, full_parameters, full_state, wrap
+from trainer.optimizer import PolicyOptimizer
 from trainer.update import PolicyLoss, token_stats, update
 
 
@@ -57,6 +58,7 @@ def main(model_dir: str, out_file: str, fsdp: bool) -> None:
         prompts_per_step=4,
         temperature=0.7,
         num_iterations=2,
+        learning_rate=1e-4,
         precision="fp32",
         grad_accum_steps=2 // dist.world if dist.world <= 2 else 1,
         fsdp=fsdp,
@@ -66,7 +68,7 @@ def main(model_dir: str, out_file: str, fsdp: bool) -> None:
     policy = wrap(PolicyLoss(model), model.get_decoder().layers, dist, fsdp)
     # The trainer's optimiser at a training-sized rate (Adam's normalisation turns the rounding of gradient
     # entries near 0 into updates of up to 1e-3 lr whatever their size).
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-4)
+    optimizer = PolicyOptimizer(policy.parameters(), config, dist.device, master=False)
     gradients = {}  # the whole gradient the optimiser steps with (FSDP2's shards gathered), by parameter name
 
     def keep_gradients(optimizer, args, kwargs):
@@ -74,7 +76,7 @@ def main(model_dir: str, out_file: str, fsdp: bool) -> None:
             g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
             gradients[name.removeprefix("module.")] = g.detach().clone()
 
-    optimizer.register_step_pre_hook(keep_gradients)
+    optimizer.adamw.register_step_pre_hook(keep_gradients)
     with full_parameters(policy):
         old_logprobs, _ = token_stats(model, batch, config)
     result = update(policy, optimizer, batch, loss_config, config, dist, old_logprobs, initial_entropy=5.0)

@@ -35,8 +35,8 @@ def slow_layers(model):
 real_load = session.load_model_and_tokenizer
 
 
-def load(name, device):
-    model, tokenizer = real_load(name, device)
+def load(name, device, *args, **kwargs):
+    model, tokenizer = real_load(name, device, *args, **kwargs)
     slow_layers(model)
     return model, tokenizer
 

@@ -89,7 +89,7 @@ def test_a_signal_stops_the_run_within_seconds(tiny_model_dir, tmp_path, phase, 
     resume_lines = [line for line in stderr.splitlines() if "resume with:" in line]
     assert len(resume_lines) == 1, stderr[-2000:]
     assert f"--config {out / 'config.json'} --resume" in resume_lines[0]
-    assert (out / "checkpoint.pt").exists()
+    assert any(out.glob("checkpoint-*/trainer_state.json"))
     if phase == "update":  # the printed command finishes the run
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
         done = subprocess.run(

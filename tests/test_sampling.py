@@ -1,6 +1,7 @@
-"""trainer.sampling: the token draw follows the tempered distribution; decoding with the key/value cache written
-in place, and with a shared prompt prefix run once, gives the tokens and logits of the plain way (they are only
-faster); a cache that runs out of reserved room keeps growing."""
+"""trainer.sampling: the token draw follows the tempered distribution, and the top-k / top-p / min-p cuts keep the
+tokens they should; decoding with our own key/value cache written in place, and with a shared prompt prefix run
+once, gives the tokens of transformers' own cache and of the plain way (they are only faster); a cache that runs
+out of reserved room keeps growing; a row ends at any EOS id or stop string, and nothing after it is kept."""
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ transformers = pytest.importorskip("transformers")
 
 from transformers.cache_utils import DynamicLayer  # noqa: E402
 
-from trainer.sampling import DRAW_BLOCK, _InPlaceLayer, draw_tokens, sample  # noqa: E402
+from trainer.sampling import DRAW_BLOCK, InPlaceLayer, StopStrings, cut_logits, draw_tokens, sample  # noqa: E402
 
 inf = float("inf")
 
@@ -39,7 +40,7 @@ def test_in_place_cache_gives_the_same_tokens(tiny_model, greedy):
                 greedy=greedy,
                 eos_token_id=tiny_model.config.eos_token_id,
                 pad_token_id=0,
-                in_place_cache=in_place,
+                in_place=in_place,
             )
         )
     assert runs[0].shape[0] == 12 and runs[0].shape[1] >= 2
@@ -47,18 +48,16 @@ def test_in_place_cache_gives_the_same_tokens(tiny_model, greedy):
 
 
 def test_layer_grows_past_its_reserve():
-    keys = [torch.randn(2, 3, n, 4) for n in (5, 1, 1, 2)]
-    values = [torch.randn(2, 3, n, 4) for n in (5, 1, 1, 2)]
-    plain, in_place = DynamicLayer(), DynamicLayer()
+    keys = [torch.randn(2, 3, n, 4) for n in (5, 1, 1, 2, 9)]
+    values = [torch.randn(2, 3, n, 4) for n in (5, 1, 1, 2, 9)]
+    plain = DynamicLayer()
     plain.update(keys[0], values[0])
-    in_place.update(keys[0], values[0])
-    in_place.__class__ = _InPlaceLayer
-    in_place.reserve(2)  # room for the next two positions, then two more than reserved
+    in_place = InPlaceLayer.holding(keys[0], values[0], 2)  # room for two positions, then 11 more than reserved
     for k, v in zip(keys[1:], values[1:]):
         expected = plain.update(k, v)
         got = in_place.update(k, v)
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
-    assert in_place.get_seq_length() == 9
+    assert in_place.get_seq_length() == 18
 
 
 def test_draw_tokens_follows_the_tempered_distribution():
@@ -156,3 +155,120 @@ def test_shared_prefix_gives_the_same_tokens(tiny_model, greedy):
             )
         )
     assert torch.equal(runs[0], runs[1])
+
+
+def test_cut_logits_keeps_what_each_cut_should():
+    """Against hand-worked cuts on probabilities 0.5, 0.25, 0.15, 0.1: top-k 2 keeps two; top-p 0.7 keeps the
+    first two (0.5 < 0.7 <= 0.75), top-p 0.75 the same, 0.76 three; min-p 0.3 keeps those >= 0.15; the most likely
+    token always stays; the kept logits are unchanged."""
+    probs = torch.tensor([[0.15, 0.5, 0.1, 0.25]])
+    logits = probs.log()
+    kept = lambda **kw: (cut_logits(logits, **kw) > -inf).squeeze(0).tolist()  # noqa: E731
+    assert kept(top_k=2) == [False, True, False, True]
+    assert kept(top_p=0.7) == [False, True, False, True]
+    assert kept(top_p=0.75) == [False, True, False, True]
+    assert kept(top_p=0.76) == [True, True, False, True]
+    assert kept(top_p=0.01) == [False, True, False, False]
+    assert kept(min_p=0.3) == [True, True, False, True]
+    assert kept(min_p=0.31) == [False, True, False, True]
+    assert kept(top_k=3, top_p=0.7) == [False, True, False, True]
+    assert kept() == [True] * 4
+    cut = cut_logits(logits, top_k=3)
+    assert torch.equal(cut[cut > -inf], logits[logits >= logits.sort(descending=True).values[0, 2]])
+
+
+def test_top_p_sampling_draws_only_from_the_nucleus_in_its_proportions(tiny_model):
+    """Sampled with top-p through `sample`: no token outside the nucleus of the tempered distribution, and the
+    first token's counts within five standard errors of the renormalised nucleus."""
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(4, tiny_model.config.vocab_size, (1, 6), generator=g)
+    rows, temperature, top_p = 4000, 1.5, 0.3
+    with torch.no_grad():
+        logits = tiny_model(input_ids=prompt).logits[0, -1].double() / temperature
+    probs = logits.softmax(-1)
+    order = probs.argsort(descending=True)
+    before = probs[order].cumsum(0) - probs[order]
+    nucleus = order[before < top_p]
+    assert 2 <= len(nucleus) < len(probs)  # the cut matters on this prompt
+    torch.manual_seed(0)
+    first = sample(
+        tiny_model,
+        prompt,
+        torch.ones_like(prompt),
+        rows,
+        1,
+        temperature=temperature,
+        top_p=top_p,
+        eos_token_id=tiny_model.config.eos_token_id,
+        pad_token_id=0,
+    )[:, 0]
+    counts = torch.bincount(first, minlength=len(probs)).double()
+    outside = torch.ones(len(probs), dtype=torch.bool)
+    outside[nucleus] = False
+    assert counts[outside].sum() == 0
+    expected = probs[nucleus] / probs[nucleus].sum()
+    err = (expected * (1 - expected) / rows).sqrt()
+    assert ((counts[nucleus] / rows - expected).abs() <= 5 * err).all()
+
+
+def test_a_row_ends_at_any_eos_id_and_what_follows_is_padding(tiny_model):
+    """Two EOS ids: every row ends at the first of either (its length counts it), and only padding follows."""
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(4, tiny_model.config.vocab_size, (2, 5), generator=g)
+    torch.manual_seed(1)
+    free = sample(tiny_model, prompt, torch.ones_like(prompt), 3, 16, eos_token_id=[], pad_token_id=0)
+    ends = [int(free[0, 2]), int(free[1, 5])]  # two tokens the model samples early in some rows
+    torch.manual_seed(1)
+    ids, lengths = sample(
+        tiny_model, prompt, torch.ones_like(prompt), 3, 16, eos_token_id=ends, pad_token_id=0, with_lengths=True
+    )
+    for r in range(ids.shape[0]):
+        hits = [t for t in range(free.shape[1]) if int(free[r, t]) in ends]
+        expected = hits[0] + 1 if hits else ids.shape[1]
+        assert int(lengths[r]) == expected
+        assert torch.equal(ids[r, :expected], free[r, :expected])
+        assert bool((ids[r, expected:] == 0).all())
+    assert int(lengths[0]) <= 3 and int(lengths[1]) <= 6
+
+
+def test_stop_strings_end_a_row_with_the_token_that_completes_them(tiny_model_dir, tiny_model):
+    """A stop string (two tokens' text, 8 to 20 tokens into the first row) ends each row at the first token whose
+    text so far contains it, as the free-running row has it; rows without it run to the cap; padding follows."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    g = torch.Generator().manual_seed(6)
+    prompt = torch.randint(4, tiny_model.config.vocab_size, (2, 5), generator=g)
+    torch.manual_seed(3)
+    free = sample(tiny_model, prompt, torch.ones_like(prompt), 4, 24, eos_token_id=[], pad_token_id=0)
+    first_text = (
+        lambda r, stop: next(  # noqa: E731
+            (
+                t + 1
+                for t in range(free.shape[1])
+                if stop in tokenizer.decode(free[r, : t + 1], skip_special_tokens=True)
+            ),
+            free.shape[1],
+        )
+    )
+    special = set(tokenizer.all_special_ids)
+    t = next(t for t in range(8, 20) if int(free[0, t]) not in special and int(free[0, t + 1]) not in special)
+    stop = tokenizer.decode(free[0, t : t + 2])
+    torch.manual_seed(3)
+    ids, lengths = sample(
+        tiny_model,
+        prompt,
+        torch.ones_like(prompt),
+        4,
+        24,
+        eos_token_id=[],
+        pad_token_id=0,
+        stops=StopStrings(tokenizer, [stop]),
+        with_lengths=True,
+    )
+    ended = 0
+    for r in range(free.shape[0]):
+        expected = first_text(r, stop)
+        ended += expected < free.shape[1]
+        assert int(lengths[r]) == expected, (r, stop)
+        assert torch.equal(ids[r, :expected], free[r, :expected])
+        assert bool((ids[r, expected:] == 0).all())
+    assert int(lengths[0]) <= t + 2 and ended >= 1

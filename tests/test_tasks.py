@@ -260,7 +260,7 @@ def test_a_failing_reward_stops_the_run_in_one_line_with_its_checkpoint_intact(
     ]  # fmt: skip
     # Two good steps first: the held-out row is 'Say seven.' or another; rows 0-5 train in a fixed order.
     train_module.main([*base, "--steps", "2"])
-    saved = (out / "checkpoint.pt").read_bytes()
+    saved = {p.name: p.read_bytes() for p in (out / "checkpoint-2").iterdir()}
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
         train_module.main([*base, "--steps", "6", "--resume", "--reward", spec.replace("FILE", str(reward_file))])
@@ -276,12 +276,13 @@ def test_a_failing_reward_stops_the_run_in_one_line_with_its_checkpoint_intact(
     else:
         assert re.search(expected, message), message
     # The checkpoint is the last completed step's, whole: the failing step wrote nothing.
-    from trainer.checkpoint import load_checkpoint
+    from trainer.checkpoint import latest_checkpoint, read_trainer_state
 
     steps = [r["step"] for r in rows_of(out) if r["kind"] == "train"]
-    assert load_checkpoint(out / "checkpoint.pt")["state"]["step"] == max(steps)
+    latest = latest_checkpoint(out)
+    assert read_trainer_state(latest)["state"]["step"] == max(steps)
     if "broken" not in spec:  # these fail on their first call, the step after the saved one
-        assert (out / "checkpoint.pt").read_bytes() == saved and max(steps) == 2
+        assert {p.name: p.read_bytes() for p in latest.iterdir()} == saved and max(steps) == 2
 
 
 def test_none_means_the_reward_does_not_apply():

@@ -22,6 +22,7 @@ from trainer.data import HELD_OUT_SEED, arithmetic_problems, arithmetic_rows  # 
 from trainer.distributed import Distributed  # noqa: E402
 from trainer.intervals import metric_intervals, wilson, with_interval  # noqa: E402
 from trainer.metrics_log import MetricsLog  # noqa: E402
+from trainer.optimizer import PolicyOptimizer  # noqa: E402
 from trainer.rewards import correctness_reward, extract_answer, final_answer, format_reward, parse_number  # noqa: E402
 from trainer.task import load_task  # noqa: E402
 
@@ -69,7 +70,7 @@ def test_a_few_steps_run_with_finite_losses(tiny_model_dir, tmp_path, algo):
         for r in train
     )
     assert [r["kind"] for r in rows].count("eval") == 2  # before and after
-    for name in ("checkpoint.pt", "training.png", "summary.json", "final/config.json", "config.json"):
+    for name in ("checkpoint-4/trainer_state.json", "training.png", "summary.json", "final/config.json", "config.json"):
         assert (tmp_path / name).exists(), name
     # Every held-out figure with its 95 % interval over the held-out problems, in summary.json too.
     saved = json.loads((tmp_path / "summary.json").read_text())
@@ -117,7 +118,7 @@ def test_a_step_without_signal_is_skipped_without_the_loss_warning(tiny_model_di
     batch["advantages"] = torch.zeros(6)
     batch["conflict"] = conflict_weights(batch["completion_ids"], batch["completion_mask"], batch["advantages"], 3)
     before = [p.detach().clone() for p in model.parameters()]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = PolicyOptimizer(model.parameters(), config, torch.device("cpu"), master=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = update.update(
@@ -519,7 +520,7 @@ def test_cli_errors_are_one_line(tmp_path):
         (["--dataset", "missing.jsonl"], "dataset 'missing.jsonl': no such file or folder"),
         (["--model", "./nowhere"], "is not a local folder"),
         (["--model", "EMPTY"], "not a folder with a config.json"),
-        (["--resume"], "--resume: no checkpoint at"),
+        (["--resume"], "--resume: no checkpoint-STEP folder in"),
     ],
 )
 def test_every_bad_setting_stops_before_loading_in_one_line(tmp_path, monkeypatch, capsys, setting, message):
@@ -702,37 +703,75 @@ def test_answer_in_block_reaches_rewards_and_evaluation(monkeypatch, in_block):
     assert (metrics["accuracy"], metrics["pass@3"], metrics["maj@3"]) == (expected, expected, expected)
 
 
-def test_the_run_state_survives_a_checkpoint(tmp_path):
-    from trainer.checkpoint import RunState, load_checkpoint, save_checkpoint
+def write_test_checkpoint(out_dir, step, state=None, limit=0):
+    """A checkpoint of a one-parameter AdamW after a step, with ``state``; returns the optimiser's state."""
+    from trainer.checkpoint import RunState, write_checkpoint
+
+    p = torch.nn.Parameter(torch.randn(3))
+    optimizer = torch.optim.AdamW([p], lr=1e-3, betas=(0.9, 0.99))
+    p.grad = torch.randn(3)
+    optimizer.step()
+    state = state or RunState(step=step)
+    trainer_state = {"step": step, "state": state.to_dict(), "scheduler": {}, "config": {"seed": 0}}
+    write_checkpoint(out_dir, step, lambda folder: (folder / "model.safetensors").write_bytes(b""),
+                     optimizer.state_dict(), trainer_state, limit)  # fmt: skip
+    return optimizer.state_dict()
+
+
+def test_the_run_and_optimiser_state_survive_a_checkpoint(tmp_path):
+    from trainer.checkpoint import RunState, latest_checkpoint, read_optimizer_state, read_trainer_state
 
     state = RunState(step=3, eval_step=2, initial_entropy=1.25, before={"accuracy": 0.5}, no_signal_streak=1)
-    save_checkpoint(tmp_path / "c.pt", {}, {}, {}, state, {"seed": 0})
-    saved = load_checkpoint(tmp_path / "c.pt")["state"]
-    assert isinstance(saved, dict)  # a plain dict in the file: a checkpoint loads without this class
-    assert RunState.from_dict(saved) == state
+    optimizer_state = write_test_checkpoint(tmp_path, 3, state)
+    folder = latest_checkpoint(tmp_path)
+    assert folder == tmp_path / "checkpoint-3"
+    saved = read_trainer_state(folder)
+    assert RunState.from_dict(saved["state"]) == state
     assert RunState.from_dict({"step": 4}) == RunState(step=4)  # a field added later takes its default
+    loaded = read_optimizer_state(folder, saved["optimizer"])
+    assert loaded["param_groups"] == optimizer_state["param_groups"]
+    assert loaded["state"].keys() == optimizer_state["state"].keys() == {0}
+    for name, value in optimizer_state["state"][0].items():
+        assert torch.equal(loaded["state"][0][name], value), name
+
+
+def test_rotation_keeps_the_newest_checkpoints(tmp_path):
+    """--save-total-limit 2: after steps 2, 4, 6, 8 the folders of 6 and 8 are left; 0 keeps every one; a step
+    saved twice (a stop request after a scheduled save) replaces its folder; a half-written .tmp never counts."""
+    for step in (2, 4, 6, 8):
+        write_test_checkpoint(tmp_path / "two", step, limit=2)
+        write_test_checkpoint(tmp_path / "all", step, limit=0)
+    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == ["checkpoint-6", "checkpoint-8"]
+    assert len(list((tmp_path / "all").iterdir())) == 4
+    write_test_checkpoint(tmp_path / "two", 8, limit=2)
+    (tmp_path / "two" / "checkpoint-10.tmp").mkdir()
+    from trainer.checkpoint import latest_checkpoint
+
+    assert latest_checkpoint(tmp_path / "two") == tmp_path / "two" / "checkpoint-8"
+    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == ["checkpoint-10.tmp", "checkpoint-6", "checkpoint-8"]
 
 
 def test_a_checkpoint_that_cannot_be_written_is_one_clear_error_and_leaves_the_last_one(tmp_path, monkeypatch):
-    """A full disk: torch.save fails part-way (as "unexpected pos ...", a RuntimeError). The error names the file, the
-    free space and the fix; the partial file is removed (it would hold the space the next write needs) and the
-    previous checkpoint still loads."""
-    import trainer.checkpoint as checkpoint
+    """A full disk: the optimiser's file fails part-way. The error names the folder, the free space and the fix;
+    the partial folder is removed (it would hold the space the next write needs) and the previous checkpoint still
+    loads."""
+    import safetensors.torch
 
-    path = tmp_path / "checkpoint.pt"
-    checkpoint.save_checkpoint(path, {}, {}, {}, checkpoint.RunState(step=2), {"seed": 0})
+    from trainer.checkpoint import latest_checkpoint, read_trainer_state
 
-    def full_disk(payload, file):
+    write_test_checkpoint(tmp_path, 2)
+
+    def full_disk(tensors, file, *args, **kwargs):
         Path(file).write_bytes(b"partial")
-        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 105216 vs 105110")
+        raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(checkpoint.torch, "save", full_disk)
-    expected = r"could not write the checkpoint .*checkpoint\.pt .*GiB free.*--save-every 0"
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    expected = r"could not write the checkpoint .*checkpoint-4 .*GiB free.*--save-total-limit.*--save-every 0"
     with pytest.raises(ConfigError, match=expected):
-        checkpoint.save_checkpoint(path, {}, {}, {}, checkpoint.RunState(step=4), {"seed": 0})
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
+        write_test_checkpoint(tmp_path, 4)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"]
     monkeypatch.undo()
-    assert checkpoint.load_checkpoint(path)["state"]["step"] == 2
+    assert read_trainer_state(latest_checkpoint(tmp_path))["state"]["step"] == 2
 
 
 def test_only_the_time_cap_finishes_a_stopped_run():

@@ -19,6 +19,7 @@ from trainer import train as train_module  # noqa: E402
 from trainer import update as update_module  # noqa: E402
 from trainer.config import TrainConfig  # noqa: E402
 from trainer.distributed import Distributed  # noqa: E402
+from trainer.optimizer import PolicyOptimizer  # noqa: E402
 
 from .distributed_update import fixed_batch  # noqa: E402
 from .helpers import PeakTensorMemory  # noqa: E402
@@ -118,7 +119,7 @@ def test_torchrun_training_run_writes_one_log(tiny_model_dir, tmp_path):
     assert [(r["kind"], r["step"]) for r in rows] == [("eval", 0), ("train", 1), ("train", 2), ("eval", 2)]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["processes"] == 2 and summary["steps"] == 2
-    assert (out / "final" / "config.json").exists() and (out / "checkpoint.pt").exists()
+    assert (out / "final" / "config.json").exists() and (out / "checkpoint-2" / "trainer_state.json").exists()
 
 
 def test_a_step_without_signal_leaves_weights_and_optimiser_alone(tiny_model_dir):
@@ -129,20 +130,20 @@ def test_a_step_without_signal_leaves_weights_and_optimiser_alone(tiny_model_dir
         model=tiny_model_dir, group_size=3, prompts_per_step=4, preset="official", entropy_threshold=1e-6
     )
     policy = update_module.PolicyLoss(model)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
     dist = Distributed()
+    optimizer = PolicyOptimizer(policy.parameters(), TrainConfig(learning_rate=1e-2), dist.device, master=False)
     batch = fixed_batch(model.config.vocab_size)
     # A first step with signal, so that the optimiser has momentum to lose.
     signal_config = TrainConfig(model=tiny_model_dir, group_size=3, prompts_per_step=4)
     first = update_module.update(policy, optimizer, batch, signal_config.loss_config(), signal_config, dist, None, 5.0)
     assert first["stepped"]
     params = {k: v.clone() for k, v in model.state_dict().items()}
-    moments = {k: v.clone() for k, v in optimizer.state_dict()["state"][0].items()}
+    moments = {k: v.clone() for k, v in optimizer.adamw.state_dict()["state"][0].items()}
     result = update_module.update(policy, optimizer, batch, config.loss_config(), config, dist, None, None)
     assert not result["stepped"] and float(result["metrics"].filtered_fraction) == 1.0
     assert float(result["metrics"].signal_fraction) == 0.0
     assert all(torch.equal(v, params[k]) for k, v in model.state_dict().items())
-    assert all(torch.equal(v, moments[k]) for k, v in optimizer.state_dict()["state"][0].items())
+    assert all(torch.equal(v, moments[k]) for k, v in optimizer.adamw.state_dict()["state"][0].items())
     assert "entropy filter" in update_module.no_signal_cause(result["metrics"], config.loss_config())
 
 
@@ -164,7 +165,7 @@ def test_a_training_step_builds_no_vocabulary_sized_logits(tmp_path):
     train_config = TrainConfig(group_size=3, prompts_per_step=4, num_iterations=2, loss_chunk_mib=4)
     batch = fixed_batch(vocab)
     policy = update_module.PolicyLoss(model)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    optimizer = PolicyOptimizer(policy.parameters(), TrainConfig(learning_rate=1e-3), torch.device("cpu"), master=False)
     n, length = batch["completion_ids"].shape
     full_logits = n * length * vocab * 4
     with PeakTensorMemory() as memory:
@@ -272,4 +273,4 @@ def test_a_reward_failing_on_one_process_stops_every_process(tiny_model_dir, tmp
     other = r"a reward function failed on another process \(its message is in that one's output\)"
     errors = re.findall(f"gtpo-train: error: ({failing}|{other})", proc.stderr)
     assert len(errors) == 2 and re.fullmatch(failing, sorted(errors)[1]), proc.stderr[-3000:]
-    assert not (out / "checkpoint.pt").exists()
+    assert not list(out.glob("checkpoint-*"))

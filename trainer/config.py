@@ -22,6 +22,14 @@ class ConfigError(ValueError):
 class TrainConfig:
     # What to train
     model: str = DEFAULT_MODEL  # the built-in SmolLM2-135M-Instruct (works offline), a hub id, or a local folder
+    model_dtype: str = "fp32"  # the weights' dtype: "fp32", or "bf16" (half the memory; see --master-weights)
+    master_weights: bool = True  # --model-dtype bf16: AdamW updates float32 copies (else plain bf16 AdamW)
+    lora_r: int = 0  # LoRA's rank through peft: train and save adapters only (0: train every weight)
+    lora_alpha: Optional[float] = None  # LoRA's alpha (default: 2 x --lora-r)
+    lora_dropout: float = 0.0  # dropout on the adapters' input
+    lora_target_modules: Optional[List[str]] = None  # module names to adapt (default: every linear layer but the head)
+    merge_lora: bool = False  # also save final/merged: the base model with the adapters merged in
+    beta: float = 0.0  # KL to the starting policy (TRL's beta, k3); reference: adapters off, else a frozen copy
     algo: str = "gtpo"  # "gtpo" (GTPOConfig preset "paper") or "grpo" (preset "grpo")
     preset: Optional[str] = None  # override the loss preset chosen by algo: "paper", "official", "grpo"
     entropy_threshold: Optional[float] = None  # override the preset's entropy filter threshold tau (nats)
@@ -50,7 +58,7 @@ class TrainConfig:
     answer_in_block: bool = True  # built-in correctness reads the <answer> block only (else: the last number anywhere)
     difficulty: int = 1  # built-in task: 1 (one operation) to 4 (three operations, larger numbers)
     seed: int = 0  # seeds the training rows' order and every sampling draw (held-out rows stay fixed)
-    output_dir: str = "runs/default"  # where metrics.jsonl, checkpoint.pt, final/ and the plot go
+    output_dir: str = "runs/default"  # where metrics.jsonl, checkpoint-STEP/, final/ and the plot go
     report_to: List[str] = field(default_factory=lambda: ["none"])  # none, tensorboard, wandb, trackio (or several)
     run_name: Optional[str] = None  # the run's name in the trackers (default: the output folder's name)
     # Rollouts
@@ -61,6 +69,10 @@ class TrainConfig:
     group_size: int = 4  # G completions per prompt
     max_new_tokens: int = 48  # generation cap per completion (tokens)
     temperature: float = 1.0  # sampling temperature; the loss uses the same softmax(logits / T)
+    top_p: float = 1.0  # sample from the smallest set of tokens whose probability reaches this (1: all)
+    top_k: int = 0  # sample from the k most likely tokens (0: all)
+    min_p: float = 0.0  # drop tokens below this share of the most likely token's probability (0: none)
+    stop: List[str] = field(default_factory=list)  # repeatable: a completion ends after the first of these strings
     num_iterations: int = 1  # updates per rollout batch; > 1 uses old log-probs and the ratio
     # Update
     learning_rate: float = 2e-5  # AdamW's peak learning rate (cosine decay after the warm-up)
@@ -79,7 +91,8 @@ class TrainConfig:
     eval_batch_size: int = 32  # problems per generate() call in evaluation
     # Checkpoints and limits
     save_every: int = 8  # steps between checkpoints (0: only at the end and on Ctrl-C)
-    resume: bool = False  # continue from output_dir/checkpoint.pt
+    save_total_limit: int = 2  # keep the newest this many checkpoint-STEP folders (0: keep every one)
+    resume: bool = False  # continue from the newest output_dir/checkpoint-STEP folder
     max_minutes: Optional[float] = None  # stop training after this many minutes (then evaluate and save)
     device: str = "auto"  # "auto", "cpu" or "cuda"
     precision: str = "auto"  # "bf16" autocast, "fp32", or "auto": bf16 on a GPU and on CPUs with bf16 matmuls
@@ -157,10 +170,52 @@ class TrainConfig:
         if not (isinstance(rho, (int, float)) and 0 < rho <= 1):
             raise bad("top_entropy_quantile", "must be a number in (0, 1] (1: every token)")
         self._check_task()
+        self._check_model_and_sampling()
         if self.device not in ("auto", "cpu", "cuda"):
             raise bad("device", "must be 'auto', 'cpu' or 'cuda'")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise bad("precision", "must be 'auto', 'bf16' or 'fp32'")
+
+    def _check_model_and_sampling(self) -> None:
+        """The weights, adapters, KL, sampling and checkpoint settings."""
+
+        def number(name, low, high, why):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and low <= value <= high):
+                raise ConfigError(f"--{name.replace('_', '-')} {why} (got {value!r})")
+
+        if self.model_dtype not in ("fp32", "bf16"):
+            raise ConfigError(f"--model-dtype must be 'fp32' or 'bf16' (got {self.model_dtype!r})")
+        if not (isinstance(self.lora_r, int) and self.lora_r >= 0):
+            raise ConfigError(f"--lora-r must be a non-negative integer (0: no LoRA) (got {self.lora_r!r})")
+        lora_only = [n for n in ("lora_alpha", "lora_target_modules") if getattr(self, n) is not None]
+        lora_only += ["lora_dropout"] * bool(self.lora_dropout) + ["merge_lora"] * bool(self.merge_lora)
+        if lora_only and not self.lora_r:
+            raise ConfigError(f"--{lora_only[0].replace('_', '-')} sets up LoRA: give its rank with --lora-r")
+        if self.lora_alpha is not None:
+            number("lora_alpha", 1e-12, math.inf, "must be a positive number")
+        number("lora_dropout", 0, 0.999, "must be a number in [0, 1)")
+        if self.merge_lora and self.fsdp:
+            raise ConfigError(
+                "--merge-lora merges on one process, which --fsdp's sharded weights do not allow: train with --fsdp, "
+                "then merge final/ with peft (PeftModel.from_pretrained(base, 'final').merge_and_unload())"
+            )
+        if isinstance(self.lora_target_modules, str):
+            self.lora_target_modules = [self.lora_target_modules]
+        number("beta", 0, math.inf, "must be a number >= 0 (the KL term's weight; 0: none)")
+        number("top_p", 1e-12, 1, "must be a number in (0, 1] (1: no cut)")
+        number("min_p", 0, 0.999, "must be a number in [0, 1) (0: no cut)")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            raise ConfigError(f"--top-k must be a non-negative integer (0: no cut) (got {self.top_k!r})")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ConfigError(f"--stop takes non-empty strings (got {self.stop!r})")
+        if not (isinstance(self.save_total_limit, int) and self.save_total_limit >= 0):
+            raise ConfigError(
+                f"--save-total-limit must be a non-negative integer (0: keep every checkpoint) "
+                f"(got {self.save_total_limit!r})"
+            )
 
     def _check_task(self) -> None:
         """The task's settings: what can be told wrong before any data, model or reward is loaded."""
@@ -225,6 +280,7 @@ class TrainConfig:
             entropy_bonus=float(self.entropy_bonus),
             off_policy_mask_threshold=self.off_policy_mask_threshold,
             top_entropy_quantile=float(self.top_entropy_quantile),
+            kl_beta=float(self.beta),
             warn_no_signal=False,
             max_chunk_bytes=None if self.loss_chunk_mib is None else self.loss_chunk_mib * 2**20,
             **overrides,
@@ -286,7 +342,7 @@ def _parser() -> argparse.ArgumentParser:
         if f.type in ("bool", bool, "Optional[bool]"):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
             continue
-        if f.name == "reward":  # repeatable, as TRL's reward_funcs is a list
+        if f.name in ("reward", "stop"):  # repeatable, as TRL's reward_funcs is a list
             parser.add_argument(flag, action="append", default=None, metavar="SPEC", help=text)
             continue
         if str(f.type).startswith(("List[", "Optional[List[")):

@@ -12,7 +12,6 @@ import os
 import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -122,31 +121,25 @@ def no_sync(wrapped: torch.nn.Module, last: bool):
     return wrapped.no_sync()
 
 
-def full_state(wrapped: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]):
+def full_state(wrapped: torch.nn.Module, optimizer=None):
     """``(model_state, optimizer_state)`` gathered whole on the CPU, keys as in the unwrapped module (every
-    process must call this: under FSDP it is a collective)."""
+    process must call this: under FSDP it is a collective). ``optimizer``: the run's `PolicyOptimizer`, or None."""
     if not dist.is_initialized():
         model_state = {k: v.detach().cpu() for k, v in wrapped.state_dict().items()}
         return model_state, None if optimizer is None else optimizer.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_state_dict(wrapped, optimizer if optimizer is not None else [], options=options)
+    return get_state_dict(wrapped, optimizer.adamw if optimizer is not None else [], options=options)
 
 
-def load_full_state(
-    wrapped: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optimizer_state: dict
-) -> None:
+def load_optimizer_state(wrapped: torch.nn.Module, optimizer, optimizer_state: dict) -> None:
+    """The run's `PolicyOptimizer` from a state `full_state` gathered (the model's weights come with the model)."""
     if not dist.is_initialized():
-        wrapped.load_state_dict(model_state)
         optimizer.load_state_dict(optimizer_state)
         return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    set_state_dict(
-        wrapped,
-        optimizer,
-        model_state_dict=model_state,
-        optim_state_dict=optimizer_state,
-        options=StateDictOptions(full_state_dict=True),
+    set_optimizer_state_dict(
+        wrapped, optimizer.adamw, optim_state_dict=optimizer_state, options=StateDictOptions(full_state_dict=True)
     )

@@ -13,7 +13,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -117,17 +117,25 @@ def check_hub_model(name: str) -> None:
         raise ConfigError(f"could not load model {name!r}: {exc}".splitlines()[0]) from exc
 
 
-def load_model_and_tokenizer(name: str, device: torch.device) -> Tuple[torch.nn.Module, object]:
-    """``name``: the built-in default, a local folder, or a hub id (needs a network)."""
+def load_model_and_tokenizer(
+    name: str, device: torch.device, dtype: torch.dtype = torch.float32, weights_from: Optional[Path] = None
+) -> Tuple[torch.nn.Module, object]:
+    """``name``: the built-in default, a local folder, or a hub id (needs a network). ``weights_from``: a checkpoint
+    folder whose model and tokenizer (``save_pretrained``) replace ``name``'s (a resumed run)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     check_model_source(name)
     local = Path(name).expanduser()
     path = default_model_path() if name == DEFAULT_MODEL else (str(local) if local.exists() else name)
+    if weights_from is not None:
+        check_weight_files(weights_from)
+        path = str(weights_from)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except (OSError, ValueError) as exc:
+        if weights_from is not None:
+            raise ConfigError(f"--resume: could not load the model in {weights_from}: {exc}".splitlines()[0]) from exc
         raise ConfigError(
             f"could not load model {name!r}: {exc}. Pass a local folder with config.json and "
             f"weights, a reachable hub id, or the built-in '{DEFAULT_MODEL}'"
@@ -138,6 +146,26 @@ def load_model_and_tokenizer(name: str, device: torch.device) -> Tuple[torch.nn.
     if tokenizer.chat_template is None:
         raise ConfigError(f"model {name!r} has no chat template; use an instruct/chat model")
     return model.to(device), tokenizer
+
+
+def check_weight_files(folder: Path) -> None:
+    """Each ``*.safetensors`` file of a checkpoint opens (a cut or altered file is named here, not deep in
+    from_pretrained); a folder holding pickled weights (``*.bin``, ``*.pt``) is refused without reading them."""
+    from safetensors import SafetensorError, safe_open
+
+    pickled = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".pkl"))
+    if pickled:
+        raise ConfigError(
+            f"--resume: {folder} holds pickled files ({', '.join(pickled)}), which the trainer does not load (a "
+            f"pickle can run any code); its checkpoints are safetensors and JSON only"
+        )
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(path, framework="pt") as f:
+                for key in f.keys():
+                    f.get_slice(key)
+        except (OSError, SafetensorError) as exc:
+            raise ConfigError(f"--resume: could not read {path} ({type(exc).__name__}: {exc})") from None
 
 
 # transformers' switch for SDPA's own grouped-query attention (``enable_gqa``, torch >= 2.5), which it leaves off

@@ -14,14 +14,27 @@ from .intervals import is_share, metric_intervals, with_interval
 from .metrics_log import MetricsLog
 
 
-def save_final(model, tokenizer, policy, folder: Path) -> None:
-    """``save_pretrained`` of the trained model, its parameters gathered whole on process 0."""
-    model_state, _ = full_state(policy, None)
+def save_model(model, tokenizer, model_state: dict, folder: Path) -> None:
+    """``save_pretrained`` of ``model`` (a ``PeftModel``: its adapter) and its tokenizer into ``folder``, from
+    ``model_state``: the run's `PolicyLoss` state gathered whole (`distributed.full_state`)."""
     prefix = "model."
     model.save_pretrained(
         folder, state_dict={k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in model_state.items()}
     )
     tokenizer.save_pretrained(folder)
+
+
+def save_final(model, tokenizer, policy, folder: Path, merge_lora: bool = False) -> None:
+    """The trained model (or LoRA adapter) in ``folder``, its parameters gathered whole on process 0; with
+    ``merge_lora``, ``folder/merged`` holds the base model with the adapter merged in (a plain transformers model)."""
+    model_state, _ = full_state(policy, None)
+    save_model(model, tokenizer, model_state, folder)
+    if merge_lora:
+        import copy
+
+        merged = copy.deepcopy(model).merge_and_unload()  # the training copy keeps its adapters
+        merged.save_pretrained(folder / "merged")
+        tokenizer.save_pretrained(folder / "merged")
 
 
 def summarise(config, state, after: dict, stopped, processes: int, eval_rows: int, minutes: float, wall: float) -> dict:

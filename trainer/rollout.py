@@ -10,7 +10,7 @@ import torch
 from gtpo_kernels import GTPOConfig, compute_advantages, conflict_weights
 
 from .config import TrainConfig
-from .sampling import sample
+from .sampling import StopStrings, sample
 from .scoring import combine, score
 from .task import Task
 
@@ -20,6 +20,15 @@ def encode_prompts(tokenizer, task: Task, prompts: list, device) -> Dict[str, to
     text gets the tokenizer's (a base model's BOS)."""
     texts = [task.prompt_text(tokenizer, p) for p in prompts]
     return tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not task.chat_template).to(device)
+
+
+def eos_ids(model, tokenizer) -> List[int]:
+    """Every id that ends a completion: the tokenizer's EOS and each of the model's generation config (instruct
+    models often list several, e.g. an end-of-turn and an end-of-text token)."""
+    ids = [tokenizer.eos_token_id]
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids += configured if isinstance(configured, (list, tuple)) else [configured]
+    return sorted({int(i) for i in ids if i is not None})
 
 
 @torch.no_grad()
@@ -35,26 +44,31 @@ def generate(
     greedy_first=False,
     on_token=None,
 ):
-    """``n`` completions per prompt, rows of a prompt adjacent, each prompt run once (`sampling.sample`).
-    Returns prompt ids/mask (one row per prompt), completion ids/mask (the mask covers the completion up
-    to and including its EOS) and the decoded texts."""
+    """``n`` completions per prompt, rows of a prompt adjacent, each prompt run once (`sampling.sample`), cut by
+    ``--top-k/--top-p/--min-p`` and ended by any EOS id (`eos_ids`) or ``--stop`` string. Returns prompt ids/mask
+    (one row per prompt), completion ids/mask (the mask covers the completion up to and including the token that
+    ended it: the EOS, or the one that completed a stop string; what follows is padding the loss never sees) and
+    the decoded texts."""
     enc = encode_prompts(tokenizer, task, prompts, device)
-    completion_ids = sample(
+    completion_ids, lengths = sample(
         model,
         enc["input_ids"],
         enc["attention_mask"],
         n,
         config.max_new_tokens,
         temperature=config.temperature,
+        top_k=config.top_k,
+        top_p=config.top_p,
+        min_p=config.min_p,
         greedy=greedy,
         greedy_first=greedy_first,
-        eos_token_id=tokenizer.eos_token_id,
+        eos_token_id=eos_ids(model, tokenizer),
         pad_token_id=tokenizer.pad_token_id,
+        stops=StopStrings(tokenizer, config.stop) if config.stop else None,
         on_token=on_token,
+        with_lengths=True,
     )
-    is_eos = completion_ids == tokenizer.eos_token_id
-    first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), completion_ids.shape[1])
-    completion_mask = torch.arange(completion_ids.shape[1], device=device)[None] <= first_eos[:, None]
+    completion_mask = torch.arange(completion_ids.shape[1], device=device)[None] < lengths[:, None]
     texts = tokenizer.batch_decode(
         torch.where(completion_mask, completion_ids, tokenizer.pad_token_id), skip_special_tokens=True
     )

@@ -2,12 +2,14 @@
 
 ``model.generate(num_return_sequences=n)`` repeats every prompt n times before the first forward, so a
 200-token prompt with 8 samples costs 8 prompt passes; here it costs one, then a plain decoding loop
-(temperature sampling, or greedy) over the n continuations. Three more savings, each measured on the
-default run (2 CPU cores), none of which changes what is sampled beyond float rounding:
+(temperature sampling with optional top-k / top-p / min-p cuts, or greedy) over the n continuations, which ends a
+row at any of the model's EOS ids or, if asked, at a stop string. Three more savings, each measured on the default
+run (2 CPU cores), none of which changes what is sampled beyond float rounding:
 
 - the tokens every prompt of a batch starts with (the system prompt and the worked examples: 188 of
   about 218 tokens) run once for the whole batch (`gtpo_kernels.hf.prompt_pass`);
-- the key/value cache is written in place (`_InPlaceLayer`) instead of concatenated at every token;
+- the key/value cache is our own (`InPlaceLayer` layers in a transformers ``Cache``, through its public
+  constructor), written in place instead of concatenated at every token;
 - a token is drawn by inverting the cumulative distribution with one uniform number per row
   (`draw_tokens`): ``torch.multinomial`` draws an exponential number per vocabulary entry, 37 ms a
   token for 32 rows over SmolLM2's 49152 entries, against about 3 ms.
@@ -15,42 +17,86 @@ default run (2 CPU cores), none of which changes what is sampled beyond float ro
 
 from __future__ import annotations
 
+from typing import Callable, Optional, Sequence
+
 import torch
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer
 
 from gtpo_kernels.hf import cache_kwarg, prompt_pass
+from gtpo_kernels.hf.model_config import unwrap
 
 
-class _InPlaceLayer(DynamicLayer):
-    """A ``DynamicLayer`` whose keys and values live in a buffer with room for the tokens still to come, so
-    that each decoding step writes one position in place. The plain layer concatenates its whole cache at
-    every token (``torch.cat``: a quarter of the sampling time of the default run on a 2-core CPU)."""
+class InPlaceLayer(DynamicLayer):
+    """A cache layer whose keys and values live in a buffer with room for the tokens still to come, so that each
+    decoding step writes one position in place (transformers' plain `DynamicLayer` concatenates its whole cache at
+    every token, ``torch.cat``: a quarter of the sampling time of the default run on a 2-core CPU). Built by
+    `holding` from a prompt pass's keys and values; a step past the reserved room doubles the buffer."""
 
-    def reserve(self, extra: int) -> None:
-        batch, heads, length, dim = self.keys.shape
-        self._key_buffer = self.keys.new_empty(batch, heads, length + extra, dim)
-        self._value_buffer = self.values.new_empty(batch, heads, length + extra, self.values.shape[-1])
-        self._key_buffer[:, :, :length] = self.keys
-        self._value_buffer[:, :, :length] = self.values
+    @classmethod
+    def holding(cls, keys: torch.Tensor, values: torch.Tensor, extra: int) -> InPlaceLayer:
+        """A layer holding ``keys, values`` (``[B, heads, S, dim]``) with room for ``extra`` more positions."""
+        layer = cls()
+        layer.lazy_initialization(keys, values)
+        layer._key_buffer = layer._room(keys, extra)
+        layer._value_buffer = layer._room(values, extra)
+        layer.keys, layer.values = (
+            layer._key_buffer[:, :, : keys.shape[-2]],
+            layer._value_buffer[:, :, : keys.shape[-2]],
+        )
+        return layer
+
+    @staticmethod
+    def _room(states: torch.Tensor, extra: int) -> torch.Tensor:
+        batch, heads, length, dim = states.shape
+        buffer = states.new_empty(batch, heads, length + extra, dim)
+        buffer[:, :, :length] = states
+        return buffer
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         start = self.keys.shape[-2]  # the keys are always the buffer's filled part
         end = start + key_states.shape[-2]
-        if end > self._key_buffer.shape[-2]:  # more tokens than reserved: grow as the plain layer does
-            self.__class__ = DynamicLayer
-            return self.update(key_states, value_states, *args, **kwargs)
+        if end > self._key_buffer.shape[-2]:  # more tokens than reserved: twice the room
+            self._key_buffer = self._room(self.keys, max(end - start, start))
+            self._value_buffer = self._room(self.values, max(end - start, start))
         self._key_buffer[:, :, start:end] = key_states
         self._value_buffer[:, :, start:end] = value_states
         self.keys, self.values = self._key_buffer[:, :, :end], self._value_buffer[:, :, :end]
         return self.keys, self.values
 
 
-def _reserve(cache, extra: int) -> None:
-    """Room for ``extra`` more positions in each plain layer of ``cache`` (other kinds are left as they are)."""
-    for layer in getattr(cache, "layers", ()):
-        if type(layer) is DynamicLayer and layer.is_initialized and layer.keys.numel():
-            layer.__class__ = _InPlaceLayer
-            layer.reserve(extra)
+def in_place_cache(cache: Cache, extra: int) -> Cache:
+    """A new ``Cache`` of ``cache``'s layers, each plain one (`DynamicLayer`) replaced by an `InPlaceLayer` holding
+    its keys and values with room for ``extra`` more positions; other kinds (sliding windows, recurrent states)
+    are kept as they are."""
+    layers = [
+        InPlaceLayer.holding(layer.keys, layer.values, extra)
+        if type(layer) is DynamicLayer and layer.is_initialized and layer.keys.numel()
+        else layer
+        for layer in cache.layers
+    ]
+    return Cache(layers=layers)
+
+
+def cut_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
+    """``logits [R, V]`` (already divided by the temperature) with the tokens a truncated sampler leaves out set to
+    ``-inf``, in transformers' order: the ``top_k`` most likely tokens (0: all), then the smallest set whose
+    probability reaches ``top_p`` (1: all), then those whose probability is at least ``min_p`` times the most likely
+    one's (0: all). The most likely token is always kept."""
+    logits = logits.float()
+    if top_k and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        before = probs.cumsum(-1) - probs  # the probability of the tokens more likely than each
+        drop = before >= top_p  # the first token past the mass is kept, the rest dropped
+        drop[:, 0] = False
+        logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+    if min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, float("-inf"))
+    return logits
 
 
 # The vocabulary is searched in blocks of this many entries: the block, then the entry within it.
@@ -98,49 +144,71 @@ def sample(
     max_new_tokens: int,
     *,
     temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
     greedy: bool = False,
     greedy_first: bool = False,
-    eos_token_id: int,
+    eos_token_id,
     pad_token_id: int,
+    stops: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
     on_token=None,
-    in_place_cache: bool = True,
+    in_place: bool = True,
     share_prefix: bool = True,
-) -> torch.Tensor:
-    """``[B * n, T]`` completion ids (``T <= max_new_tokens``; after a row's EOS, ``pad_token_id``), the ``n``
-    completions of prompt ``b`` in rows ``b * n .. b * n + n - 1``.
+    with_lengths: bool = False,
+):
+    """``[B * n, T]`` completion ids (``T <= max_new_tokens``; after a row's end, ``pad_token_id``), the ``n``
+    completions of prompt ``b`` in rows ``b * n .. b * n + n - 1``; with ``with_lengths``, also ``[B * n]`` lengths:
+    each row's tokens up to and including the one that ended it (``T`` for a row that did not end).
 
     ``prompt_ids, prompt_mask``: ``[B, P]``, left-padded. Sampling draws from ``softmax(logits / temperature)``
-    with the global torch generator (seed it for reproducible rollouts); ``greedy`` takes the argmax;
-    ``greedy_first`` takes it for the first of each prompt's ``n`` rows only (an evaluation's greedy answer
-    and its samples from one prompt pass). ``on_token(t)`` is called after the ``t``-th new token (progress).
-    A prefix every prompt starts with runs once (`gtpo_kernels.hf.prompt_pass`) unless ``share_prefix`` is False.
+    cut by ``top_k``, ``top_p``, ``min_p`` (`cut_logits`) with the global torch generator (seed it for reproducible
+    rollouts); ``greedy`` takes the argmax; ``greedy_first`` takes it for the first of each prompt's ``n`` rows only
+    (an evaluation's greedy answer and its samples from one prompt pass). A row ends at any of ``eos_token_id`` (an
+    id or several), or where ``stops(tokens [R, t], open [R])`` says (a stop string: `StopStrings`).
+    ``on_token(t)`` is called after the ``t``-th new token (progress). A prefix every prompt starts with runs once
+    (`gtpo_kernels.hf.prompt_pass`) unless ``share_prefix`` is False; ``in_place=False`` keeps transformers' own
+    cache layers (the same tokens, slower).
     """
+    model = unwrap(model)  # a PeftModel's forward does not take the cache argument by its current name
     cache_kw = cache_kwarg(model)
     out, cache, attention, positions = prompt_pass(
         model, prompt_ids, prompt_mask, logits_to_keep=1, share_prefix=share_prefix
     )
     logits = out.logits[:, -1]
     cache.batch_repeat_interleave(n)
-    if in_place_cache:
-        _reserve(cache, max_new_tokens)
+    if in_place:
+        cache = in_place_cache(cache, max_new_tokens)
     logits = logits.repeat_interleave(n, 0)
     attention = attention.repeat_interleave(n, 0)
     positions = positions.repeat_interleave(n, 0)
-    finished = torch.zeros(attention.shape[0], dtype=torch.bool, device=prompt_ids.device)
+    rows = attention.shape[0]
+    device = prompt_ids.device
+    eos = torch.as_tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=device)
+    finished = torch.zeros(rows, dtype=torch.bool, device=device)
+    lengths = torch.full((rows,), max_new_tokens, dtype=torch.long, device=device)
     tokens = []
-    first_rows = (torch.arange(attention.shape[0], device=prompt_ids.device) % n == 0) if greedy_first else None
+    first_rows = (torch.arange(rows, device=device) % n == 0) if greedy_first else None
+    cut = top_k > 0 or top_p < 1.0 or min_p > 0.0
     for step in range(max_new_tokens):
         if greedy:
             next_token = logits.argmax(dim=-1)
         else:
-            next_token = draw_tokens(logits, temperature)
+            if cut:
+                next_token = draw_tokens(cut_logits(logits.float() / temperature, top_k, top_p, min_p))
+            else:
+                next_token = draw_tokens(logits, temperature)
             if first_rows is not None:
                 next_token = torch.where(first_rows, logits.argmax(dim=-1), next_token)
         next_token = torch.where(finished, torch.full_like(next_token, pad_token_id), next_token)
         tokens.append(next_token)
         if on_token is not None:
             on_token(step + 1)
-        finished |= next_token == eos_token_id
+        ended = ~finished & torch.isin(next_token, eos)
+        if stops is not None:
+            ended |= ~finished & stops(torch.stack(tokens, dim=1), ~finished)
+        lengths = torch.where(ended, step + 1, lengths)
+        finished |= ended
         if bool(finished.all()) or step == max_new_tokens - 1:
             break
         attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
@@ -153,4 +221,22 @@ def sample(
         )
         positions = positions + 1
         logits = out.logits[:, -1]
-    return torch.stack(tokens, dim=1)
+    completion = torch.stack(tokens, dim=1)
+    return (completion, lengths.clamp(max=completion.shape[1])) if with_lengths else completion
+
+
+class StopStrings:
+    """``stops`` for `sample`: whether each open row's text, decoded so far, contains one of ``strings`` (the row
+    then ends with the token that completed it). Only the tail that can hold a new match is decoded: the last
+    ``max(len(string)) + 8`` tokens (a token holds at least one character, save a few byte-level pieces)."""
+
+    def __init__(self, tokenizer, strings: Sequence[str]) -> None:
+        self.tokenizer, self.strings = tokenizer, list(strings)
+        self.window = max(map(len, self.strings)) + 8
+
+    def __call__(self, tokens: torch.Tensor, open_rows: torch.Tensor) -> torch.Tensor:
+        hit = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
+        for r in open_rows.nonzero().flatten().tolist():
+            tail = self.tokenizer.decode(tokens[r, -self.window :], skip_special_tokens=True)
+            hit[r] = any(s in tail for s in self.strings)
+        return hit

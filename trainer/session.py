@@ -12,14 +12,19 @@ import torch
 from torch import nn
 
 from gtpo_kernels import GTPOConfig
-from gtpo_kernels.hf import check_hidden_states_supported
+from gtpo_kernels.fused_chunks import LogitTransform
+from gtpo_kernels.hf import head_logit_transform
+from gtpo_kernels.hf.model_config import unwrap
 
-from .checkpoint import RunState, save_checkpoint
+from .adapters import add_lora, frozen_reference
+from .checkpoint import RunState, write_checkpoint
 from .config import ConfigError, TrainConfig
 from .distributed import Distributed, full_parameters, full_state, wrap
 from .evaluation import evaluate
 from .model import load_model_and_tokenizer, use_grouped_query_attention_on_cpu
+from .optimizer import PolicyOptimizer
 from .precision import uses_bf16
+from .report import save_model
 from .stopping import StopRequests
 from .task import Task
 from .update import PolicyLoss
@@ -64,7 +69,8 @@ def step_rows(train_set, step: int, config: TrainConfig, dist: Distributed) -> D
 @dataclass
 class Session:
     """What every step of a run works with, fixed once the run is loaded: the trainer's and the loss's settings,
-    the processes, the model, its loss as a (wrapped) module and its optimiser, the task, the stop requests."""
+    the processes, the model (a ``PeftModel`` under LoRA), its loss as a (wrapped) module and its optimiser, the
+    frozen reference of ``--beta`` if it needs a copy, the task, the stop requests."""
 
     config: TrainConfig
     loss_config: GTPOConfig
@@ -72,11 +78,12 @@ class Session:
     model: nn.Module
     tokenizer: Any
     policy: nn.Module  # PolicyLoss(model), wrapped for DDP / FSDP
-    optimizer: torch.optim.Optimizer
+    optimizer: PolicyOptimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     task: Task
-    checkpoint_path: Path
     stop: StopRequests
+    head: Optional[LogitTransform] = None  # the head's scale or soft cap, which the fused loss applies
+    reference: Optional[nn.Module] = None  # --beta without LoRA: the starting policy, frozen
 
     def evaluate(self, seed: int, desc: str = "eval") -> Optional[dict]:
         with full_parameters(self.policy):
@@ -84,26 +91,37 @@ class Session:
                 self.model, self.tokenizer, self.task, self.config, self.dist, seed=seed, stop=self.stop, desc=desc
             )
 
-    def checkpoint(self, state: RunState) -> None:
-        model_state, optimizer_state = full_state(self.policy, self.optimizer)  # every process takes part
+    def checkpoint(self, state: RunState, log_rows: list) -> None:
+        """``checkpoint-STEP/`` in the output folder (`checkpoint.write_checkpoint`); every process takes part."""
+        model_state, optimizer_state = full_state(self.policy, self.optimizer)
         if self.dist.is_main:
-            save_checkpoint(
-                self.checkpoint_path,
-                model_state,
+            write_checkpoint(
+                Path(self.config.output_dir),
+                state.step,
+                lambda folder: save_model(self.model, self.tokenizer, model_state, folder),
                 optimizer_state,
-                self.scheduler.state_dict(),
-                state,
-                self.config.to_dict(),
+                {
+                    "step": state.step,
+                    "state": state.to_dict(),
+                    "scheduler": self.scheduler.state_dict(),
+                    "config": self.config.to_dict(),
+                    "log_history": log_rows,
+                },
+                self.config.save_total_limit,
             )
         self.dist.barrier()
 
 
-def load_session(config: TrainConfig, dist: Distributed, task: Task) -> Session:
-    """The model (seeded by ``config.seed``), its loss module wrapped for the processes, the optimiser and
-    the schedule: what a run's steps work with (``python -m bench trainer`` times steps of it)."""
-    checkpoint_path = Path(config.output_dir) / "checkpoint.pt"
+def load_session(config: TrainConfig, dist: Distributed, task: Task, resume_from: Optional[Path] = None) -> Session:
+    """The model (seeded by ``config.seed``; a checkpoint's weights from ``resume_from``), its loss module wrapped
+    for the processes, the optimiser and the schedule: what a run's steps work with (``python -m bench trainer``
+    times steps of it). The optimiser's and schedule's state are the caller's to load."""
     torch.manual_seed(config.seed)
-    model, tokenizer = load_model_and_tokenizer(config.model, dist.device)
+    dtype = torch.bfloat16 if config.model_dtype == "bf16" else torch.float32
+    lora = bool(config.lora_r)
+    model, tokenizer = load_model_and_tokenizer(
+        config.model, dist.device, dtype, weights_from=None if lora else resume_from
+    )
     if config.max_prompt_length is not None:
         lost = task.drop_long_prompts(tokenizer, config.max_prompt_length)
         if dist.is_main and any(lost.values()):
@@ -112,22 +130,24 @@ def load_session(config: TrainConfig, dist: Distributed, task: Task) -> Session:
                 f"{lost['held_out']} held-out rows with longer prompts",
                 flush=True,
             )
-    if dist.device.type == "cpu" and not uses_bf16(config, dist.device):
+    if dist.device.type == "cpu" and not uses_bf16(config, dist.device) and dtype == torch.float32:
         use_grouped_query_attention_on_cpu()
     model.generation_config.pad_token_id = tokenizer.pad_token_id
+    head = check_head(model, config)  # before wrapping: its check runs the model once on a few tokens
+    reference = None
+    if config.beta and not lora:  # the starting policy: this model before any update (not a resumed checkpoint's)
+        reference = frozen_reference(
+            model if resume_from is None else load_model_and_tokenizer(config.model, dist.device, dtype)[0]
+        )
+    if lora:
+        model = add_lora(model, config, resume_from, say=print if dist.is_main else lambda *a: None)
     if config.gradient_checkpointing:  # transformers >= 5.2x renamed it
-        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
-    check_hidden_states_supported(model)  # before wrapping: its check runs the model once on a few tokens
-    policy = wrap(PolicyLoss(model), model.get_decoder().layers, dist, config.fsdp)
-    # fused: one kernel over all parameters; on 2 CPU cores 0.07 s a step for SmolLM2-135M against 0.39 s for
-    # the loop over parameters torch picks on a CPU (the same update, summed in another order).
-    optimizer = torch.optim.AdamW(
-        policy.parameters(),
-        lr=config.learning_rate,
-        betas=(0.9, 0.99),
-        weight_decay=config.weight_decay,
-        fused=dist.device.type in ("cpu", "cuda") or None,
-    )
+        base = unwrap(model)
+        (getattr(base, "activation_checkpointing_enable", None) or base.gradient_checkpointing_enable)()
+        if lora:  # frozen embeddings: the checkpointed layers' input must still carry a gradient
+            base.enable_input_require_grads()
+    policy = wrap(PolicyLoss(model, head), unwrap(model).get_decoder().layers, dist, config.fsdp)
+    optimizer = PolicyOptimizer(policy.parameters(), config, dist.device, master=config.master_weights)
     total_updates = config.steps * config.num_iterations
     return Session(
         config=config,
@@ -137,8 +157,24 @@ def load_session(config: TrainConfig, dist: Distributed, task: Task) -> Session:
         tokenizer=tokenizer,
         policy=policy,
         optimizer=optimizer,
-        scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(config.warmup_steps, total_updates)),
+        scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer.adamw, warmup_cosine(config.warmup_steps, total_updates)),
         task=task,
-        checkpoint_path=checkpoint_path,
         stop=StopRequests(),
+        head=head,
+        reference=reference,
     )
+
+
+def check_head(model, config: TrainConfig) -> Optional[LogitTransform]:
+    """The head's logit transform (a soft cap, a scale) for the fused loss, or None for a plain head; a model whose
+    logits the loss cannot reproduce from its hidden states is one error naming the way out."""
+    if not config.fused_linear:
+        return None  # the loss reads the model's own logits
+    try:
+        found = head_logit_transform(model)
+    except ValueError as exc:
+        raise ConfigError(
+            f"model {config.model!r}: {exc}".splitlines()[0] + " (or train it with --no-fused-linear, which reads "
+            "the model's own logits)"
+        ) from None
+    return None if found is None else found[1]

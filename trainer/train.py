@@ -28,12 +28,14 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .checkpoint import RunState, load_checkpoint, require_checkpoint
+from .adapters import reference_weights
+from .checkpoint import RunState, latest_checkpoint, read_optimizer_state, read_trainer_state
 from .config import ConfigError, TrainConfig, parse_args
-from .distributed import Distributed, full_parameters, full_state, load_full_state
+from .distributed import Distributed, full_parameters, full_state, load_optimizer_state
 from .intervals import metric_intervals
 from .metrics_log import MetricsLog
 from .model import check_model_source
+from .optimizer import check_master_weights
 from .plots import plot_run
 from .precision import autocast
 from .report import print_summary, save_final, summarise
@@ -69,7 +71,7 @@ def run_in(config: TrainConfig, dist: Distributed, run_started: float) -> dict:
         started = time.time()
         stopped, after = train_and_evaluate(session, state, log, started)
         if after is None:  # stopped by a signal: save the last completed step, say how to go on, exit non-zero
-            session.checkpoint(state)
+            session.checkpoint(state, log.rows())
             if dist.is_main:
                 print(
                     f"stopped at step {state.step} of {config.steps} ({stopped.message}); checkpoint saved; resume "
@@ -95,13 +97,16 @@ def start(config: TrainConfig, dist: Distributed) -> Tuple[Session, MetricsLog, 
     check_process_shares(config, dist.world)
     check_model_source(config.model)
     check_trackers(config.report_to)
-    if config.resume:
-        require_checkpoint(out_dir / "checkpoint.pt")
+    check_master_weights(config, dist.world)
+    folder, saved = None, None
+    if config.resume:  # the newest checkpoint, and its state file readable, before anything loads
+        folder = latest_checkpoint(out_dir)
+        saved = read_trainer_state(folder)
     task = load_task(config)
     if dist.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    session = load_session(config, dist, task)
+    session = load_session(config, dist, task, resume_from=folder)
     trackers = Trackers(
         [t for t in config.report_to if t != "none"],
         config.run_name or out_dir.resolve().name,
@@ -115,14 +120,13 @@ def start(config: TrainConfig, dist: Distributed) -> Tuple[Session, MetricsLog, 
         if dist.is_main:
             (out_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=1))
         return session, log, RunState()
-    payload = load_checkpoint(session.checkpoint_path)
-    load_full_state(session.policy, session.optimizer, payload["model"], payload["optimizer"])
-    session.scheduler.load_state_dict(payload["scheduler"])
-    state = RunState.from_dict(payload["state"])
+    load_optimizer_state(session.policy, session.optimizer, read_optimizer_state(folder, saved["optimizer"]))
+    session.scheduler.load_state_dict(saved["scheduler"])
+    state = RunState.from_dict(saved["state"])
     dropped = log.cut_back(state.step, state.eval_step)
     if dist.is_main:
         print(
-            f"resumed from {session.checkpoint_path} at step {state.step}"
+            f"resumed from {folder} at step {state.step}"
             + (f" ({dropped} log rows after it dropped: those steps run again)" if dropped else "")
         )
     return session, log, state
@@ -203,7 +207,7 @@ def train_steps(session: Session, state: RunState, log: MetricsLog, started: flo
             try:
                 row = train_step(session, state, step)
             except Interrupted:  # nothing of this step was applied: the run is at the previous one
-                session.optimizer.zero_grad(set_to_none=True)
+                session.optimizer.zero_grad()
                 return stop.stopped()
             log.append(row)
             state.step = step + 1
@@ -217,7 +221,7 @@ def train_steps(session: Session, state: RunState, log: MetricsLog, started: flo
             bar.set_postfix(**postfix)
             evaluate_if_due(session, state, log)
             if config.save_every and state.step % config.save_every == 0:
-                session.checkpoint(state)
+                session.checkpoint(state, log.rows())
     finally:
         bar.close()
     return None
@@ -230,11 +234,11 @@ def finish(
     config, dist = session.config, session.dist
     log.append(eval_row(session, state.step, after))
     state.eval_step = state.step
-    session.checkpoint(state)
+    session.checkpoint(state, log.rows())
     summary = None
     out_dir = Path(config.output_dir)
     if dist.is_main:
-        save_final(session.model, session.tokenizer, session.policy, out_dir / "final")
+        save_final(session.model, session.tokenizer, session.policy, out_dir / "final", config.merge_lora)
         plot = plot_run(
             log.path,
             out_dir / "training.png",
@@ -287,19 +291,31 @@ def train_step(session: Session, state: RunState, step: int) -> dict:
     old_logprobs = None
     if state.initial_entropy is None or config.num_iterations > 1:
         with full_parameters(policy), autocast(config, dist.device):
-            logp, entropy = token_stats(model, batch, config)
+            logp, entropy = token_stats(model, batch, config, session.head)
         if state.initial_entropy is None:  # the policy's entropy before any update, over all processes
             mask = batch["completion_mask"]
             sums = dist.all_sum(torch.stack([(entropy * mask).sum().double(), mask.sum().double()]))
             state.initial_entropy = float(sums[0] / sums[1].clamp(min=1))
         old_logprobs = logp if config.num_iterations > 1 else None
+    ref_logprobs = None
+    if config.beta:  # the starting policy's log-probs of the rollout: the KL term's reference
+        with full_parameters(policy), autocast(config, dist.device), reference_weights(model, session.reference) as ref:
+            ref_logprobs, _ = token_stats(ref, batch, config, session.head)
     t2 = time.time()
     stepped, losses, grad_norms = 0, [], []
     for iteration in range(config.num_iterations):
         if iteration == 1:
             stop.paused = True  # the first update is applied: finish the step, so the checkpoint stays exact
         result = update(
-            policy, session.optimizer, batch, loss_config, config, dist, old_logprobs, state.initial_entropy
+            policy,
+            session.optimizer,
+            batch,
+            loss_config,
+            config,
+            dist,
+            old_logprobs,
+            state.initial_entropy,
+            ref_logprobs,
         )
         advance_schedule(session.scheduler)
         stepped += result["stepped"]

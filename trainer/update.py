@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import warnings
+from typing import Optional
 
 import torch
 from torch import nn
@@ -16,10 +17,12 @@ from gtpo_kernels import (
     fused_linear_token_logprobs_and_entropy,
     gtpo_loss,
 )
+from gtpo_kernels.fused_chunks import LogitTransform
 from gtpo_kernels.hf import grouped_completion_hidden_states
 
 from .config import TrainConfig
 from .distributed import Distributed, no_sync
+from .optimizer import PolicyOptimizer
 from .precision import autocast
 
 
@@ -53,9 +56,10 @@ class PolicyLoss(nn.Module):
     """The policy's GTPO loss on prompt groups ``groups`` of a rollout batch, as a module: DDP and FSDP see
     the whole computation (decoder, loss, lm_head) as its forward."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, head: Optional[LogitTransform] = None) -> None:
         super().__init__()
         self.model = model
+        self.head = head  # the head's logit scale or soft cap (Gemma 2, Cohere, Granite), applied by the fused loss
 
     def forward(
         self,
@@ -68,6 +72,7 @@ class PolicyLoss(nn.Module):
         initial_entropy,
         num_sequences,
         num_tokens,
+        ref_logprobs=None,
     ):
         g = config.group_size
         rows = slice(groups.start * g, groups.stop * g)
@@ -78,20 +83,28 @@ class PolicyLoss(nn.Module):
             temperature=config.temperature,
             conflict=None if conflict is None else (conflict[0][rows], conflict[1][rows]),
             old_logprobs=None if old_logprobs is None else old_logprobs[rows],
+            ref_logprobs=None if ref_logprobs is None else ref_logprobs[rows],
             num_sequences=num_sequences,
             num_tokens=num_tokens,
         )
         ids, mask, advantages = batch["completion_ids"][rows], batch["completion_mask"][rows], batch["advantages"][rows]
         if config.fused_linear:  # never builds the [n, L, V] logits
             hidden, weight, bias = completion_hidden_states(self.model, batch, groups, g)
-            return fused_linear_gtpo_loss(hidden, weight, ids, mask, advantages, lm_head_bias=bias, **common)
+            return fused_linear_gtpo_loss(
+                hidden, weight, ids, mask, advantages, lm_head_bias=bias, **head_arguments(self.head), **common
+            )
         return gtpo_loss(completion_logits(self.model, batch, groups, g), ids, mask, advantages, **common)
 
 
+def head_arguments(head: Optional[LogitTransform]) -> dict:
+    """The fused functions' ``logit_scale`` and ``logit_softcap`` for a head's transform (none: a plain head)."""
+    return {} if head is None else {"logit_scale": head.scale, "logit_softcap": head.softcap}
+
+
 @torch.no_grad()
-def token_stats(model, batch, config: TrainConfig):
-    """Per-token log-probs and entropies of the sampling policy, ``softmax(logits / T)`` (no grad, no logits):
-    old log-probs and the initial entropy."""
+def token_stats(model, batch, config: TrainConfig, head: Optional[LogitTransform] = None):
+    """Per-token log-probs and entropies of ``model``'s ``softmax(logits / T)`` (no grad, no logits): the old
+    log-probs and the initial entropy (the sampling policy), the reference log-probs of ``--beta``."""
     hidden, weight, bias = completion_hidden_states(
         model, batch, slice(0, batch["prompt_ids"].shape[0]), config.group_size
     )
@@ -104,18 +117,20 @@ def token_stats(model, batch, config: TrainConfig):
         lm_head_bias=bias,
         temperature=config.temperature,
         max_chunk_bytes=budget,
+        **head_arguments(head),
     )
 
 
 def update(
     policy: nn.Module,
-    optimizer,
+    optimizer: PolicyOptimizer,
     batch: dict,
     loss_config: GTPOConfig,
     config: TrainConfig,
     dist: Distributed,
     old_logprobs,
     initial_entropy,
+    ref_logprobs=None,
 ) -> dict:
     """One optimiser update from this process's rollout rows: micro-batches of whole prompt groups, the loss of
     each divided by the whole batch's counts (all processes), gradients summed; no step without signal.
@@ -128,7 +143,7 @@ def update(
     if n_groups % config.grad_accum_steps:  # check_process_shares refuses this at start
         raise ValueError(f"{n_groups} prompt groups cannot be split into {config.grad_accum_steps} equal micro-batches")
     per_micro = n_groups // config.grad_accum_steps
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad()
     loss_sum = torch.zeros((), dtype=torch.float64, device=dist.device)
     metrics = []
     for k in range(config.grad_accum_steps):
@@ -141,6 +156,7 @@ def update(
                     loss_config,
                     config,
                     old_logprobs=old_logprobs,
+                    ref_logprobs=ref_logprobs,
                     initial_entropy=initial_entropy,
                     num_sequences=num_sequences,
                     num_tokens=num_tokens,
@@ -154,9 +170,8 @@ def update(
     signal = float(merged.signal_fraction) > 0
     grad_norm = float("nan")
     if signal:  # with no signal every gradient is 0, but Adam's momentum would still move the weights
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), config.max_grad_norm))
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+        grad_norm = optimizer.clip_and_step(config.max_grad_norm)
+    optimizer.zero_grad()
     return {"loss": float(dist.all_sum(loss_sum)), "metrics": merged, "stepped": signal, "grad_norm": grad_norm}
 
 
