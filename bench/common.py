@@ -85,6 +85,15 @@ TIMING_MMAP_THRESHOLD = 32 * 2**20
 MEMORY_MMAP_THRESHOLD = 64 * 2**10
 
 
+def status_bytes(field: str) -> int:
+    """A memory figure of this process from /proc/self/status (``VmRSS``, ``VmHWM``), in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(field)
+
+
 class ResidentPeak:
     """Peak resident memory of this process while active, above what it held on entry (CPU runs).
 
@@ -97,16 +106,8 @@ class ResidentPeak:
         self._stop = threading.Event()
         self._thread = None
 
-    @staticmethod
-    def _status_kb(field: str) -> int:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-        raise OSError(field)
-
     def __enter__(self):
-        self.start = self._status_kb("VmRSS")
+        self.start = status_bytes("VmRSS")
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # reset the high-water mark to the current resident set
@@ -120,12 +121,12 @@ class ResidentPeak:
 
     def _sample(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, self._status_kb("VmRSS"))
+            self.peak = max(self.peak, status_bytes("VmRSS"))
             time.sleep(0.001)
 
     def __exit__(self, *exc) -> None:
         if self._hwm:
-            self.peak = self._status_kb("VmHWM")
+            self.peak = status_bytes("VmHWM")
         else:
             self._stop.set()
             self._thread.join()

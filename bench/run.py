@@ -1,5 +1,5 @@
 """Entry point: ``python -m bench [NAME] [options]``, NAME one of logits (the default), fused_linear, cpu_kernels,
-accuracy, kernels, isa, layouts, fused_work, trainer, tracking (``python -m bench --help`` lists them;
+accuracy, kernels, isa, layouts, fused_work, trainer, tracking, trainer_memory (``python -m bench --help`` lists them;
 ``python -m bench NAME --help`` gives one's options)."""
 
 import sys
@@ -15,6 +15,7 @@ BENCHMARKS = {
     "fused_work": "bench.fused_work",
     "trainer": "bench.trainer",
     "tracking": "bench.tracking",
+    "trainer_memory": "bench.trainer_memory",
 }
 SUMMARIES = {
     "logits": "the loss on materialised logits: eager and compiled PyTorch, our backends, Liger (the default)",
@@ -27,6 +28,7 @@ SUMMARIES = {
     "fused_work": "the fused loss under no_grad and in its backward, against an earlier commit (--before REV)",
     "trainer": "one step of gtpo-train against one of TRL's GRPOTrainer on the same work (TRL: the [trl] extra)",
     "tracking": "what --report-to (TensorBoard, W&B offline, trackio) costs per logged row, against a run's step",
+    "trainer_memory": "peak memory of one gtpo-train step: float32, bf16 weights, LoRA, --beta (default, 0.5B-class)",
 }
 
 

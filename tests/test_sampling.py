@@ -272,3 +272,16 @@ def test_stop_strings_end_a_row_with_the_token_that_completes_them(tiny_model_di
         assert torch.equal(ids[r, :expected], free[r, :expected])
         assert bool((ids[r, expected:] == 0).all())
     assert int(lengths[0]) <= t + 2 and ended >= 1
+
+
+def test_every_eos_id_of_the_generation_config_ends_a_completion(tiny_model_dir):
+    """An instruct model's generation config may list several EOS ids (end of turn, end of text): each ends a
+    completion, with the tokenizer's own."""
+    from trainer.rollout import eos_ids
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model.generation_config.eos_token_id = [7, tokenizer.eos_token_id, 9]
+    assert eos_ids(model, tokenizer) == sorted({7, 9, tokenizer.eos_token_id})
+    model.generation_config.eos_token_id = None
+    assert eos_ids(model, tokenizer) == [tokenizer.eos_token_id]

@@ -521,6 +521,16 @@ def test_cli_errors_are_one_line(tmp_path):
         (["--model", "./nowhere"], "is not a local folder"),
         (["--model", "EMPTY"], "not a folder with a config.json"),
         (["--resume"], "--resume: no checkpoint-STEP folder in"),
+        (["--lora-alpha", "16"], "--lora-alpha sets up LoRA: give its rank with --lora-r"),
+        (["--lora-r", "-1"], "--lora-r must be a non-negative integer"),
+        (["--beta", "-0.1"], "--beta must be a number >= 0"),
+        (["--model-dtype", "fp16"], "--model-dtype must be 'fp32' or 'bf16'"),
+        (["--top-p", "0"], "--top-p must be a number in (0, 1]"),
+        (["--min-p", "1"], "--min-p must be a number in [0, 1)"),
+        (["--top-k", "-2"], "--top-k must be a non-negative integer"),
+        (["--stop", ""], "--stop takes non-empty strings"),
+        (["--save-total-limit", "-1"], "--save-total-limit must be a non-negative integer"),
+        (["--lora-r", "4", "--merge-lora", "--fsdp"], "--merge-lora merges on one process"),
     ],
 )
 def test_every_bad_setting_stops_before_loading_in_one_line(tmp_path, monkeypatch, capsys, setting, message):

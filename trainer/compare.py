@@ -42,7 +42,20 @@ COLLAPSE_RULE = (
 
 # Settings that do not change what a run learns: runs that differ only in these (and the seed) are one variant.
 NOT_A_VARIANT = frozenset(
-    {"seed", "output_dir", "resume", "eval_every", "save_every", "max_minutes", "device", "eval_batch_size"}
+    {
+        "seed",
+        "output_dir",
+        "resume",
+        "eval_every",
+        "save_every",
+        "save_total_limit",
+        "merge_lora",
+        "report_to",
+        "run_name",
+        "max_minutes",
+        "device",
+        "eval_batch_size",
+    }
 )
 # Settings `variant` names in its own words.
 LOSS_SETTINGS = frozenset({"algo", "preset", "conflict_weights", "entropy_filter", "entropy_coef", "entropy_threshold"})

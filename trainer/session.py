@@ -166,15 +166,14 @@ def load_session(config: TrainConfig, dist: Distributed, task: Task, resume_from
 
 
 def check_head(model, config: TrainConfig) -> Optional[LogitTransform]:
-    """The head's logit transform (a soft cap, a scale) for the fused loss, or None for a plain head; a model whose
-    logits the loss cannot reproduce from its hidden states is one error naming the way out."""
-    if not config.fused_linear:
-        return None  # the loss reads the model's own logits
+    """The head's logit transform (a soft cap, a scale), which the fused functions apply, or None for a plain head
+    (the old log-probs, the entropy and the reference always come from the hidden states, whatever
+    --fused-linear says); a model whose logits they cannot reproduce is one error."""
     try:
         found = head_logit_transform(model)
     except ValueError as exc:
         raise ConfigError(
-            f"model {config.model!r}: {exc}".splitlines()[0] + " (or train it with --no-fused-linear, which reads "
-            "the model's own logits)"
+            f"model {config.model!r}: {exc}".splitlines()[0]
+            + " (gtpo-train computes log-probs from the final hidden states through the head)"
         ) from None
     return None if found is None else found[1]

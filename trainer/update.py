@@ -28,7 +28,8 @@ from .precision import autocast
 
 def completion_hidden_states(model, batch, groups: slice, group_size: int):
     """``(hidden [n, L, H], lm_head weight, bias)`` of the completions of prompt groups ``groups``: position
-    ``t`` predicts ``completion_ids[:, t]``. Each prompt runs once and shares its cache with its group."""
+    ``t`` predicts ``completion_ids[:, t]``. Each prompt runs once and shares its cache with its group. The head
+    was checked when the run was loaded (`session.check_head`), its transform found there."""
     rows = slice(groups.start * group_size, groups.stop * group_size)
     return grouped_completion_hidden_states(
         model,
@@ -37,6 +38,7 @@ def completion_hidden_states(model, batch, groups: slice, group_size: int):
         batch["completion_ids"][rows],
         batch["completion_mask"][rows],
         group_size,
+        head_checked=True,
     )
 
 

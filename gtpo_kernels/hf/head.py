@@ -174,6 +174,7 @@ def causal_lm_hidden_states(
     attention_mask: Optional[torch.Tensor] = None,
     *,
     allow_unknown: bool = False,
+    head_checked: bool = False,
     **model_kwargs,
 ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Runs the decoder of a Llama/Qwen2-style causal LM and stops before ``lm_head``.
@@ -186,7 +187,8 @@ def causal_lm_hidden_states(
         ``(hidden [B, T, H], lm_head.weight [V, H], lm_head.bias or None)``: position ``t`` of
         ``hidden`` gives the logits that predict token ``t + 1``, as ``model(...).logits[:, t]`` would.
     """
-    check_hidden_states_supported(model, allow_unknown)
+    if not head_checked:  # (a caller that checked it with `head_logit_transform` applies the transform itself)
+        check_hidden_states_supported(model, allow_unknown)
     base = unwrap(model)
     outputs = decoder_of(base)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **model_kwargs)
     head = linear_head(base)

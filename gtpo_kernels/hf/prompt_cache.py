@@ -141,6 +141,7 @@ def grouped_completion_hidden_states(
     group_size: int,
     *,
     allow_unknown: bool = False,
+    head_checked: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """The hidden states that predict each completion token, running each prompt once per group.
 
@@ -158,11 +159,15 @@ def grouped_completion_hidden_states(
         completion_ids, completion_mask: ``[N, L]``, the ``G`` completions of group ``b`` in rows
             ``b * G .. b * G + G - 1``.
 
+        head_checked: the caller checked the head with `head_logit_transform` and hands its scale or soft cap to
+            the fused functions itself (Gemma 2/3, Cohere, Granite): the plain-head check is skipped.
+
     Returns:
         ``(hidden [N, L, H], lm_head.weight [V, H], lm_head.bias or None)``: ``hidden[:, t]`` gives
-        the logits that predict ``completion_ids[:, t]``.
+        the logits that predict ``completion_ids[:, t]`` (through the head's transform, if any).
     """
-    check_hidden_states_supported(model, allow_unknown)
+    if not head_checked:
+        check_hidden_states_supported(model, allow_unknown)
     n_prompts, n_rows = prompt_ids.shape[0], completion_ids.shape[0]
     if n_rows != n_prompts * group_size:
         raise ValueError(
@@ -192,6 +197,7 @@ def grouped_completion_hidden_states(
             torch.cat([prompt_ids.repeat_interleave(group_size, 0), completion_ids], dim=1),
             attention,
             allow_unknown=allow_unknown,
+            head_checked=head_checked,
             position_ids=(attention.cumsum(1) - 1).clamp(min=0),
         )
         return hidden[:, prompt_ids.shape[1] - 1 : -1], weight, bias
