@@ -22,7 +22,7 @@ class ConfigError(ValueError):
 class TrainConfig:
     # What to train
     model: str = DEFAULT_MODEL  # the built-in SmolLM2-135M-Instruct (works offline), a hub id, or a local folder
-    model_dtype: str = "fp32"  # the weights' dtype: "fp32", or "bf16" (half the memory; see --master-weights)
+    model_dtype: str = "fp32"  # the weights' dtype: "fp32", or "bf16" (weights, gradients, activations in bf16)
     master_weights: bool = True  # --model-dtype bf16: AdamW updates float32 copies (else plain bf16 AdamW)
     lora_r: int = 0  # LoRA's rank through peft: train and save adapters only (0: train every weight)
     lora_alpha: Optional[float] = None  # LoRA's alpha (default: 2 x --lora-r)
@@ -343,7 +343,8 @@ def _parser() -> argparse.ArgumentParser:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
             continue
         if f.name in ("reward", "stop"):  # repeatable, as TRL's reward_funcs is a list
-            parser.add_argument(flag, action="append", default=None, metavar="SPEC", help=text)
+            metavar = "SPEC" if f.name == "reward" else "STRING"
+            parser.add_argument(flag, action="append", default=None, metavar=metavar, help=text)
             continue
         if str(f.type).startswith(("List[", "Optional[List[")):
             kind = float if "float" in str(f.type) else str

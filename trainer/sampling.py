@@ -135,6 +135,13 @@ def draw_tokens(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     return (block * DRAW_BLOCK + entry).squeeze(1)
 
 
+def draw_cut(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """`draw_tokens` from the tempered logits ``[R, V]`` after the cuts of `cut_logits` (none: the plain draw)."""
+    if top_k > 0 or top_p < 1.0 or min_p > 0.0:
+        return draw_tokens(cut_logits(logits.float() / temperature, top_k, top_p, min_p))
+    return draw_tokens(logits, temperature)
+
+
 @torch.no_grad()
 def sample(
     model,
@@ -161,14 +168,11 @@ def sample(
     completions of prompt ``b`` in rows ``b * n .. b * n + n - 1``; with ``with_lengths``, also ``[B * n]`` lengths:
     each row's tokens up to and including the one that ended it (``T`` for a row that did not end).
 
-    ``prompt_ids, prompt_mask``: ``[B, P]``, left-padded. Sampling draws from ``softmax(logits / temperature)``
-    cut by ``top_k``, ``top_p``, ``min_p`` (`cut_logits`) with the global torch generator (seed it for reproducible
-    rollouts); ``greedy`` takes the argmax; ``greedy_first`` takes it for the first of each prompt's ``n`` rows only
-    (an evaluation's greedy answer and its samples from one prompt pass). A row ends at any of ``eos_token_id`` (an
-    id or several), or where ``stops(tokens [R, t], open [R])`` says (a stop string: `StopStrings`).
-    ``on_token(t)`` is called after the ``t``-th new token (progress). A prefix every prompt starts with runs once
-    (`gtpo_kernels.hf.prompt_pass`) unless ``share_prefix`` is False; ``in_place=False`` keeps transformers' own
-    cache layers (the same tokens, slower).
+    ``prompt_ids, prompt_mask``: ``[B, P]``, left-padded. Draws from ``softmax(logits / temperature)`` cut by
+    `cut_logits` with the global torch generator (seed it); ``greedy`` takes the argmax, ``greedy_first`` for each
+    prompt's first row only (an evaluation's greedy answer and samples from one prompt pass). A row ends at any of
+    ``eos_token_id`` (one or several) or where ``stops(tokens [R, t], open [R])`` says (`StopStrings`). ``on_token(t)``
+    follows progress; ``share_prefix=False`` runs every prompt whole, ``in_place=False`` keeps transformers' cache.
     """
     model = unwrap(model)  # a PeftModel's forward does not take the cache argument by its current name
     cache_kw = cache_kwarg(model)
@@ -189,15 +193,11 @@ def sample(
     lengths = torch.full((rows,), max_new_tokens, dtype=torch.long, device=device)
     tokens = []
     first_rows = (torch.arange(rows, device=device) % n == 0) if greedy_first else None
-    cut = top_k > 0 or top_p < 1.0 or min_p > 0.0
     for step in range(max_new_tokens):
         if greedy:
             next_token = logits.argmax(dim=-1)
         else:
-            if cut:
-                next_token = draw_tokens(cut_logits(logits.float() / temperature, top_k, top_p, min_p))
-            else:
-                next_token = draw_tokens(logits, temperature)
+            next_token = draw_cut(logits, temperature, top_k, top_p, min_p)
             if first_rows is not None:
                 next_token = torch.where(first_rows, logits.argmax(dim=-1), next_token)
         next_token = torch.where(finished, torch.full_like(next_token, pad_token_id), next_token)

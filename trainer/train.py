@@ -288,19 +288,7 @@ def train_step(session: Session, state: RunState, step: int) -> dict:
             failed = exc
     stop_together(dist, failed)
     t1 = time.time()
-    old_logprobs = None
-    if state.initial_entropy is None or config.num_iterations > 1:
-        with full_parameters(policy), autocast(config, dist.device):
-            logp, entropy = token_stats(model, batch, config, session.head)
-        if state.initial_entropy is None:  # the policy's entropy before any update, over all processes
-            mask = batch["completion_mask"]
-            sums = dist.all_sum(torch.stack([(entropy * mask).sum().double(), mask.sum().double()]))
-            state.initial_entropy = float(sums[0] / sums[1].clamp(min=1))
-        old_logprobs = logp if config.num_iterations > 1 else None
-    ref_logprobs = None
-    if config.beta:  # the starting policy's log-probs of the rollout: the KL term's reference
-        with full_parameters(policy), autocast(config, dist.device), reference_weights(model, session.reference) as ref:
-            ref_logprobs, _ = token_stats(ref, batch, config, session.head)
+    old_logprobs, ref_logprobs = rollout_logprobs(session, state, batch)
     t2 = time.time()
     stepped, losses, grad_norms = 0, [], []
     for iteration in range(config.num_iterations):
@@ -346,6 +334,26 @@ def train_step(session: Session, state: RunState, step: int) -> dict:
         "time_update": t3 - t2,
         "time_step": time.time() - t0,
     }
+
+
+def rollout_logprobs(session: Session, state: RunState, batch: dict):
+    """``(old_logprobs, ref_logprobs)`` of the rollout, each None where the step needs none: the sampling policy's
+    (with ``--num-iterations`` above 1; on the first step its mean entropy, over all processes, becomes ``state``'s
+    initial entropy) and the starting policy's (``--beta``: the KL term's reference)."""
+    config, dist, model, policy = session.config, session.dist, session.model, session.policy
+    old_logprobs = ref_logprobs = None
+    if state.initial_entropy is None or config.num_iterations > 1:
+        with full_parameters(policy), autocast(config, dist.device):
+            logp, entropy = token_stats(model, batch, config, session.head)
+        if state.initial_entropy is None:  # the policy's entropy before any update, over all processes
+            mask = batch["completion_mask"]
+            sums = dist.all_sum(torch.stack([(entropy * mask).sum().double(), mask.sum().double()]))
+            state.initial_entropy = float(sums[0] / sums[1].clamp(min=1))
+        old_logprobs = logp if config.num_iterations > 1 else None
+    if config.beta:
+        with full_parameters(policy), autocast(config, dist.device), reference_weights(model, session.reference) as ref:
+            ref_logprobs, _ = token_stats(ref, batch, config, session.head)
+    return old_logprobs, ref_logprobs
 
 
 def reward_figures(session: Session, batch: dict) -> dict:
