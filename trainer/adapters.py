@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Optional
@@ -26,7 +27,8 @@ def add_lora(model: nn.Module, config: TrainConfig, resume_from: Optional[Path] 
 
         check_weight_files(resume_from)
         try:
-            return PeftModel.from_pretrained(model, resume_from, is_trainable=True)
+            with _quiet_peft():
+                return PeftModel.from_pretrained(model, resume_from, is_trainable=True)
         except (OSError, ValueError, KeyError) as exc:
             raise ConfigError(f"--resume: could not load the adapter in {resume_from}: {exc}".splitlines()[0]) from None
     head = _head_name(model)
@@ -45,9 +47,19 @@ def add_lora(model: nn.Module, config: TrainConfig, resume_from: Optional[Path] 
         task_type="CAUSAL_LM",
     )
     try:
-        return get_peft_model(model, lora)
+        with _quiet_peft():
+            return get_peft_model(model, lora)
     except ValueError as exc:  # e.g. a target module the model does not have
         raise ConfigError(f"--lora-target-modules: {exc}".splitlines()[0]) from None
+
+
+@contextmanager
+def _quiet_peft():
+    """peft asks transformers >= 5.2x for ``is_gradient_checkpointing``, which warns that v6 renames it: peft's call,
+    not one the user can act on."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
 
 
 def _head_name(model: nn.Module) -> Optional[str]:
