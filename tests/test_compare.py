@@ -169,3 +169,17 @@ def test_ablation_flags_reach_the_loss():
         TrainConfig(entropy_threshold=0.5, entropy_filter=False)
     with pytest.raises(ConfigError, match="--entropy-coef"):
         TrainConfig(entropy_coef=-1.0)
+
+
+def test_a_setting_an_older_run_lacks_counts_at_its_default():
+    """A run saved before --lora-r existed trained every weight: against a LoRA run the two differ in lora_r (and a
+    run that sets a setting to its default does not differ from one that lacks it)."""
+    from trainer.compare import differing_settings
+
+    old, lora, plain = (
+        {"seed": 0, "learning_rate": 2e-5},
+        {"seed": 1, "learning_rate": 2e-5, "lora_r": 16},
+        {"lora_r": 0},
+    )
+    assert differing_settings([old, lora]) == ["lora_r"]
+    assert differing_settings([{**old}, {**old, **plain}]) == []

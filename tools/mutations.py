@@ -445,6 +445,14 @@ MUTANTS: Tuple[Mutant, ...] = (
         "a decoding step past the reserved room grows the buffer, with the keys of transformers' own layer",
     ),
     Mutant(
+        "compare: a setting an older run lacks left out of the comparison",
+        "trainer/compare.py",
+        "    known = [with_defaults(c) for c in configs if c]",
+        "    known = [c for c in configs if c]",
+        ("tests/test_compare.py::test_a_setting_an_older_run_lacks_counts_at_its_default",),
+        "a LoRA run against full-training runs saved before --lora-r existed is a variant named by lora_r",
+    ),
+    Mutant(
         "compare: runs at another precision or learning rate pooled with the seeds",
         "trainer/compare.py",
         "    settings = differing_settings([config for _, config in found])",

@@ -20,6 +20,7 @@ against ln 2, the train format reward, the held-out greedy accuracy, pass@k, maj
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from collections import defaultdict
@@ -64,11 +65,22 @@ LOSS_SETTINGS = frozenset({"algo", "preset", "conflict_weights", "entropy_filter
 def differing_settings(configs: List[Optional[dict]]) -> List[str]:
     """The settings, in every given ``config.json``, whose values differ between the runs, but for `NOT_A_VARIANT`
     and `LOSS_SETTINGS`."""
-    known = [c for c in configs if c]
+    known = [with_defaults(c) for c in configs if c]
     if len(known) < 2:
         return []
     shared = set.intersection(*(set(c) for c in known)) - NOT_A_VARIANT - LOSS_SETTINGS
     return sorted(k for k in shared if len({json.dumps(c[k], sort_keys=True) for c in known}) > 1)
+
+
+def with_defaults(config: dict) -> dict:
+    """``config`` with each setting it lacks at the trainer's default: a run saved before a setting existed ran as
+    its default does (a LoRA run against older full-training runs differs in ``lora_r``, not only in its rate)."""
+    from .config import TrainConfig
+
+    defaults = {}
+    for f in dataclasses.fields(TrainConfig):
+        defaults[f.name] = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    return {**defaults, **config}
 
 
 def _setting(value) -> str:
@@ -90,7 +102,7 @@ def variant(summary: dict, config: Optional[dict], settings: List[str] = ()) -> 
         extras.append(f"gamma={config['entropy_coef']:g}")
     if config.get("entropy_threshold") is not None:
         extras.append(f"tau={config['entropy_threshold']:g}")
-    extras += [f"{name}={_setting(config.get(name))}" for name in settings]
+    extras += [f"{name}={_setting(with_defaults(config).get(name))}" for name in settings]
     return label + (f" ({', '.join(extras)})" if extras else "")
 
 
