@@ -21,6 +21,7 @@ from .checkpoint import RunState, write_checkpoint
 from .config import ConfigError, TrainConfig
 from .distributed import Distributed, full_parameters, full_state, wrap
 from .evaluation import evaluate
+from .metrics_log import MetricsLog
 from .model import load_model_and_tokenizer, use_grouped_query_attention_on_cpu
 from .optimizer import PolicyOptimizer
 from .precision import uses_bf16
@@ -91,8 +92,9 @@ class Session:
                 self.model, self.tokenizer, self.task, self.config, self.dist, seed=seed, stop=self.stop, desc=desc
             )
 
-    def checkpoint(self, state: RunState, log_rows: list) -> None:
-        """``checkpoint-STEP/`` in the output folder (`checkpoint.write_checkpoint`); every process takes part."""
+    def checkpoint(self, state: RunState, log: MetricsLog) -> None:
+        """``checkpoint-STEP/`` in the output folder (`checkpoint.write_checkpoint`), with ``log``'s rows; every
+        process takes part in gathering the state, process 0 writes."""
         model_state, optimizer_state = full_state(self.policy, self.optimizer)
         if self.dist.is_main:
             write_checkpoint(
@@ -105,7 +107,7 @@ class Session:
                     "state": state.to_dict(),
                     "scheduler": self.scheduler.state_dict(),
                     "config": self.config.to_dict(),
-                    "log_history": log_rows,
+                    "log_history": log.rows(),
                 },
                 self.config.save_total_limit,
             )

@@ -71,7 +71,7 @@ def run_in(config: TrainConfig, dist: Distributed, run_started: float) -> dict:
         started = time.time()
         stopped, after = train_and_evaluate(session, state, log, started)
         if after is None:  # stopped by a signal: save the last completed step, say how to go on, exit non-zero
-            session.checkpoint(state, log.rows())
+            session.checkpoint(state, log)
             if dist.is_main:
                 print(
                     f"stopped at step {state.step} of {config.steps} ({stopped.message}); checkpoint saved; resume "
@@ -221,7 +221,7 @@ def train_steps(session: Session, state: RunState, log: MetricsLog, started: flo
             bar.set_postfix(**postfix)
             evaluate_if_due(session, state, log)
             if config.save_every and state.step % config.save_every == 0:
-                session.checkpoint(state, log.rows())
+                session.checkpoint(state, log)
     finally:
         bar.close()
     return None
@@ -234,7 +234,7 @@ def finish(
     config, dist = session.config, session.dist
     log.append(eval_row(session, state.step, after))
     state.eval_step = state.step
-    session.checkpoint(state, log.rows())
+    session.checkpoint(state, log)
     summary = None
     out_dir = Path(config.output_dir)
     if dist.is_main:
