@@ -24,7 +24,7 @@ from .evaluation import evaluate
 from .metrics_log import MetricsLog
 from .model import load_model_and_tokenizer, use_grouped_query_attention_on_cpu
 from .optimizer import PolicyOptimizer
-from .precision import uses_bf16
+from .precision import choose_together
 from .report import save_model
 from .stopping import StopRequests
 from .task import Task
@@ -132,7 +132,10 @@ def load_session(config: TrainConfig, dist: Distributed, task: Task, resume_from
                 f"{lost['held_out']} held-out rows with longer prompts",
                 flush=True,
             )
-    if dist.device.type == "cpu" and not uses_bf16(config, dist.device) and dtype == torch.float32:
+    precision = choose_together(config, dist, model)  # measured once here; every later call reuses it
+    if dist.is_main:
+        print(f"precision: {precision.name} ({precision.reason})", flush=True)
+    if dist.device.type == "cpu" and not precision.bf16 and dtype == torch.float32:
         use_grouped_query_attention_on_cpu()
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     head = check_head(model, config)  # before wrapping: its check runs the model once on a few tokens
