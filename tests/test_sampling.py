@@ -1,16 +1,17 @@
 """trainer.sampling: the token draw follows the tempered distribution, and the top-k / top-p / min-p cuts keep the
-tokens they should; decoding with our own key/value cache written in place, and with a shared prompt prefix run
-once, gives the tokens of transformers' own cache and of the plain way (they are only faster); a cache that runs
-out of reserved room keeps growing; a row ends at any EOS id or stop string, and nothing after it is kept."""
+tokens they should; our own decoding step on our own key/value cache gives the logits of the model's whole-sequence
+forward (Llama, Qwen2, Qwen3; with a shared prefix read once) and the tokens of transformers' own cache, a shared
+prompt prefix run once the tokens of the plain way (they are only faster); models it does not take, and a compiler
+that fails, fall back; a row ends at any EOS id or stop string, and nothing after it is kept."""
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
-from transformers.cache_utils import DynamicLayer  # noqa: E402
-
-from trainer.sampling import DRAW_BLOCK, InPlaceLayer, StopStrings, cut_logits, draw_tokens, sample  # noqa: E402
+from gtpo_kernels.hf import prefix_run_once, prompt_pass  # noqa: E402
+from trainer.decode import Decoder, KVCache, decoder_issue  # noqa: E402
+from trainer.sampling import DRAW_BLOCK, StopStrings, cut_logits, draw_tokens, sample  # noqa: E402
 
 inf = float("inf")
 
@@ -20,14 +21,32 @@ def tiny_model(tiny_model_dir):
     return transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
 
 
+def prefixed_prompts(vocab_size, seed=4, prefix_length=24):
+    """Two left-padded prompts that share their first ``prefix_length`` tokens, then differ (in length too)."""
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(4, vocab_size, (prefix_length,), generator=g)
+    ids = torch.stack(
+        [
+            torch.cat([torch.zeros(2, dtype=torch.long), prefix, torch.tensor([7, 8])]),
+            torch.cat([prefix, torch.tensor([9, 10, 11, 12])]),
+        ]
+    )
+    return ids, (torch.arange(ids.shape[1]) >= torch.tensor([[2], [0]])).long()
+
+
 @pytest.mark.parametrize("greedy", [False, True], ids=["sampled", "greedy"])
-def test_in_place_cache_gives_the_same_tokens(tiny_model, greedy):
-    g = torch.Generator().manual_seed(1)
-    prompt_ids = torch.randint(4, tiny_model.config.vocab_size, (3, 7), generator=g)
-    prompt_mask = torch.ones_like(prompt_ids)
-    prompt_mask[1, :3] = 0  # left padding
+@pytest.mark.parametrize("prompts", ["own", "shared-prefix"])
+def test_our_decoder_gives_the_tokens_of_transformers_cache(tiny_model, greedy, prompts):
+    if prompts == "own":
+        g = torch.Generator().manual_seed(1)
+        prompt_ids = torch.randint(4, tiny_model.config.vocab_size, (3, 7), generator=g)
+        prompt_mask = torch.ones_like(prompt_ids)
+        prompt_mask[1, :3] = 0  # left padding
+    else:
+        prompt_ids, prompt_mask = prefixed_prompts(tiny_model.config.vocab_size)
+    assert decoder_issue(tiny_model) is None  # the path under test is ours
     runs = []
-    for in_place in (False, True):
+    for own_cache in (False, True):
         torch.manual_seed(0)
         runs.append(
             sample(
@@ -40,24 +59,110 @@ def test_in_place_cache_gives_the_same_tokens(tiny_model, greedy):
                 greedy=greedy,
                 eos_token_id=tiny_model.config.eos_token_id,
                 pad_token_id=0,
-                in_place=in_place,
+                own_cache=own_cache,
             )
         )
-    assert runs[0].shape[0] == 12 and runs[0].shape[1] >= 2
+    assert runs[0].shape[0] == 4 * prompt_ids.shape[0] and runs[0].shape[1] >= 2
     assert torch.equal(runs[0], runs[1])
 
 
-def test_layer_grows_past_its_reserve():
-    keys = [torch.randn(2, 3, n, 4) for n in (5, 1, 1, 2, 9)]
-    values = [torch.randn(2, 3, n, 4) for n in (5, 1, 1, 2, 9)]
-    plain = DynamicLayer()
-    plain.update(keys[0], values[0])
-    in_place = InPlaceLayer.holding(keys[0], values[0], 2)  # room for two positions, then 11 more than reserved
-    for k, v in zip(keys[1:], values[1:]):
-        expected = plain.update(k, v)
-        got = in_place.update(k, v)
-        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
-    assert in_place.get_seq_length() == 18
+def tiny_family_model(kind):
+    """A 2-layer model of ``kind`` (random weights): Llama, Qwen2 (biased q/k/v), Qwen3 (per-head q/k norms)."""
+    config_class = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}[kind]
+    model_class = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[kind]
+    config = getattr(transformers, config_class)(
+        vocab_size=97,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        rope_theta=500.0,
+    )
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(config).eval()
+    with torch.no_grad():  # biases and norms away from their zeros and ones, so that leaving one out shows
+        for name, p in model.named_parameters():
+            if "bias" in name or "norm" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("prefix", [0, 24], ids=["own-prompts", "shared-prefix"])
+def test_decode_step_logits_equal_the_whole_sequence_forward(kind, prefix):
+    model = tiny_family_model(kind)
+    assert decoder_issue(model) is None
+    ids, mask = prefixed_prompts(97)
+    n, steps = 2, 5
+    with torch.no_grad():
+        out, cache, attention, lengths = prompt_pass(model, ids, mask, logits_to_keep=1, share_prefix=bool(prefix))
+        assert prefix_run_once(model, ids, mask, bool(prefix)) == prefix
+        kv = KVCache.from_prompts(cache, attention, n, steps, prefix)
+        assert kv.prefix == prefix
+        decoder = Decoder(model)
+        g = torch.Generator().manual_seed(2)
+        new = torch.randint(4, 97, (ids.shape[0] * n, steps), generator=g)
+        positions = lengths.repeat_interleave(n, 0)
+        rows_ids, rows_mask = ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
+        for t in range(steps):
+            got = decoder(kv, new[:, t], positions + t, torch.tensor([attention.shape[1] - prefix + t]))
+            whole = torch.cat([rows_ids, new[:, : t + 1]], 1)
+            whole_mask = torch.cat([rows_mask, torch.ones_like(new[:, : t + 1])], 1)
+            expected = model(
+                input_ids=whole, attention_mask=whole_mask, position_ids=(whole_mask.cumsum(1) - 1).clamp(min=0)
+            ).logits[:, -1]
+            assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+def test_models_our_decoder_does_not_take_decode_through_transformers():
+    llama = tiny_family_model("llama")
+    gpt2 = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=97, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+    ).eval()
+    assert "model type 'gpt2'" in decoder_issue(gpt2)
+    sliding = transformers.Qwen2ForCausalLM(
+        transformers.Qwen2Config(
+            vocab_size=97,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            use_sliding_window=True,
+            sliding_window=8,
+            max_window_layers=0,
+        )
+    )
+    assert "sliding-window" in decoder_issue(sliding)
+    del llama.model.rotary_emb
+    assert "no rotary_emb" in decoder_issue(llama)
+    ids, mask = prefixed_prompts(97)
+    torch.manual_seed(0)
+    tokens = sample(gpt2, ids, mask, 2, 6, eos_token_id=0, pad_token_id=0)
+    assert tokens.shape[0] == 4 and bool((tokens < 97).all())
+
+
+def test_a_step_the_compiler_cannot_take_falls_back_to_the_eager_step(monkeypatch):
+    model = tiny_family_model("llama")
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("the compiler gave up")
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: failing)
+    ids, mask = prefixed_prompts(97)
+    compiled, eager = Decoder(model, compile=True), Decoder(model)
+    with torch.no_grad():
+        out, cache, attention, lengths = prompt_pass(model, ids, mask, logits_to_keep=1)
+        tokens, index = torch.tensor([5, 6]), torch.tensor([attention.shape[1] - 24])
+        caches = [KVCache.from_prompts(cache, attention, 1, 3, 24) for _ in range(2)]
+        with pytest.warns(UserWarning, match="the compiler gave up.*decoding eagerly"):
+            got = compiled(caches[0], tokens, lengths, index)
+        expected = eager(caches[1], tokens, lengths, index)
+    assert torch.equal(got, expected)
+    assert "RuntimeError: the compiler gave up" == compiled.compile_issue
 
 
 def test_draw_tokens_follows_the_tempered_distribution():
@@ -128,15 +233,7 @@ def test_the_highest_draw_stays_in_its_block_when_the_block_sums_round_apart(mon
 
 @pytest.mark.parametrize("greedy", [False, True], ids=["sampled", "greedy"])
 def test_shared_prefix_gives_the_same_tokens(tiny_model, greedy):
-    g = torch.Generator().manual_seed(4)
-    prefix = torch.randint(4, tiny_model.config.vocab_size, (24,), generator=g)
-    ids = torch.stack(
-        [
-            torch.cat([torch.zeros(2, dtype=torch.long), prefix, torch.tensor([7, 8])]),
-            torch.cat([prefix, torch.tensor([9, 10, 11, 12])]),
-        ]
-    )
-    mask = (torch.arange(ids.shape[1]) >= torch.tensor([[2], [0]])).long()
+    ids, mask = prefixed_prompts(tiny_model.config.vocab_size)
     runs = []
     for share_prefix in (False, True):
         torch.manual_seed(0)

@@ -120,7 +120,12 @@ def evaluate(
     acc = task.reward_names.index(task.accuracy_reward)
     # Progress on stderr, in a terminal only: rows done, and the token the current batch is at.
     bar = tqdm(total=len(mine), desc=desc, unit="problem", leave=False, disable=None if dist.is_main else True)
-    on_token = lambda t: bar.set_postfix_str(f"token {t}/{config.max_new_tokens}", refresh=t % 4 == 0)  # noqa: E731
+
+    def on_token(t: int) -> None:
+        bar.set_postfix_str(f"token {t}/{config.max_new_tokens}", refresh=t % 4 == 0)
+        if stop is not None and dist.world == 1:  # one process stops within a token of a request
+            stop.check()
+
     stopped, failed = False, None
     for start in range(0, len(mine), config.eval_batch_size):
         if stop is not None and stop.requested:

@@ -67,6 +67,8 @@ def generate(
         stops=StopStrings(tokenizer, config.stop) if config.stop else None,
         on_token=on_token,
         with_lengths=True,
+        own_cache=not config.fsdp,  # FSDP's hooks gather the weights around whole layers, which our step goes inside
+        compile=compiles_decode(config, device),
     )
     completion_mask = torch.arange(completion_ids.shape[1], device=device)[None] < lengths[:, None]
     texts = tokenizer.batch_decode(
@@ -79,6 +81,12 @@ def generate(
         "completion_mask": completion_mask,
         "texts": texts,
     }
+
+
+def compiles_decode(config: TrainConfig, device) -> bool:
+    """Whether the sampler's step runs under torch.compile: ``--compile-decode on``, or ``auto`` on a GPU (on a
+    CPU the compile takes minutes, more than it saves in a run: bench/results/sampler-cpu.md)."""
+    return config.compile_decode == "on" or (config.compile_decode == "auto" and torch.device(device).type == "cuda")
 
 
 def score_completions(task: Task, rows: Dict[str, list], batch: dict, n: int) -> torch.Tensor:
@@ -96,11 +104,22 @@ def score_completions(task: Task, rows: Dict[str, list], batch: dict, n: int) ->
     )
 
 
-def rollout(model, tokenizer, task: Task, rows: Dict[str, List], config: TrainConfig, loss_config: GTPOConfig, device):
+def rollout(
+    model,
+    tokenizer,
+    task: Task,
+    rows: Dict[str, List],
+    config: TrainConfig,
+    loss_config: GTPOConfig,
+    device,
+    on_token=None,
+):
     """This process's share of a step's batch (``rows``: its prompts' dataset rows): completions, each reward's
     values (``scores``, NaN where a reward returned None), their weighted sum, advantages and the conflict weights
-    of its whole prompt groups."""
-    batch = generate(model, tokenizer, task, rows[task.prompt_column], config.group_size, config, device)
+    of its whole prompt groups. ``on_token(t)`` is called after each decoded token."""
+    batch = generate(
+        model, tokenizer, task, rows[task.prompt_column], config.group_size, config, device, on_token=on_token
+    )
     batch["scores"] = score_completions(task, rows, batch, config.group_size)
     batch["rewards"] = combine(batch["scores"], task.weights).to(device)
     batch["advantages"] = compute_advantages(

@@ -3,16 +3,15 @@
 ``model.generate(num_return_sequences=n)`` repeats every prompt n times before the first forward, so a
 200-token prompt with 8 samples costs 8 prompt passes; here it costs one, then a plain decoding loop
 (temperature sampling with optional top-k / top-p / min-p cuts, or greedy) over the n continuations, which ends a
-row at any of the model's EOS ids or, if asked, at a stop string. Three more savings, each measured on the default
-run (2 CPU cores), none of which changes what is sampled beyond float rounding:
+row at any of the model's EOS ids or, if asked, at a stop string. Three more savings, none of which changes what is
+sampled beyond float rounding (their measurements: ``python -m bench sampler``, bench/results/):
 
-- the tokens every prompt of a batch starts with (the system prompt and the worked examples: 188 of
-  about 218 tokens) run once for the whole batch (`gtpo_kernels.hf.prompt_pass`);
-- the key/value cache is our own (`InPlaceLayer` layers in a transformers ``Cache``, through its public
-  constructor), written in place instead of concatenated at every token;
+- the tokens every prompt of a batch starts with (a system prompt, worked examples) run once for the whole
+  batch (`gtpo_kernels.hf.prompt_pass`), and while decoding their keys and values are read once for every row;
+- the decoding step is our own, on our own preallocated key/value cache (`decode.Decoder`, `decode.KVCache`):
+  no transformers module, mask or cache call per token and layer;
 - a token is drawn by inverting the cumulative distribution with one uniform number per row
-  (`draw_tokens`): ``torch.multinomial`` draws an exponential number per vocabulary entry, 37 ms a
-  token for 32 rows over SmolLM2's 49152 entries, against about 3 ms.
+  (`draw_tokens`): ``torch.multinomial`` draws an exponential number per vocabulary entry.
 """
 
 from __future__ import annotations
@@ -20,61 +19,11 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
 
-from gtpo_kernels.hf import cache_kwarg, prompt_pass
+from gtpo_kernels.hf import cache_kwarg, prefix_run_once, prompt_pass
 from gtpo_kernels.hf.model_config import unwrap
 
-
-class InPlaceLayer(DynamicLayer):
-    """A cache layer whose keys and values live in a buffer with room for the tokens still to come, so that each
-    decoding step writes one position in place (transformers' plain `DynamicLayer` concatenates its whole cache at
-    every token, ``torch.cat``: a quarter of the sampling time of the default run on a 2-core CPU). Built by
-    `holding` from a prompt pass's keys and values; a step past the reserved room doubles the buffer."""
-
-    @classmethod
-    def holding(cls, keys: torch.Tensor, values: torch.Tensor, extra: int) -> InPlaceLayer:
-        """A layer holding ``keys, values`` (``[B, heads, S, dim]``) with room for ``extra`` more positions."""
-        layer = cls()
-        layer.lazy_initialization(keys, values)
-        layer._key_buffer = layer._room(keys, extra)
-        layer._value_buffer = layer._room(values, extra)
-        layer.keys, layer.values = (
-            layer._key_buffer[:, :, : keys.shape[-2]],
-            layer._value_buffer[:, :, : keys.shape[-2]],
-        )
-        return layer
-
-    @staticmethod
-    def _room(states: torch.Tensor, extra: int) -> torch.Tensor:
-        batch, heads, length, dim = states.shape
-        buffer = states.new_empty(batch, heads, length + extra, dim)
-        buffer[:, :, :length] = states
-        return buffer
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        start = self.keys.shape[-2]  # the keys are always the buffer's filled part
-        end = start + key_states.shape[-2]
-        if end > self._key_buffer.shape[-2]:  # more tokens than reserved: twice the room
-            self._key_buffer = self._room(self.keys, max(end - start, start))
-            self._value_buffer = self._room(self.values, max(end - start, start))
-        self._key_buffer[:, :, start:end] = key_states
-        self._value_buffer[:, :, start:end] = value_states
-        self.keys, self.values = self._key_buffer[:, :, :end], self._value_buffer[:, :, :end]
-        return self.keys, self.values
-
-
-def in_place_cache(cache: Cache, extra: int) -> Cache:
-    """A new ``Cache`` of ``cache``'s layers, each plain one (`DynamicLayer`) replaced by an `InPlaceLayer` holding
-    its keys and values with room for ``extra`` more positions; other kinds (sliding windows, recurrent states)
-    are kept as they are."""
-    layers = [
-        InPlaceLayer.holding(layer.keys, layer.values, extra)
-        if type(layer) is DynamicLayer and layer.is_initialized and layer.keys.numel()
-        else layer
-        for layer in cache.layers
-    ]
-    return Cache(layers=layers)
+from .decode import Decoder, KVCache, decoder_issue
 
 
 def cut_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
@@ -160,7 +109,8 @@ def sample(
     pad_token_id: int,
     stops: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
     on_token=None,
-    in_place: bool = True,
+    own_cache: bool = True,
+    compile: bool = False,
     share_prefix: bool = True,
     with_lengths: bool = False,
 ):
@@ -172,21 +122,28 @@ def sample(
     `cut_logits` with the global torch generator (seed it); ``greedy`` takes the argmax, ``greedy_first`` for each
     prompt's first row only (an evaluation's greedy answer and samples from one prompt pass). A row ends at any of
     ``eos_token_id`` (one or several) or where ``stops(tokens [R, t], open [R])`` says (`StopStrings`). ``on_token(t)``
-    follows progress; ``share_prefix=False`` runs every prompt whole, ``in_place=False`` keeps transformers' cache.
+    follows progress; ``share_prefix=False`` runs every prompt whole, ``own_cache=False`` decodes through the model's
+    forward with transformers' cache (as do models `decode.decoder_issue` names); ``compile`` compiles our step.
     """
     model = unwrap(model)  # a PeftModel's forward does not take the cache argument by its current name
     cache_kw = cache_kwarg(model)
     out, cache, attention, positions = prompt_pass(
         model, prompt_ids, prompt_mask, logits_to_keep=1, share_prefix=share_prefix
     )
-    logits = out.logits[:, -1]
-    cache.batch_repeat_interleave(n)
-    if in_place:
-        cache = in_place_cache(cache, max_new_tokens)
-    logits = logits.repeat_interleave(n, 0)
-    attention = attention.repeat_interleave(n, 0)
+    logits = out.logits[:, -1].repeat_interleave(n, 0)
     positions = positions.repeat_interleave(n, 0)
-    rows = attention.shape[0]
+    decoder = None
+    if own_cache and decoder_issue(model) is None:
+        decoder = Decoder.of(model, compile)
+        start = attention.shape[1]
+        prefix = prefix_run_once(model, prompt_ids, prompt_mask, share_prefix)
+        kv = KVCache.from_prompts(cache, attention, n, max_new_tokens, prefix)
+        start -= prefix
+        del cache
+    else:
+        cache.batch_repeat_interleave(n)
+        attention = attention.repeat_interleave(n, 0)
+    rows = logits.shape[0]
     device = prompt_ids.device
     eos = torch.as_tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=device)
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
@@ -211,16 +168,20 @@ def sample(
         finished |= ended
         if bool(finished.all()) or step == max_new_tokens - 1:
             break
-        attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
-        out = model(
-            input_ids=next_token[:, None],
-            attention_mask=attention,
-            position_ids=positions,
-            use_cache=True,
-            **{cache_kw: cache},
-        )
+        if decoder is not None:
+            index = torch.tensor([start + step], device=device)
+            logits = decoder(kv, next_token, positions, index)
+        else:
+            attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
+            out = model(
+                input_ids=next_token[:, None],
+                attention_mask=attention,
+                position_ids=positions,
+                use_cache=True,
+                **{cache_kw: cache},
+            )
+            logits = out.logits[:, -1]
         positions = positions + 1
-        logits = out.logits[:, -1]
     completion = torch.stack(tokens, dim=1)
     return (completion, lengths.clamp(max=completion.shape[1])) if with_lengths else completion
 

@@ -283,6 +283,8 @@ def train_step(session: Session, state: RunState, step: int) -> dict:
                 config,
                 loss_config,
                 dist.device,
+                # one process stops within a token of a request (our decoding step runs no layer hooks)
+                on_token=(lambda t: stop.check()) if dist.world == 1 else None,
             )
         except RewardError as exc:
             failed = exc

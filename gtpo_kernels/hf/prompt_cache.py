@@ -80,6 +80,15 @@ def shared_prefix_issue(model) -> Optional[str]:
     return issue
 
 
+def prefix_run_once(module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, share_prefix: bool = True) -> int:
+    """How many leading tokens `prompt_pass` runs once for the whole batch: the prefix every prompt shares, if it
+    has at least `MIN_SHARED_PREFIX` tokens and ``module`` can share it (`shared_prefix_issue`), else 0."""
+    if not share_prefix or shared_prefix_issue(module) is not None:
+        return 0
+    c = shared_prefix_length(prompt_ids, prompt_mask)
+    return c if c >= MIN_SHARED_PREFIX else 0
+
+
 def prompt_pass(module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, share_prefix: bool = True, **kwargs):
     """Runs left-padded prompts ``[B, P]`` through ``module`` (a causal LM or its decoder) with a cache.
 
@@ -96,8 +105,8 @@ def prompt_pass(module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, 
     cache_kw = cache_kwarg(module)
     prompt_mask = prompt_mask.long()
     lengths = prompt_mask.sum(1, keepdim=True)
-    c = shared_prefix_length(prompt_ids, prompt_mask) if share_prefix and shared_prefix_issue(module) is None else 0
-    if c < MIN_SHARED_PREFIX:
+    c = prefix_run_once(module, prompt_ids, prompt_mask, share_prefix)
+    if not c:
         out = module(
             input_ids=prompt_ids,
             attention_mask=prompt_mask,

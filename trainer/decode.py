@@ -1,0 +1,223 @@
+"""The sampler's decoding step on a key/value cache the trainer owns (`KVCache`), for Llama-family decoders.
+
+A decoding step of a small model is mostly overhead around small matrix products: transformers' module calls,
+attention-mask building and cache bookkeeping at every token and layer. `Decoder` runs one token of every row
+through the model's own modules (its projections, norms, MLP and rotary embedding, so LoRA adapters and any
+RoPE scaling apply as in the model) with the attention written out here: keys and values go into buffers sized
+once for the prompt and every token to come (``index_copy_``, no concatenation, no reallocation), and attention
+reads the whole buffer under a mask of the positions written so far, so every step has the same shapes (what
+``torch.compile`` and CUDA graphs need). Models outside the family, or with layers this step does not
+reproduce (sliding windows, recurrent states), keep transformers' own decoding (`decoder_issue` says why).
+
+``compile`` puts the step under ``torch.compile`` (on a GPU with CUDA graphs, ``mode="reduce-overhead"``); a
+model or platform it cannot take falls back to the eager step with one line saying why, and the compile's time
+is reported (`Decoder.compile_seconds`).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+
+from gtpo_kernels.hf import shared_prompt_pass_issue
+from gtpo_kernels.hf.head import decoder_of
+from gtpo_kernels.hf.model_config import linear_head, text_config, unwrap
+
+# Decoders whose layers are: RMSNorm, attention (q/k/v/o projections, rotary embedding, optional per-head q/k
+# norms), RMSNorm, MLP, with residuals around both: the step below is exactly theirs.
+LLAMA_FAMILY = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+DECODER_PARTS = ("embed_tokens", "rotary_emb", "layers", "norm")
+LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "scaling", "head_dim")
+
+
+def decoder_issue(model) -> Optional[str]:
+    """Why `Decoder` cannot run ``model``'s decoding step (the sampler then keeps transformers' own), or ``None``."""
+    base = unwrap(model)
+    config = text_config(base)
+    kind = getattr(config, "model_type", None)
+    if kind not in LLAMA_FAMILY:
+        return f"model type {kind!r} is not one of {', '.join(sorted(LLAMA_FAMILY))}"
+    issue = shared_prompt_pass_issue(base)
+    if issue is not None:
+        return issue
+    if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
+        return "it has sliding-window layers"
+    if kind == "mistral" and getattr(config, "sliding_window", None):
+        return "its attention has a sliding window"
+    try:
+        decoder = decoder_of(base)
+        linear_head(base)
+    except (AttributeError, TypeError, ValueError) as exc:
+        return f"its modules are not laid out as a Llama decoder's ({exc})"
+    needed = {decoder: DECODER_PARTS}
+    for layer in getattr(decoder, "layers", ()):
+        needed.update({layer: LAYER_PARTS, getattr(layer, "self_attn", None): ATTENTION_PARTS})
+    for module, parts in needed.items():
+        missing = [p for p in parts if not hasattr(module, p)]
+        if missing:
+            return f"its modules are not laid out as a Llama decoder's (no {missing[0]})"
+    return None
+
+
+@dataclass
+class KVCache:
+    """The keys and values a new token attends to, preallocated for the prompt and every token still to come.
+
+    ``prefix_keys, prefix_values``: per layer ``[kv_heads, c, head_dim]``, the ``c`` tokens every prompt starts with
+    (a system turn, worked examples), held once for all rows (``c = 0``: none); ``keys, values``: per layer
+    ``[R, kv_heads, capacity, head_dim]``, each row's own prompt tokens and those written since; ``valid [R,
+    capacity]``: which of a row's positions it attends to (not its left padding, nor the room still empty)."""
+
+    prefix_keys: List[torch.Tensor]
+    prefix_values: List[torch.Tensor]
+    keys: List[torch.Tensor]
+    values: List[torch.Tensor]
+    valid: torch.Tensor
+
+    @property
+    def prefix(self) -> int:
+        return self.prefix_keys[0].shape[1] if self.prefix_keys else 0
+
+    @classmethod
+    def from_prompts(cls, cache, attention: torch.Tensor, n: int, extra: int, prefix: int = 0) -> KVCache:
+        """The cache of a prompt pass (transformers' ``Cache`` of ``B`` rows built under ``attention [B, S]``, whose
+        first ``prefix`` positions are the same tokens in every row), each prompt's own part repeated for its ``n``
+        rows, with room for ``extra`` more positions."""
+        batch, length = attention.shape
+        own = length - prefix
+        prefix_keys, prefix_values, keys, values = [], [], [], []
+        for layer in cache.layers:
+            for source, shared, into in ((layer.keys, prefix_keys, keys), (layer.values, prefix_values, values)):
+                _, heads, _, dim = source.shape
+                if prefix:
+                    shared.append(source[0, :, :prefix].clone())
+                buffer = source.new_zeros(batch, n, heads, own + extra, dim)
+                buffer[:, :, :, :own] = source[:, None, :, prefix:]  # one copy, straight into each row's buffer
+                into.append(buffer.view(batch * n, heads, own + extra, dim))
+        valid = torch.zeros(batch * n, own + extra, dtype=torch.bool, device=attention.device)
+        valid[:, :own] = attention[:, prefix:].bool().repeat_interleave(n, 0)
+        return cls(prefix_keys, prefix_values, keys, values, valid)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding of ``x [R, heads, 1, dim]`` (the half-split layout of Llama-family models)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def attend(q: torch.Tensor, cache: KVCache, layer: int, bias: torch.Tensor, scale: float) -> torch.Tensor:
+    """``[R * kv_heads, group, dim]`` attention outputs of the queries ``q [R * kv_heads, group, dim]`` (a key/value
+    head's ``group`` query heads in the query-length dimension, so each key/value head is read once, with no
+    copies) over the shared prefix and each row's own positions, one softmax over both. ``bias [R * kv_heads,
+    group, capacity]``: 0 where a row attends, -inf elsewhere. Written as batched products: at one query a row
+    they beat the CPU's fused attention kernel, and the prefix's keys are read once for every row."""
+    keys, values = cache.keys[layer], cache.values[layer]
+    rows, kv_heads, capacity, dim = keys.shape
+    group = q.shape[1]
+    scores = torch.baddbmm(
+        bias.to(q.dtype), q, keys.view(-1, capacity, dim).transpose(1, 2).to(q.dtype), alpha=scale
+    )  # [R * kv_heads, group, capacity]
+    c = cache.prefix
+    if c:
+        by_head = q.view(rows, kv_heads, group, dim).transpose(0, 1).reshape(kv_heads, rows * group, dim)
+        shared = torch.bmm(by_head, cache.prefix_keys[layer].transpose(1, 2).to(q.dtype)) * scale
+        shared = shared.view(kv_heads, rows, group, c).transpose(0, 1).reshape(-1, group, c)
+        scores = torch.cat([shared, scores], dim=-1)
+    probs = scores.softmax(-1)
+    out = torch.bmm(probs[..., c:], values.view(-1, capacity, dim).to(q.dtype))
+    if c:
+        shared = probs[..., :c].reshape(rows, kv_heads, group, c).transpose(0, 1).reshape(kv_heads, rows * group, c)
+        shared = torch.bmm(shared, cache.prefix_values[layer].to(q.dtype))
+        out = out + shared.view(kv_heads, rows, group, dim).transpose(0, 1).reshape(-1, group, dim)
+    return out
+
+
+def decode_step(modules, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, index: torch.Tensor):
+    """``[R, V]`` logits of the token after ``tokens [R]`` (at ``positions [R, 1]``), whose keys and values are
+    written at position ``index [1]`` of each row's own buffer in ``cache`` (and marked valid there)."""
+    decoder, head = modules
+    rows = tokens.shape[0]
+    cache.valid.index_fill_(1, index, True)
+    kv_heads, capacity = cache.keys[0].shape[1], cache.keys[0].shape[2]
+    first = decoder.layers[0].self_attn
+    group = first.q_proj.out_features // (kv_heads * first.head_dim)
+    x = decoder.embed_tokens(tokens[:, None])  # [R, 1, H]
+    bias = torch.zeros(cache.valid.shape, dtype=x.dtype, device=x.device).masked_fill(~cache.valid, float("-inf"))
+    bias = bias[:, None, None].expand(rows, kv_heads, group, capacity).reshape(rows * kv_heads, group, capacity)
+    cos, sin = decoder.rotary_emb(x, positions)
+    cos, sin = cos[:, None], sin[:, None]  # [R, 1, 1, dim]
+    for i, layer in enumerate(decoder.layers):
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        dim = attn.head_dim
+        q = attn.q_proj(h).view(rows, 1, -1, dim).transpose(1, 2)  # [R, heads, 1, dim]
+        k = attn.k_proj(h).view(rows, 1, -1, dim).transpose(1, 2)  # [R, kv_heads, 1, dim]
+        v = attn.v_proj(h).view(rows, 1, -1, dim).transpose(1, 2)
+        if getattr(attn, "q_norm", None) is not None:  # Qwen3: RMSNorm per head before the rotation
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        cache.keys[i].index_copy_(2, index, k.to(cache.keys[i].dtype))
+        cache.values[i].index_copy_(2, index, v.to(cache.values[i].dtype))
+        out = attend(q.reshape(rows * kv_heads, group, dim), cache, i, bias, attn.scaling)
+        x = x + attn.o_proj(out.reshape(rows, 1, -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return head(decoder.norm(x))[:, -1]
+
+
+class Decoder:
+    """One model's decoding step on a `KVCache`: eager, or compiled with ``compile`` (then `compile_seconds` holds
+    the time of each first call of a new shape, where the compiling happens, and `compile_issue` why it fell back
+    to the eager step, if it did)."""
+
+    _made: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def of(cls, model, compile: bool = False) -> Decoder:
+        """``model``'s decoder, made once per model and setting (a compiled step keeps its compiled code)."""
+        base = unwrap(model)
+        made = cls._made.setdefault(base, {})
+        if compile not in made:
+            made[compile] = cls(base, compile)
+        return made[compile]
+
+    def __init__(self, model, compile: bool = False) -> None:
+        base = unwrap(model)
+        self.modules = (decoder_of(base), linear_head(base))
+        self.compile_seconds = 0.0
+        self.compile_issue: Optional[str] = None
+        self._compiled = None
+        self._shapes = set()
+        if compile:
+            mode = "reduce-overhead" if base.device.type == "cuda" else None
+            try:
+                self._compiled = torch.compile(decode_step, mode=mode, dynamic=False)
+            except Exception as exc:  # noqa: BLE001 (no compiler on this platform: the eager step is the same maths)
+                self._fall_back(exc)
+
+    def _fall_back(self, exc: Exception) -> None:
+        self.compile_issue = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        warnings.warn(f"the compiled decoding step failed ({self.compile_issue}); decoding eagerly", stacklevel=3)
+        self._compiled = None
+
+    def __call__(self, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, index: torch.Tensor):
+        """`decode_step` of this model."""
+        if self._compiled is not None:
+            shape = (tokens.shape[0], cache.keys[0].shape[2], cache.prefix)
+            started = time.perf_counter()
+            try:
+                logits = self._compiled(self.modules, cache, tokens, positions, index)
+                return logits.clone() if logits.device.type == "cuda" else logits  # CUDA graphs reuse outputs
+            except Exception as exc:  # noqa: BLE001 (a model the compiler cannot take: decode eagerly)
+                self._fall_back(exc)
+            finally:
+                if shape not in self._shapes:
+                    self._shapes.add(shape)
+                    self.compile_seconds += time.perf_counter() - started
+        return decode_step(self.modules, cache, tokens, positions, index)
