@@ -251,6 +251,17 @@ def copy_bandwidth_gbs(device: torch.device, nbytes: int = 2**30, reps: int = 20
     return 2 * nbytes / statistics.median(times) / 1e9
 
 
+def cpu_bf16_flags() -> List[str]:
+    """The CPU's bf16 instruction sets from /proc/cpuinfo (``avx512_bf16``, ``amx_bf16``): empty where it has none
+    or the file is not there."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return []
+    return [flag for flag in ("avx512_bf16", "amx_bf16") if flag in flags]
+
+
 def environment(device: torch.device) -> dict:
     info = {
         "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
@@ -279,7 +290,8 @@ def environment(device: torch.device) -> dict:
         except OSError:
             pass
         # CPUs of one name differ: some multiply bf16 natively (AVX-512 BF16, AMX), which changes bf16 timings.
-        info["cpu_bf16_matmul"] = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        # (oneDNN's "bf16 supported" is true on any AVX-512 CPU, emulated or not: the CPU's own flags say which.)
+        info["cpu_bf16_units"] = ", ".join(cpu_bf16_flags()) or "none"
     return info
 
 

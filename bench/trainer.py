@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -40,14 +41,18 @@ from bench import common
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _timed(owner, name: str, totals: dict, key: str):
-    """Wraps ``owner.name`` so that each call adds its wall time to ``totals[key]``; returns what undoes it."""
+def _timed(owner, name: str, totals: dict, key: str, results: Optional[list] = None):
+    """Wraps ``owner.name`` so that each call adds its wall time to ``totals[key]`` (and its result to ``results``,
+    if given); returns what undoes it."""
     inner = getattr(owner, name)
 
     def wrapper(*args, **kwargs):
         start = time.perf_counter()
         try:
-            return inner(*args, **kwargs)
+            result = inner(*args, **kwargs)
+            if results is not None:
+                results.append(result)
+            return result
         finally:
             totals[key] = totals.get(key, 0.0) + time.perf_counter() - start
 
@@ -83,7 +88,8 @@ def task_and_process(config):
 
 
 def ours(args) -> list:
-    """``gtpo-train``'s steps, as its run takes them (`trainer.train.train_step`), each step's parts."""
+    """``gtpo-train``'s steps, as its run takes them (`trainer.train.train_step`), each step's parts and, for the
+    roofline, the work of each phase and the bare matrix products' rate on its shapes (`phase_work`, `bare_rates`)."""
     from trainer import rollout, train, update
     from trainer.checkpoint import RunState
     from trainer.session import load_session
@@ -91,11 +97,11 @@ def ours(args) -> list:
     config = run_config(args)
     task, dist = task_and_process(config)
     session = load_session(config, dist, task)
-    state, steps, totals = RunState(), [], {}
+    state, steps, totals, batches = RunState(), [], {}, []
     # The rollout's sampling (the rest of it scores them); in the update, the decoder's forward (to the hidden
     # states) and the fused loss (its forward computes the gradients too; its backward hands them on).
     undoes = [
-        _timed(rollout, "generate", totals, "sampling"),
+        _timed(rollout, "generate", totals, "sampling", batches),
         _timed(update, "completion_hidden_states", totals, "decoder_forward"),
         _timed(update, "fused_linear_gtpo_loss", totals, "loss"),
     ]
@@ -113,12 +119,94 @@ def ours(args) -> list:
                     "loss": totals["loss"],
                     "completion_tokens": row["completion_length"] * args.prompts * args.group_size,
                     "reward": row["reward"],
+                    "work": phase_work(session.model, batches[-1]),
                 }
             )
     finally:
         for undo in undoes:
             undo()
+    if getattr(args, "roofline", False):
+        from trainer.precision import autocast
+
+        with autocast(config, dist.device):
+            rates = bare_rates(session.model, batches[-1])
+        for step in steps:
+            step["bare_gflops"] = rates
     return steps
+
+
+def model_sizes(model) -> dict:
+    """The decoder layers' matrix shapes ``[(in, out), ...]`` (every Linear but the head) and the head's."""
+    from gtpo_kernels.hf.model_config import linear_head, unwrap
+
+    base = unwrap(model)
+    head = linear_head(base)
+    layers = [
+        (m.in_features, m.out_features) for m in base.modules() if isinstance(m, torch.nn.Linear) and m is not head
+    ]
+    return {"layers": layers, "head": (head.in_features, head.out_features)}
+
+
+def phase_work(model, batch) -> dict:
+    """GFLOP of each phase's matrix products for ``batch`` (a rollout's prompts and completions), attention's
+    products left out: the prompt pass runs the shared prefix once and each prompt's own tokens once (the padded
+    width), decoding one token per row and step; the update's decoder forward the same prompts plus every completion
+    position, its backward twice that; the fused loss the head's product forward and both of its gradients."""
+    from gtpo_kernels.hf import prefix_run_once
+
+    sizes = model_sizes(model)
+    layer_params = sum(i * o for i, o in sizes["layers"])
+    hidden, vocab = sizes["head"]
+    prompts, width = batch["prompt_ids"].shape
+    rows, length = batch["completion_ids"].shape
+    prefix = prefix_run_once(model, batch["prompt_ids"], batch["prompt_mask"])
+    prompt_tokens = prefix + prompts * (width - prefix)
+    decode_tokens = rows * (length - 1)  # the first token comes from the prompt pass
+    forward = 2 * layer_params * (prompt_tokens + rows * length)
+    return {
+        "sampling": (
+            2 * layer_params * (prompt_tokens + decode_tokens) + 2 * hidden * vocab * (prompts + decode_tokens)
+        )
+        / 1e9,
+        "decoder_forward": forward / 1e9,
+        "loss": 6 * hidden * vocab * rows * length / 1e9,
+        "backward": 2 * forward / 1e9,
+        "prompt_tokens": prompt_tokens,
+        "shared_prefix": prefix,
+        "update_tokens": prompt_tokens + rows * length,
+    }
+
+
+def bare_rate(shapes, rows: int, repeats: int = 3) -> float:
+    """GFLOP/s of plain ``F.linear`` products of ``rows`` rows through each ``(in, out)`` of ``shapes`` in turn (the
+    best of ``repeats``, after a warm-up), in the caller's autocast."""
+    weights = [torch.randn(o, i) for i, o in shapes]
+    inputs = {i: torch.randn(rows, i) for i, _ in shapes}
+    flops = sum(2 * rows * i * o for i, o in shapes)
+    best = float("inf")
+    for attempt in range(repeats + 1):
+        started = time.perf_counter()
+        for (i, _), w in zip(shapes, weights):
+            torch.nn.functional.linear(inputs[i], w)
+        if attempt:
+            best = min(best, time.perf_counter() - started)
+    return flops / best / 1e9
+
+
+def bare_rates(model, batch) -> dict:
+    """The bare products' GFLOP/s on each phase's shapes: decoding (one row a token: the batch's rows through every
+    layer and the head), the update's decoder (its tokens through every layer once), the head (the completions)."""
+    sizes = model_sizes(model)
+    work = phase_work(model, batch)
+    rows, length = batch["completion_ids"].shape
+    update_rows = min(work["update_tokens"], 4096)  # as many rows as the update runs (capped: a rate, not a step)
+    decoder = bare_rate(sizes["layers"], update_rows)
+    return {
+        "sampling": bare_rate(sizes["layers"] + [sizes["head"]], rows),
+        "decoder_forward": decoder,
+        "loss": bare_rate([sizes["head"]], rows * length),
+        "backward": decoder,
+    }
 
 
 def trl_steps(args) -> list:
@@ -200,15 +288,15 @@ def trl_steps(args) -> list:
     ]
 
 
-def measure(which: str, args) -> list:
-    """``which``'s steps in a process of its own (``--threads`` threads)."""
+def measure(which: str, args, root: Path = ROOT, argv: Optional[list] = None) -> list:
+    """``which``'s steps in a process of its own (``--threads`` threads), with the code of the checkout ``root``."""
     code = (
-        f"import sys, json; sys.path.insert(0, {str(ROOT)!r}); from bench import trainer as b; "
-        f"args = b.parser().parse_args({args.argv!r}); "
+        f"import sys, json; sys.path.insert(0, {str(root)!r}); from bench import trainer as b; "
+        f"args = b.parser().parse_args({args.argv if argv is None else argv!r}); "
         f"print('RESULT ' + json.dumps(b.{which}(args)))"
     )
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not lines:
         raise RuntimeError(f"{which}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
@@ -228,7 +316,27 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="a local model folder (default: the built-in SmolLM2-135M-Instruct)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--name", default=None, help="the table's file name (default trainer-cpu-PRECISION)")
+    p.add_argument("--against", metavar="PATH", help="also run the step of another checkout (e.g. the last commit's)")
+    p.add_argument("--no-trl", action="store_true", help="leave TRL's GRPOTrainer out (it needs the [trl] extra)")
+    p.add_argument("--no-roofline", dest="roofline", action="store_false", help="no bare-product rates")
     return p
+
+
+# Options of this bench that an older checkout's parser may not know: not passed to --against's run.
+OWN_OPTIONS = {"--against": 1, "--no-trl": 0, "--no-roofline": 0, "--name": 1}
+
+
+def argv_for_older(argv: list) -> list:
+    """``argv`` without this bench's newer options (and their values), for an older checkout's parser."""
+    kept, skip = [], 0
+    for arg in argv:
+        if skip:
+            skip -= 1
+        elif arg in OWN_OPTIONS:
+            skip = OWN_OPTIONS[arg]
+        else:
+            kept.append(arg)
+    return kept
 
 
 def split(step: dict) -> str:
@@ -260,14 +368,55 @@ def table(results: dict, args) -> list:
             f"| {split(last)} | {tokens:.0f} | {tokens / last['sampling']:.0f} | {tokens / last['update']:.0f} | "
             f"{last['reward']:.2f} |"
         )
-    ours_step, trl_step = (results[k][-1]["step"] for k in results)
-    lines += ["", f"gtpo-train's step / TRL's: **{ours_step / trl_step:.2f}** (goal: at most 0.25)."]
+    first, *others = results
+    for other in others:
+        ratio = results[first][-1]["step"] / results[other][-1]["step"]
+        lines.append("")
+        lines.append(
+            f"{first}'s step / {other}'s: **{ratio:.2f}**" + (" (goal: at most 0.12)." if "TRL" in other else ".")
+        )
     if args.steps > 1:
-        medians = [statistics.median(s["step"] for s in steps) for steps in results.values()]
+        medians = {k: statistics.median(s["step"] for s in steps) for k, steps in results.items()}
         lines.append(
             "Every step (s): "
             + "; ".join(f"{k} " + ", ".join(f"{s['step']:.1f}" for s in v) for k, v in results.items())
-            + f" (ratio of the medians {medians[0] / medians[1]:.2f})."
+            + " (medians: "
+            + ", ".join(f"{k} {m:.1f}" for k, m in medians.items())
+            + ")."
+        )
+    return lines
+
+
+def roofline(steps: list) -> list:
+    """The last step's phases against the bare products of their shapes, measured in the same run."""
+    last = steps[-1]
+    if "bare_gflops" not in last:
+        return []
+    work, bare = last["work"], last["bare_gflops"]
+    backward = last["update"] - last["decoder_forward"] - last["loss"]  # with clipping and AdamW
+    times = {"sampling": last["sampling"], "decoder_forward": last["decoder_forward"], "loss": last["loss"]}
+    times["backward"] = backward
+    lines = [
+        "",
+        f"Roofline of gtpo-train's step {len(steps)}: each phase's matrix products (attention's left out) against "
+        "plain `F.linear` products of the same shapes, timed in the same process (the reachable rate). "
+        f"Prompt tokens run once per batch: {work['prompt_tokens']} (a shared prefix of {work['shared_prefix']} "
+        f"tokens, then each prompt's own); the update's decoder runs {work['update_tokens']} tokens.",
+        "",
+        "| phase | s | GFLOP | GFLOP/s | bare products GFLOP/s | share of bare |",
+        "|---|---|---|---|---|---|",
+    ]
+    names = {
+        "sampling": "sampling (prompt pass + decoding)",
+        "decoder_forward": "update: decoder forward",
+        "loss": "update: fused loss (forward + gradients)",
+        "backward": "update: decoder backward + clip + AdamW",
+    }
+    for phase, name in names.items():
+        rate = work[phase] / times[phase]
+        lines.append(
+            f"| {name} | {times[phase]:.2f} | {work[phase]:.1f} | {rate:.0f} | {bare[phase]:.0f} | "
+            f"{rate / bare[phase]:.0%} |"
         )
     return lines
 
@@ -278,8 +427,14 @@ def main(argv=None) -> None:
     args.argv = argv
     if args.steps < 1:
         raise SystemExit("--steps must be at least 1")
-    results = {"gtpo-train": measure("ours", args), "TRL GRPOTrainer": measure("trl_steps", args)}
-    lines = table(results, args)
+    results = {"gtpo-train": measure("ours", args)}
+    if args.against:
+        results[f"gtpo-train at {Path(args.against).name}"] = measure(
+            "ours", args, root=Path(args.against).resolve(), argv=argv_for_older(argv)
+        )
+    if not args.no_trl:
+        results["TRL GRPOTrainer"] = measure("trl_steps", args)
+    lines = table(results, args) + roofline(results["gtpo-train"])
     common.write_markdown(args.name or f"trainer-cpu-{args.precision}", lines)
 
 

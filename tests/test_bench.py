@@ -88,6 +88,37 @@ def test_gpu_summary_says_plainly_whether_the_cuda_tests_were_green(tmp_path):
     assert tests_verdict(junit, False).startswith("CUDA tests: NOT GREEN: 0 passed")  # nothing ran
 
 
+def test_the_roofline_counts_each_phases_products_by_hand(tiny_model_dir):
+    """The tiny Llama (hidden 32, MLP 64, 2 layers, 4 heads of 8, 2 key/value heads, vocabulary 100): per layer
+    q 32x32, k 32x16, v 32x16, o 32x32, gate, up 32x64, down 64x32 = 9216 weights, 18432 for both layers; head
+    32x100. Two prompts of 10 positions sharing 6 tokens run 6 + 2 x 4 = 14 tokens; 6 completion rows of 5."""
+    transformers = pytest.importorskip("transformers")
+    from bench import trainer as bench_trainer
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert model.config.vocab_size == 100
+    prompt_ids = torch.tensor([[5, 6, 7, 8, 9, 10] + [11, 12, 13, 14], [5, 6, 7, 8, 9, 10] + [21, 22, 23, 24]])
+    batch = {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": torch.ones_like(prompt_ids),
+        "completion_ids": torch.ones(6, 5, dtype=torch.long),
+    }
+    import gtpo_kernels.hf.prompt_cache as prompt_cache
+
+    old = prompt_cache.MIN_SHARED_PREFIX
+    prompt_cache.MIN_SHARED_PREFIX = 2  # the tiny prompts' prefix counts as shared
+    try:
+        work = bench_trainer.phase_work(model, batch)
+    finally:
+        prompt_cache.MIN_SHARED_PREFIX = old
+    assert (work["shared_prefix"], work["prompt_tokens"], work["update_tokens"]) == (6, 14, 14 + 30)
+    layers, head = 18432, 3200
+    assert work["sampling"] == pytest.approx((2 * layers * (14 + 6 * 4) + 2 * head * (2 + 6 * 4)) / 1e9)
+    assert work["decoder_forward"] == pytest.approx(2 * layers * 44 / 1e9)
+    assert work["backward"] == pytest.approx(4 * layers * 44 / 1e9)
+    assert work["loss"] == pytest.approx(6 * head * 30 / 1e9)
+
+
 def test_trainer_benchmark_harness(tiny_model_dir, tmp_path, monkeypatch):
     """`python -m bench trainer`'s two workers on a tiny model, one step each: the parts of a step add up to at
     most the step, the completions' tokens are what was sampled, and the table's ratio is the two steps'."""
@@ -110,7 +141,12 @@ def test_trainer_benchmark_harness(tiny_model_dir, tmp_path, monkeypatch):
     assert 0 < ours["decoder_forward"] and 0 < ours["loss"] and ours["decoder_forward"] + ours["loss"] < ours["update"]
     lines = bench_trainer.table(results, args)
     ratio = results["gtpo-train"][0]["step"] / results["TRL GRPOTrainer"][0]["step"]
-    assert f"gtpo-train's step / TRL's: **{ratio:.2f}**" in "\n".join(lines)
+    assert f"gtpo-train's step / TRL GRPOTrainer's: **{ratio:.2f}**" in "\n".join(lines)
+    # The roofline: every phase's rate beside the bare products of its shapes, measured in the same process.
+    assert set(ours["bare_gflops"]) == {"sampling", "decoder_forward", "loss", "backward"}
+    assert all(rate > 0 for rate in ours["bare_gflops"].values())
+    shown = bench_trainer.roofline(results["gtpo-train"])
+    assert len([line for line in shown if line.startswith("| update") or line.startswith("| sampling")]) == 4
     monkeypatch.setattr(common, "RESULTS", tmp_path)
     text = common.write_markdown("trainer-t", lines).read_text()
-    assert text.startswith("# trainer-t\n") and "- cpu_bf16_matmul: " in text and text.endswith(lines[-1] + "\n")
+    assert text.startswith("# trainer-t\n") and "- cpu_bf16_units: " in text and text.endswith(lines[-1] + "\n")
