@@ -1,6 +1,6 @@
 """Entry point: ``python -m bench [NAME] [options]``, NAME one of logits (the default), fused_linear, cpu_kernels,
-accuracy, kernels, isa, layouts, fused_work, trainer, tracking, trainer_memory (``python -m bench --help`` lists them;
-``python -m bench NAME --help`` gives one's options)."""
+accuracy, kernels, isa, layouts, fused_work, trainer, sampler, tracking, trainer_memory (``python -m bench --help``
+lists them; ``python -m bench NAME --help`` gives one's options)."""
 
 import sys
 
@@ -14,6 +14,7 @@ BENCHMARKS = {
     "layouts": "bench.layouts",
     "fused_work": "bench.fused_work",
     "trainer": "bench.trainer",
+    "sampler": "bench.sampler",
     "tracking": "bench.tracking",
     "trainer_memory": "bench.trainer_memory",
 }
@@ -27,6 +28,7 @@ SUMMARIES = {
     "layouts": "packed (cu_seqlens) and vocab-parallel (vocab_group) calls against the padded whole-vocabulary one",
     "fused_work": "the fused loss under no_grad and in its backward, against an earlier commit (--before REV)",
     "trainer": "one step of gtpo-train against one of TRL's GRPOTrainer on the same work (TRL: the [trl] extra)",
+    "sampler": "the sampler's decoding step against the bare matrix products of its shapes (and torch.compile)",
     "tracking": "what --report-to (TensorBoard, W&B offline, trackio) costs per logged row, against a run's step",
     "trainer_memory": "peak memory of one gtpo-train step: float32, bf16 weights, LoRA, --beta (default, 0.5B-class)",
 }
