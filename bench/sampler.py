@@ -1,6 +1,7 @@
 """The sampler against the bare matrix products of its decoding step, on the default run's work.
 
     python -m bench sampler [--precision fp32|bf16] [--prompts 8 --group-size 4 --max-new-tokens 48] [--compile]
+    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python -m bench sampler --compile    # a cold compile, as a first run has
 
 Loads the built-in SmolLM2-135M-Instruct (or ``--model``), takes the first step's prompts of the built-in task and
 times, in one process and one after the other (the best of ``--repeats``):
@@ -19,8 +20,10 @@ The table gives each as decoded tokens per second and as a share of the bare pro
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -131,6 +134,13 @@ def measure(args) -> dict:
                 "positions": run().shape[1],
             }
         if args.compile:
+            # Inductor keeps compiled code on disk: a first call is a real compile only with an empty cache folder.
+            folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+            results["compile_cache"] = (
+                "cold (TORCHINDUCTOR_CACHE_DIR empty)"
+                if folder and not any(Path(folder).iterdir())
+                else "possibly warm (set TORCHINDUCTOR_CACHE_DIR to an empty folder for a cold compile)"
+            )
             decoder = Decoder(model, compile=True)
             kv = KVCache.from_prompts(cache, attention, n, new, prefix)
             started = time.perf_counter()
@@ -178,7 +188,8 @@ def table(results: dict, args) -> list:
     if "compile_first_call_s" in results:
         lines += [
             "",
-            f"torch.compile: the first call (compiling) took {results['compile_first_call_s']:.0f} s"
+            f"torch.compile: the first call (compiling; inductor's cache {results['compile_cache']}) took "
+            f"{results['compile_first_call_s']:.0f} s"
             + (f"; it failed: {results['compile_issue']}" if results["compile_issue"] else "")
             + ". A new shape (another prompt width or row count) compiles again.",
         ]

@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: bash tools/default_seeds.sh OUT [gtpo-train flags...]}
 shift
-mkdir -p "$OUT"
+mkdir -p "$OUT" runs
 for seed in 0 1 2 3 4; do
   run=runs/default-seeds-s$seed
   rm -rf "$run"

@@ -135,10 +135,9 @@ def sample(
     decoder = None
     if own_cache and decoder_issue(model) is None:
         decoder = Decoder.of(model, compile)
-        start = attention.shape[1]
-        prefix = prefix_run_once(model, prompt_ids, prompt_mask, share_prefix)
+        prefix = prefix_run_once(model, prompt_ids, prompt_mask, share_prefix)  # held once in our cache
         kv = KVCache.from_prompts(cache, attention, n, max_new_tokens, prefix)
-        start -= prefix
+        start = attention.shape[1] - prefix  # where each row's own buffer takes the next token
         del cache
     else:
         cache.batch_repeat_interleave(n)
