@@ -1,0 +1,154 @@
+"""``python -m gtpo_train.study``: a spec's mistakes in one line; a two-seed, two-variant smoke study of the tiny model
+runs every cell as a plain gtpo-train run, skips finished cells, resumes a cell killed after its first checkpoint, and
+reports each variant's paired difference from the baseline, seed by seed."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("yaml")
+
+from trainer import study  # noqa: E402
+from trainer.config import ConfigError  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_spec(path, model_dir, out, **changes):
+    spec = {
+        "name": "smoke",
+        "out": str(out),
+        "seeds": [0, 1],
+        "baseline": "grpo",
+        "common": [
+            "--model",
+            model_dir,
+            "--steps",
+            "2",
+            "--prompts-per-step",
+            "2",
+            "--group-size",
+            "2",
+            "--max-new-tokens",
+            "4",
+            "--eval-size",
+            "4",
+            "--eval-k",
+            "2",
+            "--save-every",
+            "1",
+            "--learning-rate",
+            "1e-3",
+        ],
+        "tasks": {"arithmetic": []},
+        "variants": {"grpo": ["--algo", "grpo"], "gtpo": ["--algo", "gtpo", "--preset", "paper"]},
+    }
+    spec.update(changes)
+    path.write_text(json.dumps(spec))
+    return path
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"seed": [0]}, "unknown key 'seed'"),
+        ({"tasks": {}}, "'tasks' must map names"),
+        ({"variants": {"a": "--algo grpo"}}, "variants.a must be a list of flags"),
+        ({"baseline": "ppo"}, "baseline 'ppo' is not one of the variants"),
+        ({"common": ["--seed", "3"]}, "--seed is set by the study"),
+        ({"seeds": [-1]}, "'seeds' must be a list of non-negative integers"),
+    ],
+)
+def test_a_spec_mistake_is_one_line_naming_it(tmp_path, change, message):
+    path = write_spec(tmp_path / "spec.json", "m", tmp_path / "out", **change)
+    with pytest.raises(ConfigError, match=message):
+        study.StudySpec.read(path)
+
+
+def test_a_smoke_study_runs_resumes_and_reports_paired_differences(tiny_model_dir, tmp_path):
+    out = tmp_path / "study"
+    spec_path = write_spec(tmp_path / "spec.json", tiny_model_dir, out)
+    spec = study.StudySpec.read(spec_path)
+    assert [c.state for c in spec.cells()] == ["new"] * 4
+    assert "about ?" in "\n".join(study.dry_run(spec, 2))
+
+    # Killed (SIGKILL: no chance to save) once its first cell has a checkpoint and no summary.
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainer.study", str(spec_path)], cwd=ROOT, env=env, start_new_session=True
+    )
+    first = spec.cells()[0]
+    deadline = time.time() + 120
+    while time.time() < deadline and first.state != "interrupted":
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert first.state == "interrupted", "the first cell never reached its first checkpoint"
+
+    study.main([str(spec_path), "--jobs", "2"])
+    assert [c.state for c in spec.cells()] == ["finished"] * 4
+    assert "resumed from" in first.folder.with_suffix(".log").read_text()
+    steps = [
+        json.loads(x)["step"]
+        for x in (first.folder / "metrics.jsonl").read_text().splitlines()
+        if json.loads(x)["kind"] == "train"
+    ]
+    assert steps == [1, 2]  # the resumed run logged each step once
+
+    # Finished cells are skipped: a second call runs nothing.
+    mtimes = {c.folder: (c.folder / "summary.json").stat().st_mtime for c in spec.cells()}
+    study.main([str(spec_path)])
+    assert mtimes == {c.folder: (c.folder / "summary.json").stat().st_mtime for c in spec.cells()}
+    assert "finished, took" in "\n".join(study.dry_run(spec, 1))
+
+    # The report holds a row for every paired figure (their values are the next test's: this model scores 0).
+    text = (out / "report.md").read_text()
+    for metric in ("accuracy", "pass@2", "maj@2", "format_rate"):
+        assert any(line.startswith(f"| arithmetic | gtpo | {metric} | 2 |") for line in text.splitlines())
+    assert (out / "arithmetic.png").exists()
+
+
+def fake_cell(cell, after, minutes=2.0):
+    """A finished run's files for ``cell``: its summary (held-out figures after training) and its log rows."""
+    cell.folder.mkdir(parents=True)
+    before = {k: 0.1 for k in after}
+    (cell.folder / "summary.json").write_text(
+        json.dumps(
+            {"algo": cell.variant, "before": before, "after": after, "wall_minutes": minutes, "eval_problems": 64}
+        )
+    )
+    rows = [{"kind": "eval", "step": 0, **before}, {"kind": "train", "step": 1, "entropy": 0.5, "reward": 0.6}]
+    rows.append({"kind": "eval", "step": 1, **after})
+    (cell.folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (cell.folder / "config.json").write_text(json.dumps({"seed": cell.seed, "algo": cell.variant}))
+
+
+def test_the_report_pairs_each_seed_with_the_baseline(tmp_path):
+    out = tmp_path / "study"
+    spec = study.StudySpec.read(write_spec(tmp_path / "spec.json", "m", out, seeds=[0, 1, 2]))
+    accuracy = {("grpo", 0): 0.50, ("grpo", 1): 0.60, ("grpo", 2): 0.40, ("gtpo", 0): 0.70, ("gtpo", 1): 0.65}
+    for cell in spec.cells():
+        if (cell.variant, cell.seed) in accuracy:  # gtpo's seed 2 has not finished: seed 2 has no pair yet
+            fake_cell(cell, {"accuracy": accuracy[cell.variant, cell.seed], "format_rate": 1.0})
+    text = study.report(spec)
+    row = next(line for line in text.splitlines() if line.startswith("| arithmetic | gtpo | accuracy |"))
+    # gtpo - grpo on seeds 0 and 1: +0.20 and +0.05, mean +0.125; seed 2 is left out (no gtpo run).
+    assert "| 2 | +0.125 |" in row and "| +0.200 +0.050 |" in row
+    assert "| arithmetic | grpo | 3 | accuracy | 0.500 |" in text  # the baseline's own mean over its three seeds
+    assert "5 of 6 cells finished" in text
+    assert (out / "arithmetic.png").exists()
+
+
+def test_the_bootstrap_interval_holds_the_mean_and_narrows_with_agreement():
+    assert study.bootstrap_interval([0.1, 0.1, 0.1]) == (pytest.approx(0.1), pytest.approx(0.1))
+    low, high = study.bootstrap_interval([-0.2, 0.0, 0.2, 0.4])
+    assert low < 0.1 < high and low >= -0.2 and high <= 0.4
+    assert study.PairedDifference("t", "v", "m", [0.05, 0.1, 0.08]).verdict() == "higher"
+    assert study.PairedDifference("t", "v", "m", [-0.2, 0.3]).verdict() == "no difference detectable"
