@@ -827,3 +827,50 @@ def test_trls_loss_terms_reach_the_loss_and_train(tiny_model_dir, tmp_path):
     assert summary["steps"] == 2
     rows = [r for r in train_rows(tmp_path) if r["kind"] == "train"]
     assert all(math.isfinite(r["loss"]) for r in rows) and sum(r["updates"] for r in rows) > 0
+
+
+def test_a_stop_request_ends_a_rollout_within_a_token(tiny_model_dir, tmp_path):
+    """Our decoding step runs no layer hooks (where a stop is checked in the update): the rollout checks the request
+    after every token, so a step stops before its update, the weights untouched."""
+    from trainer.checkpoint import RunState
+    from trainer.stopping import Interrupted
+
+    config = tiny_config(tiny_model_dir, tmp_path, max_new_tokens=8)
+    s = session.load_session(config, Distributed.start("cpu"), builtin_task(config))
+    drawn = []
+    real = rollout.sample
+
+    def counting_sample(*args, on_token=None, **kwargs):
+        def seen(t):
+            drawn.append(t)
+            if on_token is not None:
+                on_token(t)
+
+        return real(*args, on_token=seen, **kwargs)
+
+    before = [p.detach().clone() for p in s.model.parameters()]
+    s.stop.requested = "SIGINT"
+    original = rollout.sample
+    rollout.sample = counting_sample
+    try:
+        with pytest.raises(Interrupted):
+            train_module.train_step(s, RunState(), 0)
+    finally:
+        rollout.sample = original
+    assert drawn == [1]  # stopped at the first token
+    assert all(torch.equal(a, b) for a, b in zip(before, s.model.parameters()))
+
+
+def test_a_compiled_decoding_step_logs_its_compile_time(tiny_model_dir, tmp_path, monkeypatch):
+    compiled = []
+
+    def fake_compile(fn, **kwargs):  # torch.compile's call, without the minutes it takes on a CPU
+        compiled.append((fn.__name__, kwargs))
+        return fn
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    train_module.run(tiny_config(tiny_model_dir, tmp_path, steps=1, compile_decode="on"))
+    assert compiled == [("decode_step", {"mode": None, "dynamic": False})]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    (train,) = [r for r in rows if r["kind"] == "train"]
+    assert train["time_decode_compile"] > 0

@@ -469,13 +469,23 @@ MUTANTS: Tuple[Mutant, ...] = (
         ("tests/test_sampling.py::test_decode_step_logits_equal_the_whole_sequence_forward",),
         "the rotary embedding of the half-split layout",
     ),
+    # (Writing a token's keys one position late in its row's buffer is an equivalent mutant, not listed: attention
+    # does not depend on where in the buffer a key sits, the positions live in the rotation.)
     Mutant(
-        "decode: the new token's keys written one position late",
-        "trainer/sampling.py",
-        "            index = torch.tensor([start + step], device=device)",
-        "            index = torch.tensor([start + step + 1], device=device)",
-        ("tests/test_sampling.py::test_our_decoder_gives_the_tokens_of_transformers_cache",),
-        "each token's keys and values go to the position after the last written, so the tokens are transformers'",
+        "decode: the new token never marked as attended",
+        "trainer/decode.py",
+        "    cache.valid.index_fill_(1, index, True)\n",
+        "",
+        ("tests/test_sampling.py::test_decode_step_logits_equal_the_whole_sequence_forward",),
+        "each new token attends to itself and the tokens before it",
+    ),
+    Mutant(
+        "decode: a stop request waits for the end of the rollout",
+        "trainer/train.py",
+        "                on_token=(lambda t: stop.check()) if dist.world == 1 else None,",
+        "                on_token=None,",
+        ("tests/test_trainer.py::test_a_stop_request_ends_a_rollout_within_a_token",),
+        "Ctrl-C during sampling stops within a token (our decoding step runs no layer hooks)",
     ),
     Mutant(
         "decode: a failed compile raises instead of decoding eagerly",
@@ -493,6 +503,14 @@ MUTANTS: Tuple[Mutant, ...] = (
         "    if False:",
         ("tests/test_sampling.py::test_models_our_decoder_does_not_take_decode_through_transformers",),
         "models with sliding-window layers keep transformers' decoding",
+    ),
+    Mutant(
+        "decode: the compile's time not logged",
+        "trainer/train.py",
+        "    if not compiles_decode(session.config, session.dist.device):\n        return {}",
+        "    if True:\n        return {}",
+        ("tests/test_trainer.py::test_a_compiled_decoding_step_logs_its_compile_time",),
+        "under --compile-decode each train row carries the seconds spent compiling the sampler's step",
     ),
     Mutant(
         "precision: bf16 taken whenever it is faster at all",

@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 from .adapters import reference_weights
 from .checkpoint import RunState, latest_checkpoint, read_optimizer_state, read_trainer_state
 from .config import ConfigError, TrainConfig, parse_args
+from .decode import Decoder
 from .distributed import Distributed, full_parameters, full_state, load_optimizer_state
 from .intervals import metric_intervals
 from .metrics_log import MetricsLog
@@ -39,7 +40,7 @@ from .optimizer import check_master_weights
 from .plots import plot_run
 from .precision import autocast
 from .report import print_summary, save_final, summarise
-from .rollout import rollout
+from .rollout import compiles_decode, rollout
 from .scoring import RewardError, stop_together
 from .seeding import step_seed
 from .session import Session, check_process_shares, load_session, step_rows
@@ -335,7 +336,16 @@ def train_step(session: Session, state: RunState, step: int) -> dict:
         "time_old_logprobs": t2 - t1,
         "time_update": t3 - t2,
         "time_step": time.time() - t0,
+        **decode_compile_time(session),
     }
+
+
+def decode_compile_time(session: Session) -> dict:
+    """Under ``--compile-decode``, the seconds the run has spent compiling the sampler's step so far (each first
+    call of a new shape): ``{"time_decode_compile": s}``; else nothing."""
+    if not compiles_decode(session.config, session.dist.device):
+        return {}
+    return {"time_decode_compile": Decoder.of(session.model, compile=True).compile_seconds}
 
 
 def rollout_logprobs(session: Session, state: RunState, batch: dict):
