@@ -870,7 +870,7 @@ def test_a_compiled_decoding_step_logs_its_compile_time(tiny_model_dir, tmp_path
 
     monkeypatch.setattr(torch, "compile", fake_compile)
     train_module.run(tiny_config(tiny_model_dir, tmp_path, steps=1, compile_decode="on"))
-    assert compiled == [("decode_step", {"mode": None, "dynamic": False})]
+    assert compiled == [("decode_step", {"mode": None, "dynamic": None})]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     (train,) = [r for r in rows if r["kind"] == "train"]
     assert train["time_decode_compile"] > 0

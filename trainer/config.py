@@ -73,7 +73,7 @@ class TrainConfig:
     top_k: int = 0  # sample from the k most likely tokens (0: all)
     min_p: float = 0.0  # drop tokens below this share of the most likely token's probability (0: none)
     stop: List[str] = field(default_factory=list)  # repeatable: a completion ends after the first of these strings
-    compile_decode: str = "auto"  # the sampler's decoding step under torch.compile: "auto" (on a GPU), "on", "off"
+    compile_decode: str = "auto"  # the sampler's step under torch.compile: "on", "off", "auto" (where measured to pay)
     num_iterations: int = 1  # updates per rollout batch; > 1 uses old log-probs and the ratio
     # Update
     learning_rate: float = 2e-5  # AdamW's peak learning rate (cosine decay after the warm-up)
@@ -177,7 +177,7 @@ class TrainConfig:
         if self.precision not in ("auto", "bf16", "fp32"):
             raise bad("precision", "must be 'auto', 'bf16' or 'fp32'")
         if self.compile_decode not in ("auto", "on", "off"):
-            raise bad("compile_decode", "must be 'auto' (compiled on a GPU), 'on' or 'off'")
+            raise bad("compile_decode", "must be 'auto', 'on' or 'off'")
 
     def _check_model_and_sampling(self) -> None:
         """The weights, adapters, KL, sampling and checkpoint settings."""

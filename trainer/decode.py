@@ -9,9 +9,9 @@ reads the whole buffer under a mask of the positions written so far, so every st
 ``torch.compile`` and CUDA graphs need). Models outside the family, or with layers this step does not
 reproduce (sliding windows, recurrent states), keep transformers' own decoding (`decoder_issue` says why).
 
-``compile`` puts the step under ``torch.compile`` (on a GPU with CUDA graphs, ``mode="reduce-overhead"``); a
-model or platform it cannot take falls back to the eager step with one line saying why, and the compile's time
-is reported (`Decoder.compile_seconds`).
+``compile`` puts the step under ``torch.compile`` (on a GPU with CUDA graphs, ``mode="reduce-overhead"``; not yet run
+on a GPU); a model or platform it cannot take falls back to the eager step with one line saying why, and the
+compile's time is reported (`Decoder.compile_seconds`).
 """
 
 from __future__ import annotations
@@ -197,7 +197,9 @@ class Decoder:
         if compile:
             mode = "reduce-overhead" if base.device.type == "cuda" else None
             try:
-                self._compiled = torch.compile(decode_step, mode=mode, dynamic=False)
+                # dynamic=None: a second shape (another prompt width) recompiles once with symbolic sizes, not
+                # once per width
+                self._compiled = torch.compile(decode_step, mode=mode, dynamic=None)
             except Exception as exc:  # noqa: BLE001 (no compiler on this platform: the eager step is the same maths)
                 self._fall_back(exc)
 

@@ -84,9 +84,10 @@ def generate(
 
 
 def compiles_decode(config: TrainConfig, device) -> bool:
-    """Whether the sampler's step runs under torch.compile: ``--compile-decode on``, or ``auto`` on a GPU (on a
-    CPU the compile takes minutes, more than it saves in a run: bench/results/sampler-cpu.md)."""
-    return config.compile_decode == "on" or (config.compile_decode == "auto" and torch.device(device).type == "cuda")
+    """Whether the sampler's step runs under torch.compile: ``--compile-decode on``. ``auto`` compiles where it was
+    measured to pay, which is nowhere yet: on a CPU a cold compile took 47 s for a step 10 % faster, and the shape
+    changes with each batch's prompt width (bench/results/sampler-cpu-fp32.md); on a GPU it has not been measured."""
+    return config.compile_decode == "on"
 
 
 def score_completions(task: Task, rows: Dict[str, list], batch: dict, n: int) -> torch.Tensor:
