@@ -126,10 +126,18 @@ def test_built_in_model_quantisation_is_measured():
 
 
 def test_ci_runs_the_readmes_test_command():
-    """The README's install-and-run block ends with the test command, and .ci/run runs exactly that command."""
+    """The README's install-and-run block ends with the test command, and .ci/run runs exactly that command twice:
+    first after the README's install alone (a newcomer's machine: no extras), then with every extra."""
     readme = (ROOT / "README.md").read_text()
     block = readme.split("## Install and run", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
-    test_command = block.strip().splitlines()[-1]
+    install, test_command = block.strip().splitlines()[0], block.strip().splitlines()[-1]
     assert test_command.startswith("python -m pytest"), test_command
-    ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line.startswith("python -m pytest")]
-    assert ci == [test_command], (ci, test_command)
+    run = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if not line.lstrip().startswith("#")]
+    ci = [line for line in run if line.startswith("python -m pytest")]
+    assert ci == [test_command, test_command], (ci, test_command)
+    first = run[: run.index(test_command)]
+    installs = [line.split("pip install --quiet ", 1)[1] for line in first if "pip install" in line]
+    readme_installs = [
+        part.split("pip install ", 1)[1].strip() for part in install.split("&&") if "pip install" in part
+    ]
+    assert installs[1:] == readme_installs, (installs, readme_installs)  # after upgrading pip: the README's, no more

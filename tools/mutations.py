@@ -728,7 +728,7 @@ MUTANTS: Tuple[Mutant, ...] = (
     Mutant(
         "trainer: grouped-query attention turned on under bf16 autocast too",
         "trainer/session.py",
-        'if dist.device.type == "cpu" and not uses_bf16(config, dist.device) and dtype == torch.float32:',
+        'if dist.device.type == "cpu" and not precision.bf16 and dtype == torch.float32:',
         'if dist.device.type == "cpu" and dtype == torch.float32:',
         (
             "tests/test_cpu_attention.py::test_a_float32_run_on_the_cpu_turns_grouped_query_attention_on_and_keeps_a_users_choice",

@@ -16,7 +16,7 @@ sampled beyond float rounding (their measurements: ``python -m bench sampler``, 
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
@@ -91,6 +91,48 @@ def draw_cut(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
     return draw_tokens(logits, temperature)
 
 
+def start_decoding(
+    model, prompt_ids, prompt_mask, n: int, max_new_tokens: int, own_cache: bool, compile: bool, share_prefix: bool
+) -> Tuple[torch.Tensor, Callable[[torch.Tensor, int], torch.Tensor]]:
+    """The prompt pass of `sample` and what decodes after it: ``(logits [B * n, V] of each row's first token,
+    decode(tokens [B * n], step) -> the next logits)``, through our step on our cache (`decode.Decoder`) where it takes
+    the model, else through the model's forward on transformers' cache."""
+    model = unwrap(model)  # a PeftModel's forward does not take the cache argument by its current name
+    out, cache, attention, positions = prompt_pass(
+        model, prompt_ids, prompt_mask, logits_to_keep=1, share_prefix=share_prefix
+    )
+    logits = out.logits[:, -1].repeat_interleave(n, 0)
+    positions = positions.repeat_interleave(n, 0)
+    if own_cache and decoder_issue(model) is None:
+        decoder = Decoder.of(model, compile)
+        prefix = prefix_run_once(model, prompt_ids, prompt_mask, share_prefix)  # held once in our cache
+        kv = KVCache.from_prompts(cache, attention, n, max_new_tokens, prefix)
+        start = attention.shape[1] - prefix  # where each row's own buffer takes the next token
+
+        def decode(tokens: torch.Tensor, step: int) -> torch.Tensor:
+            index = torch.tensor([start + step], device=tokens.device)
+            return decoder(kv, tokens, positions + step, index)
+
+        return logits, decode
+    cache.batch_repeat_interleave(n)
+    cache_kw = cache_kwarg(model)
+    attention = attention.repeat_interleave(n, 0)
+    grown = [attention]
+
+    def decode_through_the_model(tokens: torch.Tensor, step: int) -> torch.Tensor:
+        grown[0] = torch.cat([grown[0], torch.ones_like(grown[0][:, :1])], dim=1)
+        out = model(
+            input_ids=tokens[:, None],
+            attention_mask=grown[0],
+            position_ids=positions + step,
+            use_cache=True,
+            **{cache_kw: cache},
+        )
+        return out.logits[:, -1]
+
+    return logits, decode_through_the_model
+
+
 @torch.no_grad()
 def sample(
     model,
@@ -125,23 +167,7 @@ def sample(
     follows progress; ``share_prefix=False`` runs every prompt whole, ``own_cache=False`` decodes through the model's
     forward with transformers' cache (as do models `decode.decoder_issue` names); ``compile`` compiles our step.
     """
-    model = unwrap(model)  # a PeftModel's forward does not take the cache argument by its current name
-    cache_kw = cache_kwarg(model)
-    out, cache, attention, positions = prompt_pass(
-        model, prompt_ids, prompt_mask, logits_to_keep=1, share_prefix=share_prefix
-    )
-    logits = out.logits[:, -1].repeat_interleave(n, 0)
-    positions = positions.repeat_interleave(n, 0)
-    decoder = None
-    if own_cache and decoder_issue(model) is None:
-        decoder = Decoder.of(model, compile)
-        prefix = prefix_run_once(model, prompt_ids, prompt_mask, share_prefix)  # held once in our cache
-        kv = KVCache.from_prompts(cache, attention, n, max_new_tokens, prefix)
-        start = attention.shape[1] - prefix  # where each row's own buffer takes the next token
-        del cache
-    else:
-        cache.batch_repeat_interleave(n)
-        attention = attention.repeat_interleave(n, 0)
+    logits, decode = start_decoding(model, prompt_ids, prompt_mask, n, max_new_tokens, own_cache, compile, share_prefix)
     rows = logits.shape[0]
     device = prompt_ids.device
     eos = torch.as_tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=device)
@@ -167,20 +193,7 @@ def sample(
         finished |= ended
         if bool(finished.all()) or step == max_new_tokens - 1:
             break
-        if decoder is not None:
-            index = torch.tensor([start + step], device=device)
-            logits = decoder(kv, next_token, positions, index)
-        else:
-            attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
-            out = model(
-                input_ids=next_token[:, None],
-                attention_mask=attention,
-                position_ids=positions,
-                use_cache=True,
-                **{cache_kw: cache},
-            )
-            logits = out.logits[:, -1]
-        positions = positions + 1
+        logits = decode(next_token, step)
     completion = torch.stack(tokens, dim=1)
     return (completion, lengths.clamp(max=completion.shape[1])) if with_lengths else completion
 
