@@ -14,6 +14,8 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from gtpo_kernels.hf.model_config import text_config, unwrap
+
 from .config import TrainConfig
 
 # bf16 is taken where its product takes at most this share of float32's time: a clear win, not timing noise.
@@ -76,8 +78,7 @@ def measure_cpu(shape: Tuple[int, int] = DEFAULT_SHAPE) -> PrecisionChoice:
 
 def model_shape(model) -> Optional[Tuple[int, int]]:
     """``(hidden, MLP width)`` of a transformers model's config, or None where it does not say."""
-    config = getattr(model, "config", None)
-    config = getattr(config, "text_config", None) or config
+    config = text_config(unwrap(model))
     hidden, mlp = getattr(config, "hidden_size", None), getattr(config, "intermediate_size", None)
     return (int(hidden), int(mlp)) if isinstance(hidden, int) and isinstance(mlp, int) else None
 
