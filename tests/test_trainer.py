@@ -508,7 +508,8 @@ def test_cli_errors_are_one_line(tmp_path):
     "setting, message",
     [
         (["--stepz", "3"], "unrecognized arguments: --stepz 3"),
-        (["--steps", "0"], "--steps must be a positive integer"),
+        (["--steps", "-1"], "--steps must be a non-negative integer"),
+        (["--loss-reduction", "mean"], "--loss-reduction must be one of sequence_mean, sum, token_mean"),
         (["--algo", "foo"], "--algo must be 'gtpo' or 'grpo' (got 'foo')"),
         (["--ratio-function", "ppo"], "--ratio-function must be 'clip', 'cispo' or 'sapo' (got 'ppo')"),
         (["--importance-sampling-level", "row"], "--importance-sampling-level must be 'token' or 'sequence'"),
@@ -874,3 +875,13 @@ def test_a_compiled_decoding_step_logs_its_compile_time(tiny_model_dir, tmp_path
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     (train,) = [r for r in rows if r["kind"] == "train"]
     assert train["time_decode_compile"] > 0
+
+
+def test_loss_reduction_token_mean_on_grpo_is_trls_dapo():
+    """TRL's default loss_type 'dapo' is GRPO's clipped, std-scaled loss divided by the batch's token count: the
+    lean trainer's --algo grpo --loss-reduction token_mean. Without the flag each preset keeps its own."""
+    dapo = TrainConfig(algo="grpo", loss_reduction="token_mean").loss_config()
+    assert (dapo.loss_reduction, dapo.clip_eps_low, dapo.clip_eps_high) == ("token_mean", 0.2, 0.2)
+    assert dapo.normalize_advantages_by_std and not dapo.use_conflict_weights and dapo.entropy_threshold is None
+    assert TrainConfig(algo="grpo").loss_config().loss_reduction == "sequence_mean"
+    assert TrainConfig(algo="gtpo", preset="official").loss_config().loss_reduction == "sum"

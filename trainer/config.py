@@ -36,6 +36,7 @@ class TrainConfig:
     entropy_coef: Optional[float] = None  # override the preset's entropy coefficient gamma (0: no shaping)
     entropy_filter: Optional[bool] = None  # override the preset: --no-entropy-filter switches the filter off
     conflict_weights: Optional[bool] = None  # override the preset: --no-conflict-weights sets every lambda to 1
+    loss_reduction: Optional[str] = None  # override the preset's: "token_mean" with --algo grpo is TRL's "dapo"
     ratio_function: str = "clip"  # the policy term: "clip" (PPO), "cispo" or "sapo" (docs/method.md)
     importance_sampling_level: str = "token"  # "token", or "sequence" for one ratio per completion (GSPO)
     entropy_bonus: float = 0.0  # minus this times the token-mean entropy (TRL's entropy_coef; not GTPO's gamma)
@@ -62,7 +63,7 @@ class TrainConfig:
     report_to: List[str] = field(default_factory=lambda: ["none"])  # none, tensorboard, wandb, trackio (or several)
     run_name: Optional[str] = None  # the run's name in the trackers (default: the output folder's name)
     # Rollouts
-    steps: int = 12  # optimiser steps (one rollout batch each)
+    steps: int = 12  # optimiser steps (one rollout batch each; 0: only evaluate the model)
     # 8 x 4 (was 4 x 8): twice the problems a step for the same 32 completions; with 4 x 8 and 6 x 6 a seed could
     # settle on a wrong wording or rule that no later step undid (results/README.md, the probes of 2026-12-03)
     prompts_per_step: int = 8  # B prompts per step
@@ -88,6 +89,7 @@ class TrainConfig:
     # Evaluation
     eval_size: int = 64  # held-out rows (the same for every seed): one row is 1.6 points of a rate
     eval_every: int = 0  # steps between evaluations (0: only before and after training)
+    eval_before: bool = True  # evaluate before training (a study evaluates the untrained model once per task)
     eval_k: int = 4  # samples per problem for pass@k / maj@k (0: greedy accuracy only)
     eval_batch_size: int = 32  # problems per generate() call in evaluation
     # Checkpoints and limits
@@ -107,7 +109,6 @@ class TrainConfig:
         if self.preset is not None and self.preset not in ("paper", "official", "grpo"):
             raise bad("preset", "must be 'paper', 'official' or 'grpo'")
         for name in (
-            "steps",
             "prompts_per_step",
             "group_size",
             "max_new_tokens",
@@ -120,7 +121,7 @@ class TrainConfig:
                 raise bad(name, "must be a positive integer")
         if self.worked_examples not in (0, 1, 2):
             raise bad("worked_examples", "must be 0, 1 or 2")
-        for name in ("warmup_steps", "eval_every", "eval_k", "save_every", "seed"):
+        for name in ("steps", "warmup_steps", "eval_every", "eval_k", "save_every", "seed"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise bad(name, "must be a non-negative integer")
         if self.group_size < 2:
@@ -153,6 +154,10 @@ class TrainConfig:
             isinstance(self.entropy_coef, (int, float)) and math.isfinite(self.entropy_coef) and self.entropy_coef >= 0
         ):
             raise bad("entropy_coef", "must be a number >= 0")
+        from gtpo_kernels.config import REDUCTIONS
+
+        if self.loss_reduction is not None and self.loss_reduction not in REDUCTIONS:
+            raise bad("loss_reduction", f"must be one of {', '.join(REDUCTIONS)}")
         if self.ratio_function not in ("clip", "cispo", "sapo"):
             raise bad("ratio_function", "must be 'clip', 'cispo' or 'sapo'")
         if self.importance_sampling_level not in ("token", "sequence"):
@@ -270,6 +275,8 @@ class TrainConfig:
             overrides["entropy_threshold"] = None
         if self.entropy_coef is not None:
             overrides["entropy_coef"] = float(self.entropy_coef)
+        if self.loss_reduction is not None:
+            overrides["loss_reduction"] = self.loss_reduction
         if self.conflict_weights is not None:
             overrides["use_conflict_weights"] = self.conflict_weights
             if not self.conflict_weights:

@@ -26,8 +26,10 @@ def plot_run(metrics_path: Path, png_path: Path, title: str = "") -> Optional[Pa
 
     a_reward.plot(steps, [r["reward"] for r in train], label="total")
     # each reward function's mean: rewards/NAME (logs before 2026-12-04: the two built-in rewards' bare names)
-    reward_keys = [k for k in train[0] if k.startswith("rewards/") or k in ("correctness_reward", "format_reward")]
-    for key in reward_keys if train else []:
+    # (a --steps 0 run has no train rows: its plot is the held-out figures alone)
+    first = train[0] if train else {}
+    reward_keys = [k for k in first if k.startswith("rewards/") or k in ("correctness_reward", "format_reward")]
+    for key in reward_keys:
         values = [r[key] if r[key] is not None else float("nan") for r in train]
         a_reward.plot(steps, values, label=key.removeprefix("rewards/").replace("_reward", ""), alpha=0.7)
     a_reward.set_title("reward (train rollouts)")

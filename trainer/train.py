@@ -143,7 +143,7 @@ def train_and_evaluate(
     with session.stop as stop:
         if dist.world == 1:  # one process stops mid-phase; several must agree, at step and batch boundaries
             stop.interrupt_layers(session.model.get_decoder().layers)
-        if state.eval_step < 0:
+        if state.eval_step < 0 and config.eval_before and config.steps > 0:  # --steps 0: the final one is it
             before = session.evaluate(seed=0, desc="eval before")
             if before is None:
                 return stop.stopped("during the first evaluation"), None

@@ -31,11 +31,14 @@ def worked_example(task: str, config: dict) -> list:
     return [{"role": "user", "content": entry["question"]}, {"role": "assistant", "content": answer}]
 
 
-def rows(task: str, size: int, seed: int, config: dict, example: list, exclude=frozenset()) -> list:
-    out = []
+def rows(task: str, size: int, seed: int, config: dict, example: list, exclude=frozenset(), distinct=False) -> list:
+    out, seen = [], set()
     for entry in reasoning_gym.create_dataset(task, size=size, seed=seed, **config):
         if entry["question"] in exclude or entry["question"] == example[0]["content"]:
             continue
+        if distinct and entry["question"] in seen:  # a held-out question twice would count twice
+            continue
+        seen.add(entry["question"])
         question = {"role": "user", "content": entry["question"]}
         prompt = [{"role": "system", "content": SYSTEM_PROMPT}, *example, question]
         # The entry as JSON text: its metadata differs from task to task, which a column of one type cannot hold.
@@ -53,7 +56,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     config = json.loads(args.config)
     example = worked_example(args.task, config)
-    test = rows(args.task, args.test, TEST_SEED, config, example)
+    test = rows(args.task, args.test, TEST_SEED, config, example, distinct=True)
     train = rows(args.task, args.train, TRAIN_SEED, config, example, exclude={r["prompt"][-1]["content"] for r in test})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
