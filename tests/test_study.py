@@ -21,7 +21,7 @@ from trainer.config import ConfigError  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def write_spec(path, model_dir, out, **changes):
+def write_spec(path, model_dir, out, extra_common=(), **changes):
     spec = {
         "name": "smoke",
         "out": str(out),
@@ -50,6 +50,7 @@ def write_spec(path, model_dir, out, **changes):
         "tasks": {"arithmetic": []},
         "variants": {"grpo": ["--algo", "grpo"], "gtpo": ["--algo", "gtpo", "--preset", "paper"]},
     }
+    spec["common"] += list(extra_common)
     spec.update(changes)
     path.write_text(json.dumps(spec))
     return path
@@ -64,6 +65,15 @@ def write_spec(path, model_dir, out, **changes):
         ({"baseline": "ppo"}, "baseline 'ppo' is not one of the variants"),
         ({"common": ["--seed", "3"]}, "--seed is set by the study"),
         ({"seeds": [-1]}, "'seeds' must be a list of non-negative integers"),
+        (
+            {"variants": {"grpo": [], "b": {"flags": [], "seed": [0]}}},
+            "variants.b must be a list of flags or a mapping",
+        ),
+        ({"variants": {"grpo": [], "b": {"seeds": [0]}}}, "variants.b has no 'flags'"),
+        ({"variants": {"grpo": [], "b": {"flags": [], "tasks": ["chess"]}}}, "variants.b.tasks must list some"),
+        ({"variants": {"grpo": [], "b": {"flags": [], "against": "ppo"}}}, "variants.b.against: 'ppo' is not"),
+        ({"variants": {"grpo": {"flags": [], "seeds": [0]}}}, "baseline 'grpo' must run every task and seed"),
+        ({"keep_models": "no"}, "'keep_models' must be true or false"),
     ],
 )
 def test_a_spec_mistake_is_one_line_naming_it(tmp_path, change, message):
@@ -74,9 +84,29 @@ def test_a_spec_mistake_is_one_line_naming_it(tmp_path, change, message):
 
 def test_a_smoke_study_runs_resumes_and_reports_paired_differences(tiny_model_dir, tmp_path):
     out = tmp_path / "study"
-    spec_path = write_spec(tmp_path / "spec.json", tiny_model_dir, out)
+    variants = {
+        "grpo": ["--algo", "grpo"],
+        "gtpo": ["--algo", "gtpo", "--preset", "paper"],
+        # The untrained model, once: the cells themselves skip their evaluation before training.
+        "base": {"flags": ["--steps", "0"], "seeds": [0], "reference": True},
+    }
+    spec_path = write_spec(
+        tmp_path / "spec.json",
+        tiny_model_dir,
+        out,
+        variants=variants,
+        keep_models=False,
+        extra_common=["--no-eval-before"],
+    )
     spec = study.StudySpec.read(spec_path)
-    assert [c.state for c in spec.cells()] == ["new"] * 4
+    assert [(c.variant, c.seed) for c in spec.cells()] == [
+        ("grpo", 0),
+        ("gtpo", 0),
+        ("base", 0),
+        ("grpo", 1),
+        ("gtpo", 1),
+    ]
+    assert [c.state for c in spec.cells()] == ["new"] * 5
     assert "about ?" in "\n".join(study.dry_run(spec, 2))
 
     # Killed (SIGKILL: no chance to save) once its first cell has a checkpoint and no summary.
@@ -93,7 +123,11 @@ def test_a_smoke_study_runs_resumes_and_reports_paired_differences(tiny_model_di
     assert first.state == "interrupted", "the first cell never reached its first checkpoint"
 
     study.main([str(spec_path), "--jobs", "2"])
-    assert [c.state for c in spec.cells()] == ["finished"] * 4
+    assert [c.state for c in spec.cells()] == ["finished"] * 5
+    # keep_models false: a finished cell keeps its figures and logs, not its models.
+    assert not any((c.folder / "final").exists() or list(c.folder.glob("checkpoint-*")) for c in spec.cells())
+    rows = [json.loads(x) for x in (spec.cells()[2].folder / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["step"]) for r in rows] == [("eval", 0)]  # --steps 0: evaluated once, nothing trained
     assert "resumed from" in first.folder.with_suffix(".log").read_text()
     steps = [
         json.loads(x)["step"]
@@ -101,18 +135,25 @@ def test_a_smoke_study_runs_resumes_and_reports_paired_differences(tiny_model_di
         if json.loads(x)["kind"] == "train"
     ]
     assert steps == [1, 2]  # the resumed run logged each step once
+    assert not any(
+        json.loads(x)["kind"] == "eval" and json.loads(x)["step"] == 0
+        for x in (first.folder / "metrics.jsonl").read_text().splitlines()
+    )  # --no-eval-before
 
     # Finished cells are skipped: a second call runs nothing.
     mtimes = {c.folder: (c.folder / "summary.json").stat().st_mtime for c in spec.cells()}
+    assert len(mtimes) == 5
     study.main([str(spec_path)])
     assert mtimes == {c.folder: (c.folder / "summary.json").stat().st_mtime for c in spec.cells()}
     assert "finished, took" in "\n".join(study.dry_run(spec, 1))
 
     # The report holds a row for every paired figure (their values are the next test's: this model scores 0).
-    text = (out / "report.md").read_text()
+    text = (out / "smoke.md").read_text()
     for metric in ("accuracy", "pass@2", "maj@2", "format_rate"):
-        assert any(line.startswith(f"| arithmetic | gtpo | {metric} | 2 |") for line in text.splitlines())
-    assert (out / "arithmetic.png").exists()
+        assert any(line.startswith(f"| arithmetic | gtpo | grpo | {metric} | 2 |") for line in text.splitlines())
+        assert any(line.startswith(f"| arithmetic | base | 0 | 4 | {metric} |") for line in text.splitlines())
+    assert not any(line.startswith("| arithmetic | base | grpo |") for line in text.splitlines())  # not paired
+    assert (out / "smoke-arithmetic.png").exists()
 
 
 def fake_cell(cell, after, minutes=2.0):
@@ -138,17 +179,39 @@ def test_the_report_pairs_each_seed_with_the_baseline(tmp_path):
         if (cell.variant, cell.seed) in accuracy:  # gtpo's seed 2 has not finished: seed 2 has no pair yet
             fake_cell(cell, {"accuracy": accuracy[cell.variant, cell.seed], "format_rate": 1.0})
     text = study.report(spec)
-    row = next(line for line in text.splitlines() if line.startswith("| arithmetic | gtpo | accuracy |"))
+    row = next(line for line in text.splitlines() if line.startswith("| arithmetic | gtpo | grpo | accuracy |"))
     # gtpo - grpo on seeds 0 and 1: +0.20 and +0.05, mean +0.125; seed 2 is left out (no gtpo run).
-    assert "| 2 | +0.125 |" in row and "| +0.200 +0.050 |" in row
+    assert "| grpo | accuracy | 2 | +0.125 |" in row and "| +0.200 +0.050 |" in row
+    # t interval of two differences (+0.20, +0.05): +0.125 +- 12.706 * 0.075 / sqrt(2) * sqrt(2) = +-0.953.
+    assert "[-0.828, +1.078]" in row
     assert "| arithmetic | grpo | 3 | accuracy | 0.500 |" in text  # the baseline's own mean over its three seeds
     assert "5 of 6 cells finished" in text
-    assert (out / "arithmetic.png").exists()
+    assert (out / "smoke-arithmetic.png").exists()
 
 
 def test_the_bootstrap_interval_holds_the_mean_and_narrows_with_agreement():
     assert study.bootstrap_interval([0.1, 0.1, 0.1]) == (pytest.approx(0.1), pytest.approx(0.1))
     low, high = study.bootstrap_interval([-0.2, 0.0, 0.2, 0.4])
     assert low < 0.1 < high and low >= -0.2 and high <= 0.4
-    assert study.PairedDifference("t", "v", "m", [0.05, 0.1, 0.08]).verdict() == "higher"
-    assert study.PairedDifference("t", "v", "m", [-0.2, 0.3]).verdict() == "no difference detectable"
+    assert study.PairedDifference("t", "v", "b", "m", [0.05, 0.1, 0.08]).verdict() == "higher"
+    assert study.PairedDifference("t", "v", "b", "m", [-0.2, 0.3]).verdict() == "no difference detectable"
+    # Four seeds that mostly agree: the bootstrap calls it, the t interval (what the verdict reads) does not.
+    d = study.PairedDifference("t", "v", "b", "m", [0.10, 0.12, 0.11, -0.02])
+    assert d.bootstrap[0] > 0 and d.interval[0] < 0 and d.verdict() == "no difference detectable"
+
+
+def test_a_cell_run_with_other_flags_is_refused_before_anything_runs(tmp_path):
+    out = tmp_path / "study"
+    spec = study.StudySpec.read(write_spec(tmp_path / "spec.json", "m", out))
+    cell = spec.cells()[0]
+    cell.folder.mkdir(parents=True)
+    (cell.folder / "study-cell.json").write_text(json.dumps({"flags": list(cell.flags)}))
+    spec.check_shared_cells()  # the same flags: the cell is this spec's
+    # Another spec sharing the folder, whose grpo is run at another learning rate: its cells are not this one's.
+    other = study.StudySpec.read(
+        write_spec(tmp_path / "other.json", "m", out, variants={"grpo": ["--algo", "grpo", "--learning-rate", "1"]})
+    )
+    with pytest.raises(ConfigError, match=r"runs/arithmetic/grpo/s0 was run with other flags"):
+        other.check_shared_cells()
+    with pytest.raises(SystemExit):
+        study.main([str(tmp_path / "other.json"), "--dry-run"])

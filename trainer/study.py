@@ -13,6 +13,7 @@ SPEC is a YAML or JSON file::
       arithmetic: []
       chain_sum: [--dataset, data/chain_sum.jsonl, --reward, examples/reasoning_gym/reward.py:score]
     variants:                      # name: the flags that make the variant
+      base: {flags: [--steps, "0"], seeds: [0]}   # a variant of its own seeds: a reference, not paired
       grpo: [--algo, grpo]
       gtpo: [--algo, gtpo, --preset, paper]
 
@@ -43,24 +44,43 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from .checkpoint import checkpoints
 from .config import ConfigError
+from .intervals import is_share, t_interval, wilson, with_interval
 
 # The held-out figures each paired difference is taken of (those a run's summary has).
-METRICS = ("accuracy", "pass@", "maj@", "format_rate")
+METRICS = ("accuracy", "pass@", "maj@", "format_rate", "rewards/format_reward")
 BOOTSTRAP_SAMPLES = 10000
+
+
+VARIANT_KEYS = ("flags", "seeds", "tasks", "against", "reference")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One variant of a study: its ``gtpo-train`` flags; the seeds and tasks it runs (None: all the study's); the
+    variant it is paired with (None: the study's baseline); a reference (the untrained model, say) is not paired."""
+
+    name: str
+    flags: Tuple[str, ...]
+    seeds: Optional[Tuple[int, ...]] = None
+    tasks: Optional[Tuple[str, ...]] = None
+    against: Optional[str] = None
+    reference: bool = False
 
 
 @dataclass(frozen=True)
 class StudySpec:
-    """A study: its tasks and variants (each a name and the ``gtpo-train`` flags that make it), its seeds, the flags
+    """A study: its tasks (each a name and the ``gtpo-train`` flags that pick it) and variants, its seeds, the flags
     every cell takes, the variant the others are paired with, and where its cells and report go."""
 
     name: str
     out: Path
     seeds: Tuple[int, ...]
     tasks: Dict[str, Tuple[str, ...]]
-    variants: Dict[str, Tuple[str, ...]]
+    variants: Dict[str, Variant]
     baseline: str
     common: Tuple[str, ...] = ()
+    # False: a finished cell's checkpoints and final model are deleted (its figures and logs stay): 2 GB a cell.
+    keep_models: bool = True
 
     @classmethod
     def read(cls, path: Path) -> StudySpec:
@@ -83,56 +103,137 @@ class StudySpec:
             ) from None
         if not isinstance(raw, dict):
             raise ConfigError(f"study spec {path}: expected a mapping of name, out, seeds, tasks, variants")
-        known = {"name", "out", "seeds", "tasks", "variants", "baseline", "common"}
+        return cls.from_dict(raw, str(path))
+
+    @classmethod
+    def from_dict(cls, raw: dict, path: str) -> StudySpec:
+        def bad(why: str) -> ConfigError:
+            return ConfigError(f"study spec {path}: {why}")
+
+        def seed_list(value, key: str) -> Tuple[int, ...]:
+            if not isinstance(value, list) or not value or not all(isinstance(s, int) and s >= 0 for s in value):
+                raise bad(f"{key!r} must be a list of non-negative integers")
+            return tuple(value)
+
+        def flag_list(value, key: str) -> Tuple[str, ...]:
+            if not isinstance(value, list) or not all(isinstance(f, (str, int, float)) for f in value):
+                raise bad(f"{key} must be a list of flags")
+            for owned in ("--seed", "--output-dir", "--resume"):
+                if owned in map(str, value):
+                    raise bad(f"{owned} is set by the study for each cell")
+            return tuple(str(f) for f in value)
+
+        known = {"name", "out", "seeds", "tasks", "variants", "baseline", "common", "keep_models"}
         unknown = sorted(set(raw) - known)
         if unknown:
-            raise ConfigError(f"study spec {path}: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
+            raise bad(f"unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
         for key in ("tasks", "variants"):
             if not isinstance(raw.get(key), dict) or not raw[key]:
-                raise ConfigError(f"study spec {path}: {key!r} must map names to lists of gtpo-train flags")
-            for name, flags in raw[key].items():
-                if not isinstance(flags, list) or not all(isinstance(f, (str, int, float)) for f in flags):
-                    raise ConfigError(f"study spec {path}: {key}.{name} must be a list of flags")
+                raise bad(f"{key!r} must map names to lists of gtpo-train flags")
+            for name in raw[key]:
                 if "/" in str(name) or not str(name):
-                    raise ConfigError(f"study spec {path}: {key} name {name!r} must be a plain folder name")
-        seeds = raw.get("seeds")
-        if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and s >= 0 for s in seeds):
-            raise ConfigError(f"study spec {path}: 'seeds' must be a list of non-negative integers")
-        baseline = raw.get("baseline", next(iter(raw["variants"])))
-        if baseline not in raw["variants"]:
-            raise ConfigError(f"study spec {path}: baseline {baseline!r} is not one of the variants")
-        common = raw.get("common", [])
-        if not isinstance(common, list):
-            raise ConfigError(f"study spec {path}: 'common' must be a list of flags")
-        for flags in [common, *raw["tasks"].values(), *raw["variants"].values()]:
-            for owned in ("--seed", "--output-dir", "--resume"):
-                if owned in map(str, flags):
-                    raise ConfigError(f"study spec {path}: {owned} is set by the study for each cell")
-        as_flags = lambda flags: tuple(str(f) for f in flags)  # noqa: E731
+                    raise bad(f"{key} name {name!r} must be a plain folder name")
+        seeds = seed_list(raw.get("seeds"), "seeds")
+        tasks = {str(k): flag_list(v, f"tasks.{k}") for k, v in raw["tasks"].items()}
+        variants = {}
+        for name, value in raw["variants"].items():
+            key = f"variants.{name}"
+            plain = not isinstance(value, dict)
+            if plain:
+                value = {"flags": value}
+            extra = sorted(set(value) - set(VARIANT_KEYS))
+            if extra or "flags" not in value:
+                raise bad(
+                    f"{key} must be a list of flags or a mapping of {', '.join(VARIANT_KEYS)} with flags "
+                    f"(got {extra[0]!r})"
+                    if extra
+                    else f"{key} has no 'flags'"
+                )
+            own_tasks = value.get("tasks")
+            if own_tasks is not None:
+                if not isinstance(own_tasks, list) or not own_tasks or not set(own_tasks) <= set(tasks):
+                    raise bad(f"{key}.tasks must list some of the tasks ({', '.join(tasks)})")
+                own_tasks = tuple(map(str, own_tasks))
+            if not isinstance(value.get("reference", False), bool):
+                raise bad(f"{key}.reference must be true or false")
+            variants[str(name)] = Variant(
+                name=str(name),
+                flags=flag_list(value["flags"], key if plain else f"{key}.flags"),
+                seeds=None if value.get("seeds") is None else seed_list(value["seeds"], f"{key}.seeds"),
+                tasks=own_tasks,
+                against=None if value.get("against") is None else str(value["against"]),
+                reference=value.get("reference", False),
+            )
+        baseline = str(raw.get("baseline", next(iter(variants))))
+        if baseline not in variants:
+            raise bad(f"baseline {baseline!r} is not one of the variants")
+        if variants[baseline].reference or variants[baseline].seeds or variants[baseline].tasks:
+            raise bad(f"baseline {baseline!r} must run every task and seed, and not be a reference")
+        for variant in variants.values():
+            if variant.against is not None and variant.against not in variants:
+                raise bad(f"variants.{variant.name}.against: {variant.against!r} is not one of the variants")
+        if not isinstance(raw.get("keep_models", True), bool):
+            raise bad("'keep_models' must be true or false")
         return cls(
             name=str(raw.get("name", Path(path).stem)),
             out=Path(raw.get("out", Path(path).with_suffix(""))),
-            seeds=tuple(seeds),
-            tasks={str(k): as_flags(v) for k, v in raw["tasks"].items()},
-            variants={str(k): as_flags(v) for k, v in raw["variants"].items()},
-            baseline=str(baseline),
-            common=as_flags(common),
+            seeds=seeds,
+            tasks=tasks,
+            variants=variants,
+            baseline=baseline,
+            common=flag_list(raw.get("common", []), "'common'"),
+            keep_models=raw.get("keep_models", True),
         )
 
+    @property
+    def report_path(self) -> Path:
+        """``OUT/NAME.md``: studies that share a folder (and so the cells they have in common) keep their reports."""
+        return self.out / f"{self.name}.md"
+
+    def figure(self, task: str) -> Path:
+        return self.out / f"{self.name}-{task}.png"
+
+    def check_shared_cells(self) -> None:
+        """A finished or interrupted cell run with other flags (another spec sharing this folder, or this one
+        edited) is a `ConfigError` naming it: its figures would be passed off as this spec's."""
+        for cell in self.cells():
+            recorded = cell.recorded_flags()
+            if recorded is not None and recorded != list(cell.flags):
+                raise ConfigError(
+                    f"study {self.name}: {cell.folder} was run with other flags ({' '.join(recorded)}) than this "
+                    f"spec gives it ({' '.join(cell.flags)}): give the variant another name, or delete the folder"
+                )
+
+    def seeds_of(self, variant: str) -> Tuple[int, ...]:
+        return self.variants[variant].seeds or self.seeds
+
+    def tasks_of(self, variant: str) -> Tuple[str, ...]:
+        return self.variants[variant].tasks or tuple(self.tasks)
+
+    def partner(self, variant: str) -> Optional[str]:
+        """The variant ``variant`` is paired with: its own ``against``, else the baseline; None for the baseline
+        itself and for a reference."""
+        mine = self.variants[variant]
+        if mine.reference or variant == self.baseline:
+            return None
+        return mine.against or self.baseline
+
     def cells(self) -> List[Cell]:
-        """Every (task, variant, seed), seeds outermost: the first seeds of every variant finish first, so a study
-        cut short still has pairs."""
+        """Every (task, variant, seed) the variants run, seeds outermost: the first seeds of every variant finish
+        first, so a study cut short still has pairs."""
+        all_seeds = sorted(set(self.seeds).union(*(v.seeds or () for v in self.variants.values())))
         return [
             Cell(
                 task,
-                variant,
+                variant.name,
                 seed,
-                self.out / "runs" / task / variant / f"s{seed}",
-                (*self.common, *task_flags, *variant_flags),
+                self.out / "runs" / task / variant.name / f"s{seed}",
+                (*self.common, *task_flags, *variant.flags),
             )
-            for seed in self.seeds
+            for seed in all_seeds
             for task, task_flags in self.tasks.items()
-            for variant, variant_flags in self.variants.items()
+            for variant in self.variants.values()
+            if seed in self.seeds_of(variant.name) and task in self.tasks_of(variant.name)
         ]
 
 
@@ -170,20 +271,31 @@ class Cell:
             *resume,
         ]
 
+    def recorded_flags(self) -> Optional[List[str]]:
+        """The flags the cell was started with (``study-cell.json``), None before it was."""
+        path = self.folder / "study-cell.json"
+        return json.loads(path.read_text())["flags"] if path.exists() else None
+
     def summary(self) -> Optional[dict]:
         path = self.folder / "summary.json"
         return json.loads(path.read_text()) if path.exists() else None
 
 
-def run_cell(cell: Cell, threads: int) -> int:
+def run_cell(cell: Cell, threads: int, keep_models: bool = True) -> int:
     """Runs ``cell`` (resuming it if it was interrupted, afresh if it had not reached a checkpoint) with ``threads``
-    threads; its output goes to ``FOLDER.log``. Returns its exit status."""
+    threads; its output goes to ``FOLDER.log``. Without ``keep_models``, a finished cell's checkpoints and final
+    model are deleted. Returns its exit status."""
     if cell.state == "new" and cell.folder.exists():
         shutil.rmtree(cell.folder)  # a run stopped before its first checkpoint: nothing to keep
-    cell.folder.parent.mkdir(parents=True, exist_ok=True)
+    cell.folder.mkdir(parents=True, exist_ok=True)
+    (cell.folder / "study-cell.json").write_text(json.dumps({"flags": list(cell.flags)}))
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
     with open(cell.folder.with_suffix(".log"), "a") as log:
-        return subprocess.run(cell.command(), stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+        status = subprocess.run(cell.command(), stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+    if status == 0 and not keep_models and cell.state == "finished":
+        for folder in [*(p for _, p in checkpoints(cell.folder)), cell.folder / "final"]:
+            shutil.rmtree(folder, ignore_errors=True)
+    return status
 
 
 def estimate_minutes(cell: Cell, cells: Sequence[Cell]) -> Optional[float]:
@@ -242,10 +354,11 @@ def bootstrap_interval(values: Sequence[float], samples: int = BOOTSTRAP_SAMPLES
 
 @dataclass
 class PairedDifference:
-    """``variant`` minus the baseline on one task and metric, seed by seed."""
+    """``variant`` minus ``partner`` on one task and metric, seed by seed."""
 
     task: str
     variant: str
+    partner: str
     metric: str
     differences: List[float] = field(default_factory=list)
 
@@ -255,6 +368,12 @@ class PairedDifference:
 
     @property
     def interval(self) -> Tuple[float, float]:
+        """The 95 % Student's t interval of the mean difference over seeds (what the verdict reads)."""
+        return t_interval(self.differences)
+
+    @property
+    def bootstrap(self) -> Tuple[float, float]:
+        """The 95 % percentile bootstrap interval over seeds: shown beside, too narrow for a few seeds."""
         return bootstrap_interval(self.differences)
 
     def verdict(self) -> str:
@@ -269,30 +388,68 @@ class PairedDifference:
 
 
 def paired_differences(spec: StudySpec) -> List[PairedDifference]:
-    """Each non-baseline variant against the baseline, per task and metric, over the seeds both finished."""
+    """Each paired variant against its partner (`StudySpec.partner`), per task and metric, over the seeds both
+    finished."""
+    summaries = {(c.task, c.variant, c.seed): c.summary() for c in spec.cells()}
     results = []
     for task in spec.tasks:
-        base = {c.seed: c.summary() for c in spec.cells() if c.task == task and c.variant == spec.baseline}
         for variant in spec.variants:
-            if variant == spec.baseline:
+            partner = spec.partner(variant)
+            if partner is None:
                 continue
-            other = {c.seed: c.summary() for c in spec.cells() if c.task == task and c.variant == variant}
-            pairs = [(base[s], other[s]) for s in spec.seeds if base.get(s) and other.get(s)]
+            pairs = [
+                (summaries[(task, partner, s)], summaries[(task, variant, s)])
+                for s in spec.seeds_of(variant)
+                if summaries.get((task, partner, s)) and summaries.get((task, variant, s))
+            ]
             if not pairs:
                 continue
             metrics = sorted(set.intersection(*(set(final_metrics(b)) & set(final_metrics(o)) for b, o in pairs)))
             for metric in metrics:
                 results.append(
                     PairedDifference(
-                        task, variant, metric, [final_metrics(o)[metric] - final_metrics(b)[metric] for b, o in pairs]
+                        task,
+                        variant,
+                        partner,
+                        metric,
+                        [final_metrics(o)[metric] - final_metrics(b)[metric] for b, o in pairs],
                     )
                 )
     return results
 
 
+def mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values)
+
+
+def interval_text(low: float, high: float, signed: bool = False) -> str:
+    if math.isnan(low):
+        return "-"
+    return f"[{low:+.3f}, {high:+.3f}]" if signed else f"[{low:.3f}, {high:.3f}]"
+
+
+def load_runs(spec: StudySpec, cells: Sequence[Cell], untrained: Optional[dict]) -> List[dict]:
+    """``cells``' runs as `gtpo_train.compare` loads them; where the cells did not evaluate before training
+    (``--no-eval-before``), the task's untrained-model figures (``untrained``: a reference cell's final evaluation)
+    are their step-0 evaluation, so that the collapse rule's peak and the curves start from it."""
+    from . import compare
+
+    runs = [r for group in compare.load([str(c.folder) for c in cells]).values() for r in group]
+    for run in runs:
+        if untrained is not None and not any(e["step"] == 0 for e in run["evals"]):
+            run["evals"].insert(0, {**untrained, "step": 0})
+    return runs
+
+
+def final_entropy(run: dict) -> float:
+    """The mean train entropy (nats per token) of a run's last 3 steps."""
+    last = [t["entropy"] for t in run["train"][-3:]]
+    return mean(last) if last else float("nan")
+
+
 def report(spec: StudySpec) -> str:
-    """The study's report (markdown): each variant's own figures per task, the paired differences with their
-    intervals, collapse counts, wall time; and one figure per task (`compare.plot`)."""
+    """The study's report (markdown): the untrained model's figures, the paired differences with their intervals,
+    each variant's figures, its collapses and entropy, wall time; and one figure per task (`compare.plot`)."""
     from . import compare
 
     cells = spec.cells()
@@ -302,29 +459,60 @@ def report(spec: StudySpec) -> str:
         "",
         f"{len(finished)} of {len(cells)} cells finished; seeds {', '.join(map(str, spec.seeds))}; baseline "
         f"`{spec.baseline}`. Every cell is a `gtpo-train` run in `runs/TASK/VARIANT/sSEED/`.",
+    ]
+    untrained: Dict[str, dict] = {}
+    references = [v for v in spec.variants.values() if v.reference]
+    if references:
+        lines += [
+            "",
+            "## Reference cells (not paired)",
+            "",
+            "Held-out figures of each reference cell (95 % Wilson interval over the held-out problems).",
+            "",
+            "| task | variant | seed | problems | metric | figure |",
+            "|---|---|---|---|---|---|",
+        ]
+        for cell in finished:
+            if not spec.variants[cell.variant].reference:
+                continue
+            summary = cell.summary()
+            n = summary.get("eval_problems")
+            if summary.get("steps") == 0:  # the untrained model: the task's step-0 evaluation
+                untrained.setdefault(cell.task, summary["after"])
+            for metric, value in sorted(final_metrics(summary).items()):
+                figure = with_interval(value, n) if n and is_share(metric) else f"{value:.3f}"
+                lines.append(f"| {cell.task} | {cell.variant} | {cell.seed} | {n} | {metric} | {figure} |")
+    lines += [
         "",
-        "## Paired differences (variant minus baseline, seed by seed)",
+        "## Paired differences (variant minus its partner, seed by seed)",
         "",
-        "Mean over seeds of the difference in each held-out figure after training, with a 95 % percentile bootstrap "
-        f"interval over seeds ({BOOTSTRAP_SAMPLES} resamples; the held-out problems are the same for every seed and "
-        'variant, so the seeds are the unit resampled). "No difference detectable": the interval holds 0.',
+        "Mean over seeds of the difference in each held-out figure after training, with its 95 % Student's t "
+        "interval over the seeds' differences (the held-out problems are the same for every seed and variant, so a "
+        "seed's difference already holds the problems' noise; the seeds are the independent unit), and beside it "
+        f"the percentile bootstrap over seeds ({BOOTSTRAP_SAMPLES} resamples), which is too narrow for a few seeds. "
+        '"No difference detectable": the t interval holds 0.',
         "",
-        "| task | variant | metric | seeds | mean difference | 95 % interval | per seed | verdict |",
-        "|---|---|---|---|---|---|---|---|",
+        "| task | variant | against | metric | seeds | mean difference | 95 % t interval | bootstrap | per seed "
+        "| verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for d in paired_differences(spec):
-        low, high = d.interval
         lines.append(
-            f"| {d.task} | {d.variant} | {d.metric} | {len(d.differences)} | {d.mean:+.3f} | [{low:+.3f}, {high:+.3f}] "
+            f"| {d.task} | {d.variant} | {d.partner} | {d.metric} | {len(d.differences)} | {d.mean:+.3f} "
+            f"| {interval_text(*d.interval, signed=True)} | {interval_text(*d.bootstrap, signed=True)} "
             f"| {' '.join(f'{x:+.3f}' for x in d.differences)} | {d.verdict()} |"
         )
     lines += [
         "",
         "## Each variant",
         "",
-        "| task | variant | seeds | metric | after, mean | 95 % interval over seeds | collapsed | minutes per cell |",
+        "After training: the mean over seeds with its 95 % t interval; the seed spread (largest minus smallest); "
+        "and one run's own 95 % Wilson interval width over the held-out problems (mean over seeds).",
+        "",
+        "| task | variant | seeds | metric | mean | 95 % t interval | seed spread | one run's interval width |",
         "|---|---|---|---|---|---|---|---|",
     ]
+    stability = []
     total_minutes = 0.0
     for task in spec.tasks:
         by_variant = {}
@@ -332,24 +520,50 @@ def report(spec: StudySpec) -> str:
             mine = [c for c in finished if c.task == task and c.variant == variant]
             if not mine:
                 continue
-            loaded = [r for group in compare.load([str(c.folder) for c in mine]).values() for r in group]
-            by_variant[variant] = loaded
-            collapses = sum(compare.collapsed(r)[0] for r in loaded)
-            minutes = [c.summary().get("wall_minutes", 0.0) for c in mine]
+            summaries = [c.summary() for c in mine]
+            minutes = [s.get("wall_minutes", 0.0) for s in summaries]
             total_minutes += sum(minutes)
-            for metric in sorted(set.intersection(*(set(final_metrics(c.summary())) for c in mine))):
-                values = [final_metrics(c.summary())[metric] for c in mine]
-                low, high = bootstrap_interval(values)
+            if spec.variants[variant].reference:
+                continue
+            runs = load_runs(spec, mine, untrained.get(task))
+            by_variant[variant] = runs
+            for metric in sorted(set.intersection(*(set(final_metrics(s)) for s in summaries))):
+                values = [final_metrics(s)[metric] for s in summaries]
+                widths = [
+                    wilson(v, s["eval_problems"])[1] - wilson(v, s["eval_problems"])[0]
+                    for v, s in zip(values, summaries)
+                    if is_share(metric) and s.get("eval_problems")
+                ]
                 lines.append(
-                    f"| {task} | {variant} | {len(mine)} | {metric} | {sum(values) / len(values):.3f} | "
-                    f"[{low:.3f}, {high:.3f}] | {collapses} of {len(mine)} | {sum(minutes) / len(minutes):.1f} |"
+                    f"| {task} | {variant} | {len(mine)} | {metric} | {mean(values):.3f} | "
+                    f"{interval_text(*t_interval(values))} | {max(values) - min(values):.3f} | "
+                    f"{f'{mean(widths):.3f}' if widths else '-'} |"
                 )
+            verdicts = [compare.collapsed(r) for r in runs]
+            entropies = [final_entropy(r) for r in runs]
+            stability.append(
+                f"| {task} | {variant} | {sum(v for v, _ in verdicts)} of {len(runs)} | "
+                f"{'; '.join(f's{c.seed}: {why}' for c, (v, why) in zip(mine, verdicts) if v) or '-'} | "
+                f"{mean(entropies):.3f} {interval_text(*t_interval(entropies))} | "
+                f"{min(t['entropy'] for r in runs for t in r['train']):.3f} | {mean(minutes):.1f} |"
+            )
         if by_variant:  # one figure per task, every variant's curves on it
-            compare.plot(by_variant, spec.out / f"{task}.png")
+            compare.plot(by_variant, spec.figure(task))
     lines += [
         "",
-        f"Collapse: `gtpo_train.compare`'s rule ({compare.COLLAPSE_RULE}). Wall time of the finished cells: "
-        f"{total_minutes:.0f} min in all. Figures: " + ", ".join(f"`{t}.png`" for t in spec.tasks) + ".",
+        "## Collapses, entropy, time",
+        "",
+        f"Collapse: `gtpo_train.compare`'s rule ({compare.COLLAPSE_RULE}); the untrained model's figures count as "
+        "each run's first evaluation. Entropy: the train entropy (nats per token) of the last 3 steps, mean over "
+        "seeds with its t interval, and the lowest of any step of any seed.",
+        "",
+        "| task | variant | collapsed | signs | final entropy [t interval] | lowest entropy | minutes per cell |",
+        "|---|---|---|---|---|---|---|",
+        *stability,
+        "",
+        f"Wall time of the finished cells: {total_minutes:.0f} min in all (cells side by side overlap). Figures: "
+        + ", ".join(f"`{spec.figure(t).name}`" for t in spec.tasks)
+        + ".",
     ]
     return "\n".join(lines) + "\n"
 
@@ -360,7 +574,7 @@ def run_study(spec: StudySpec, jobs: int) -> List[Tuple[Cell, int]]:
     threads = max(1, (os.cpu_count() or 1) // jobs)
     failed = []
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        for cell, status in zip(todo, pool.map(lambda c: run_cell(c, threads), todo)):
+        for cell, status in zip(todo, pool.map(lambda c: run_cell(c, threads, spec.keep_models), todo)):
             print(
                 f"{cell.task}/{cell.variant}/s{cell.seed}: " + ("done" if status == 0 else f"exit {status}"), flush=True
             )
@@ -384,6 +598,7 @@ def main(argv=None) -> None:
         p.error("--jobs must be at least 1")
     try:
         spec = StudySpec.read(Path(args.spec))
+        spec.check_shared_cells()
     except ConfigError as exc:
         p.error(str(exc))
     if args.dry_run:
@@ -392,8 +607,8 @@ def main(argv=None) -> None:
     started = time.time()
     failed = [] if args.report_only else run_study(spec, args.jobs)
     spec.out.mkdir(parents=True, exist_ok=True)
-    (spec.out / "report.md").write_text(report(spec))
-    print(f"report: {spec.out / 'report.md'} ({(time.time() - started) / 60:.1f} min)")
+    spec.report_path.write_text(report(spec))
+    print(f"report: {spec.report_path} ({(time.time() - started) / 60:.1f} min)")
     if failed:
         for cell, status in failed:
             print(f"failed: {cell.folder} (exit {status}; its log: {cell.folder.with_suffix('.log')})", file=sys.stderr)
