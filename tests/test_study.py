@@ -215,3 +215,54 @@ def test_a_cell_run_with_other_flags_is_refused_before_anything_runs(tmp_path):
         other.check_shared_cells()
     with pytest.raises(SystemExit):
         study.main([str(tmp_path / "other.json"), "--dry-run"])
+
+
+def test_variants_run_their_own_seeds_and_tasks_and_pair_with_their_partner(tmp_path):
+    variants = {
+        "grpo": ["--algo", "grpo"],
+        "gtpo": ["--algo", "gtpo"],
+        "grpo-hot": {"flags": ["--learning-rate", "1e-4"], "tasks": ["chain_sum"]},
+        "gtpo-hot": {
+            "flags": ["--algo", "gtpo", "--learning-rate", "1e-4"],
+            "tasks": ["chain_sum"],
+            "against": "grpo-hot",
+        },
+        "base": {"flags": ["--steps", "0"], "seeds": [0], "reference": True},
+    }
+    tasks = {"arithmetic": [], "chain_sum": ["--dataset", "cs.jsonl"]}
+    spec = study.StudySpec.read(write_spec(tmp_path / "s.json", "m", tmp_path / "o", variants=variants, tasks=tasks))
+    cells = {(c.task, c.variant, c.seed) for c in spec.cells()}
+    assert ("arithmetic", "base", 0) in cells and ("arithmetic", "base", 1) not in cells  # its own seeds
+    assert ("chain_sum", "grpo-hot", 1) in cells and ("arithmetic", "grpo-hot", 0) not in cells  # its own tasks
+    assert len(cells) == 2 * 2 * 2 + 2 * 2 + 2
+    assert [spec.partner(v) for v in variants] == [None, "grpo", "grpo", "grpo-hot", None]
+
+
+def test_the_untrained_figures_are_each_runs_first_evaluation(tmp_path):
+    """Cells run with --no-eval-before have one evaluation, after training: the reference --steps 0 cell's figures
+    are their step 0, so a run that ends far below the untrained model is counted as collapsed."""
+    variants = {"grpo": ["--algo", "grpo"], "base": {"flags": ["--steps", "0"], "seeds": [0], "reference": True}}
+    spec = study.StudySpec.read(write_spec(tmp_path / "s.json", "m", tmp_path / "o", variants=variants, seeds=[0]))
+    base, grpo = sorted(spec.cells(), key=lambda c: c.variant)
+    base.folder.mkdir(parents=True)
+    (base.folder / "summary.json").write_text(json.dumps({"steps": 0, "after": {"accuracy": 0.5}, "eval_problems": 64}))
+    (base.folder / "metrics.jsonl").write_text(json.dumps({"kind": "eval", "step": 0, "accuracy": 0.5}) + "\n")
+    grpo.folder.mkdir(parents=True)
+    (grpo.folder / "summary.json").write_text(
+        json.dumps({"algo": "grpo", "steps": 1, "after": {"accuracy": 0.1}, "eval_problems": 64})
+    )
+    rows = [{"kind": "train", "step": 1, "entropy": 0.5, "reward": 0.6}, {"kind": "eval", "step": 1, "accuracy": 0.1}]
+    (grpo.folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = study.report(spec)
+    assert "| arithmetic | base | 0 | 64 | accuracy | 0.500 [0.38, 0.62] |" in text
+    assert "| arithmetic | grpo | 1 of 1 | s0: accuracy 0.50 -> 0.10 |" in text
+
+
+def test_a_run_without_train_rows_is_plotted(tmp_path):
+    """A --steps 0 run (the untrained model's evaluation) logs one evaluation and no step: its plot is drawn."""
+    pytest.importorskip("matplotlib")
+    from trainer.plots import plot_run
+
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"kind": "eval", "step": 0, "accuracy": 0.1, "pass@4": 0.2}))
+    assert plot_run(tmp_path / "metrics.jsonl", tmp_path / "run.png", title="untrained") == tmp_path / "run.png"
+    assert (tmp_path / "run.png").stat().st_size > 0

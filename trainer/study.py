@@ -5,7 +5,7 @@
 SPEC is a YAML or JSON file::
 
     name: gtpo-vs-grpo
-    out: results/gtpo-vs-grpo      # cells in OUT/runs/TASK/VARIANT/sSEED/, the report in OUT/report.md
+    out: results/gtpo-vs-grpo      # cells in OUT/runs/TASK/VARIANT/sSEED/, the report in OUT/NAME.md
     seeds: [0, 1, 2, 3]
     baseline: grpo                 # each other variant is paired with it, seed by seed
     common: [--eval-size, "256"]   # flags every cell takes
@@ -13,7 +13,7 @@ SPEC is a YAML or JSON file::
       arithmetic: []
       chain_sum: [--dataset, data/chain_sum.jsonl, --reward, examples/reasoning_gym/reward.py:score]
     variants:                      # name: the flags that make the variant
-      base: {flags: [--steps, "0"], seeds: [0]}   # a variant of its own seeds: a reference, not paired
+      base: {flags: [--steps, "0"], seeds: [0], reference: true}   # the untrained model: not paired
       grpo: [--algo, grpo]
       gtpo: [--algo, gtpo, --preset, paper]
 
