@@ -259,9 +259,11 @@ def test_the_untrained_figures_are_each_runs_first_evaluation(tmp_path):
     )
     rows = [{"kind": "train", "step": 1, "entropy": 0.5, "reward": 0.6}, {"kind": "eval", "step": 1, "accuracy": 0.1}]
     (grpo.folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    answers = [{"problem": i, "answer": a, "correct": False} for i, a in enumerate(["1", "1", "1", "2"])]
+    (grpo.folder / "held-out-answers.jsonl").write_text("".join(json.dumps(a) + "\n" for a in answers))
     text = study.report(spec)
     assert "| arithmetic | base | 0 | 64 | accuracy | 0.500 [0.38, 0.62] |" in text
-    assert "| arithmetic | grpo | 1 of 1 | s0: accuracy 0.50 -> 0.10 |" in text
+    assert "| arithmetic | grpo | 1 of 1 | s0: accuracy 0.50 -> 0.10 | s0: 2 / '1' 0.75 |" in text  # 3 of 4 say 1
 
 
 def test_a_run_without_train_rows_is_plotted(tmp_path):

@@ -756,6 +756,14 @@ MUTANTS: Tuple[Mutant, ...] = (
         "whether the accuracy reward scored the greedy answer 1",
     ),
     Mutant(
+        "study: the answers' spread counted by the first answer",
+        "trainer/study.py",
+        "    top, n = counts.most_common(1)[0]",
+        "    top, n = next(iter(counts.items()))[0], counts[str(answers[-1])]",
+        ("tests/test_study.py::test_the_untrained_figures_are_each_runs_first_evaluation",),
+        "the most common greedy answer and its share (3 of 4 problems answered 1)",
+    ),
+    Mutant(
         "compare: an empty panel kept",
         "trainer/compare.py",
         "    return [c if drawable(c) else FALLBACK.get(c[0], c) for c in CURVES]",

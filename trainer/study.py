@@ -37,6 +37,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -520,16 +521,35 @@ def figure_rows(task: str, variant: str, summaries: Sequence[dict]) -> List[str]
     return rows
 
 
-def stability_row(task: str, variant: str, runs: Sequence[dict], minutes: Sequence[float]) -> str:
-    """A variant's collapses (`gtpo_train.compare`'s rule, each seed's signs), final and lowest train entropy and
-    minutes per cell on a task, as a table row."""
+def answer_profile(cell: Cell) -> Optional[str]:
+    """``12 / '1' 0.84``: how many distinct greedy answers the cell's final evaluation gave (its
+    ``held-out-answers.jsonl``), and the most common one with its share: a run that answers one thing to every
+    problem has collapsed, whatever its accuracy. None for a cell without the file."""
+    path = cell.folder / "held-out-answers.jsonl"
+    if not path.exists():
+        return None
+    answers = [json.loads(line)["answer"] for line in path.read_text().splitlines() if line.strip()]
+    if not answers:
+        return None
+    counts = Counter(str(a) for a in answers)
+    top, n = counts.most_common(1)[0]
+    return f"{len(counts)} / {top[:12]!r} {n / len(answers):.2f}"
+
+
+def stability_row(
+    task: str, variant: str, runs: Sequence[dict], minutes: Sequence[float], cells: Sequence[Cell] = ()
+) -> str:
+    """A variant's collapses (`gtpo_train.compare`'s rule, each seed's signs), its greedy answers' spread
+    (`answer_profile`, per seed where recorded), final and lowest train entropy and minutes per cell on a task, as
+    a table row."""
     from . import compare
 
     verdicts = [(run.get("seed"), *compare.collapsed(run)) for run in runs]
     entropies = [final_entropy(r) for r in runs]
     signs = "; ".join(f"s{seed}: {why}" for seed, fell, why in verdicts if fell) or "-"
+    profiles = "; ".join(f"s{c.seed}: {p}" for c in cells if (p := answer_profile(c))) or "-"
     return (
-        f"| {task} | {variant} | {sum(fell for _, fell, _ in verdicts)} of {len(runs)} | {signs} | "
+        f"| {task} | {variant} | {sum(fell for _, fell, _ in verdicts)} of {len(runs)} | {signs} | {profiles} | "
         f"{mean(entropies):.3f} {interval_text(*t_interval(entropies))} | "
         f"{min(t['entropy'] for r in runs for t in r['train']):.3f} | {mean(minutes):.1f} |"
     )
@@ -555,7 +575,7 @@ def report(spec: StudySpec) -> str:
             mine = [c for c in finished if c.task == task and c.variant == variant]
             by_variant[variant] = runs = load_runs(spec, mine, untrained.get(task))
             figures += figure_rows(task, variant, summaries)
-            stability.append(stability_row(task, variant, runs, minutes))
+            stability.append(stability_row(task, variant, runs, minutes, mine))
         if by_variant:  # one figure per task, every variant's curves on it
             compare.plot(by_variant, spec.figure(task))
             drawn.append(spec.figure(task).name)
@@ -579,11 +599,14 @@ def report(spec: StudySpec) -> str:
         "## Collapses, entropy, time",
         "",
         f"Collapse: `gtpo_train.compare`'s rule ({compare.COLLAPSE_RULE}); the untrained model's figures count as "
-        "each run's first evaluation. Entropy: the train entropy (nats per token) of the last 3 steps, mean over "
-        "seeds with its t interval, and the lowest of any step of any seed.",
+        "each run's first evaluation. Greedy answers (cells that wrote `held-out-answers.jsonl`): how many "
+        "distinct answers the final greedy completions gave, and the most common with its share of the problems. "
+        "Entropy: the train entropy (nats per token) of the last 3 steps, mean over seeds with its t interval, and "
+        "the lowest of any step of any seed.",
         "",
-        "| task | variant | collapsed | signs | final entropy [t interval] | lowest entropy | minutes per cell |",
-        "|---|---|---|---|---|---|---|",
+        "| task | variant | collapsed | signs | greedy answers: distinct / most common, share | final entropy "
+        "[t interval] | lowest entropy | minutes per cell |",
+        "|---|---|---|---|---|---|---|---|",
         *stability,
         "",
         f"Wall time of the finished cells: {total_minutes:.0f} min in all (cells side by side overlap). Figures: "
