@@ -521,19 +521,38 @@ def figure_rows(task: str, variant: str, summaries: Sequence[dict]) -> List[str]
     return rows
 
 
-def answer_profile(cell: Cell) -> Optional[str]:
-    """``12 / '1' 0.84``: how many distinct greedy answers the cell's final evaluation gave (its
-    ``held-out-answers.jsonl``), and the most common one with its share: a run that answers one thing to every
-    problem has collapsed, whatever its accuracy. None for a cell without the file."""
-    path = cell.folder / "held-out-answers.jsonl"
-    if not path.exists():
-        return None
-    answers = [json.loads(line)["answer"] for line in path.read_text().splitlines() if line.strip()]
-    if not answers:
-        return None
-    counts = Counter(str(a) for a in answers)
-    top, n = counts.most_common(1)[0]
-    return f"{len(counts)} / {top[:12]!r} {n / len(answers):.2f}"
+# A run whose final greedy answers are one answer on at least this share of the held-out problems has collapsed to
+# it (a constant answer scores the share of the problems it happens to fit), whatever its accuracy.
+ONE_ANSWER = 0.9
+
+
+@dataclass(frozen=True)
+class AnswerSpread:
+    """A cell's final greedy answers (its ``held-out-answers.jsonl``): how many distinct ones, and the most
+    common with its share of the problems."""
+
+    distinct: int
+    top: str
+    share: float
+
+    @classmethod
+    def of(cls, cell: Cell) -> Optional[AnswerSpread]:
+        """None for a cell without the file (runs before it was written)."""
+        path = cell.folder / "held-out-answers.jsonl"
+        if not path.exists():
+            return None
+        answers = [str(json.loads(line)["answer"]) for line in path.read_text().splitlines() if line.strip()]
+        if not answers:
+            return None
+        top, n = Counter(answers).most_common(1)[0]
+        return cls(len(set(answers)), top, n / len(answers))
+
+    @property
+    def collapsed(self) -> bool:
+        return self.share >= ONE_ANSWER
+
+    def __str__(self) -> str:
+        return f"{self.distinct} / {self.top[:12]!r} {self.share:.2f}"
 
 
 def stability_row(
@@ -544,10 +563,18 @@ def stability_row(
     a table row."""
     from . import compare
 
-    verdicts = [(run.get("seed"), *compare.collapsed(run)) for run in runs]
+    spreads = {c.seed: AnswerSpread.of(c) for c in cells}
+    verdicts = []
+    for run in runs:
+        fell, why = compare.collapsed(run)
+        spread = spreads.get(run.get("seed"))
+        if spread is not None and spread.collapsed:
+            why = "; ".join(filter(None, [why, f"one greedy answer ({spread.top[:12]!r}) on {spread.share:.2f}"]))
+            fell = True
+        verdicts.append((run.get("seed"), fell, why))
     entropies = [final_entropy(r) for r in runs]
     signs = "; ".join(f"s{seed}: {why}" for seed, fell, why in verdicts if fell) or "-"
-    profiles = "; ".join(f"s{c.seed}: {p}" for c in cells if (p := answer_profile(c))) or "-"
+    profiles = "; ".join(f"s{seed}: {spread}" for seed, spread in spreads.items() if spread) or "-"
     return (
         f"| {task} | {variant} | {sum(fell for _, fell, _ in verdicts)} of {len(runs)} | {signs} | {profiles} | "
         f"{mean(entropies):.3f} {interval_text(*t_interval(entropies))} | "
@@ -599,10 +626,11 @@ def report(spec: StudySpec) -> str:
         "## Collapses, entropy, time",
         "",
         f"Collapse: `gtpo_train.compare`'s rule ({compare.COLLAPSE_RULE}); the untrained model's figures count as "
-        "each run's first evaluation. Greedy answers (cells that wrote `held-out-answers.jsonl`): how many "
-        "distinct answers the final greedy completions gave, and the most common with its share of the problems. "
-        "Entropy: the train entropy (nats per token) of the last 3 steps, mean over seeds with its t interval, and "
-        "the lowest of any step of any seed.",
+        f"each run's first evaluation; and, where the cell recorded its answers, one greedy answer on at least "
+        f"{ONE_ANSWER:.0%} of the held-out problems. Greedy answers (cells that wrote `held-out-answers.jsonl`): "
+        "how many distinct answers the final greedy completions gave, and the most common with its share of the "
+        "problems. Entropy: the train entropy (nats per token) of the last 3 steps, mean over seeds with its t "
+        "interval, and the lowest of any step of any seed.",
         "",
         "| task | variant | collapsed | signs | greedy answers: distinct / most common, share | final entropy "
         "[t interval] | lowest entropy | minutes per cell |",
