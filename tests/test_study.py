@@ -292,3 +292,14 @@ def test_a_run_answering_one_thing_to_every_problem_has_collapsed(tmp_path):
     (grpo.folder / "held-out-answers.jsonl").write_text("".join(json.dumps(a) + "\n" for a in answers))
     text = study.report(spec)
     assert "| arithmetic | grpo | 1 of 1 | s0: one greedy answer ('Yes') on 0.90 | s0: 2 / 'Yes' 0.90 |" in text
+
+
+def test_paired_cells_are_compared_answer_by_answer(tmp_path):
+    spec = study.StudySpec.read(write_spec(tmp_path / "s.json", "m", tmp_path / "o", seeds=[0]))
+    for cell, answers in zip(spec.cells(), (["1", "2", "3", "4"], ["1", "2", "3", "5"])):  # grpo, then gtpo
+        fake_cell(cell, {"accuracy": 0.5})
+        rows = [{"problem": i, "answer": a} for i, a in enumerate(answers)]
+        if cell.variant == "gtpo":
+            rows.reverse()  # (written in another order: read by problem)
+        (cell.folder / "held-out-answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert "| arithmetic | gtpo | grpo | s0: 0.75 |" in study.report(spec)

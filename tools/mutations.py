@@ -772,6 +772,14 @@ MUTANTS: Tuple[Mutant, ...] = (
         "one greedy answer on at least 90 % of the problems is a collapse, whatever the accuracy",
     ),
     Mutant(
+        "study: answers compared in file order, not problem by problem",
+        "trainer/study.py",
+        '    return [str(row["answer"]) for row in sorted(rows, key=lambda row: row["problem"])]',
+        '    return [str(row["answer"]) for row in rows]',
+        ("tests/test_study.py::test_paired_cells_are_compared_answer_by_answer",),
+        "two cells' answers are paired by problem",
+    ),
+    Mutant(
         "compare: an empty panel kept",
         "trainer/compare.py",
         "    return [c if drawable(c) else FALLBACK.get(c[0], c) for c in CURVES]",

@@ -502,6 +502,47 @@ def paired_section(spec: StudySpec) -> List[str]:
     return lines
 
 
+def held_out_answers(cell: Cell) -> Optional[List[str]]:
+    """The cell's final greedy answers, problem by problem (its ``held-out-answers.jsonl``), or None."""
+    path = cell.folder / "held-out-answers.jsonl"
+    if not path.exists():
+        return None
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [str(row["answer"]) for row in sorted(rows, key=lambda row: row["problem"])]
+
+
+def agreement_section(spec: StudySpec) -> List[str]:
+    """For each paired variant and seed where both cells recorded their answers: the share of held-out problems on
+    which the two give the same greedy answer (1.00: the loss made no difference to any greedy answer)."""
+    rows = []
+    for task in spec.tasks:
+        for variant in spec.variants:
+            partner = spec.partner(variant)
+            if partner is None:
+                continue
+            shares = []
+            for seed in spec.seeds_of(variant):
+                cells = {c.variant: c for c in spec.cells() if c.task == task and c.seed == seed}
+                mine, theirs = (held_out_answers(cells[v]) if v in cells else None for v in (variant, partner))
+                if mine and theirs and len(mine) == len(theirs):
+                    shares.append(f"s{seed}: {sum(a == b for a, b in zip(mine, theirs)) / len(mine):.2f}")
+            if shares:
+                rows.append(f"| {task} | {variant} | {partner} | {'; '.join(shares)} |")
+    if not rows:
+        return []
+    return [
+        "",
+        "## The same greedy answer, problem by problem",
+        "",
+        "Where both cells of a pair recorded their final greedy answers: the share of held-out problems on which the "
+        "variant and its partner give the same answer.",
+        "",
+        "| task | variant | against | per seed |",
+        "|---|---|---|---|",
+        *rows,
+    ]
+
+
 def figure_rows(task: str, variant: str, summaries: Sequence[dict]) -> List[str]:
     """One table row per held-out figure of a variant's finished cells on a task: mean, t interval, seed spread, and
     one run's own Wilson interval width."""
@@ -538,10 +579,7 @@ class AnswerSpread:
     @classmethod
     def of(cls, cell: Cell) -> Optional[AnswerSpread]:
         """None for a cell without the file (runs before it was written)."""
-        path = cell.folder / "held-out-answers.jsonl"
-        if not path.exists():
-            return None
-        answers = [str(json.loads(line)["answer"]) for line in path.read_text().splitlines() if line.strip()]
+        answers = held_out_answers(cell)
         if not answers:
             return None
         top, n = Counter(answers).most_common(1)[0]
@@ -613,6 +651,7 @@ def report(spec: StudySpec) -> str:
         f"`{spec.baseline}`. Every cell is a `gtpo-train` run in `runs/TASK/VARIANT/sSEED/`.",
         *references,
         *paired_section(spec),
+        *agreement_section(spec),
         "",
         "## Each variant",
         "",
