@@ -205,6 +205,15 @@ class StudySpec:
                     f"spec gives it ({' '.join(cell.flags)}): give the variant another name, or delete the folder"
                 )
 
+    def pairs(self) -> List[Tuple[str, str, str]]:
+        """Every ``(task, variant, partner)`` the report compares, tasks outermost."""
+        return [
+            (task, variant, partner)
+            for task in self.tasks
+            for variant in self.variants
+            if (partner := self.partner(variant)) is not None
+        ]
+
     def seeds_of(self, variant: str) -> Tuple[int, ...]:
         return self.variants[variant].seeds or self.seeds
 
@@ -393,29 +402,25 @@ def paired_differences(spec: StudySpec) -> List[PairedDifference]:
     finished."""
     summaries = {(c.task, c.variant, c.seed): c.summary() for c in spec.cells()}
     results = []
-    for task in spec.tasks:
-        for variant in spec.variants:
-            partner = spec.partner(variant)
-            if partner is None:
-                continue
-            pairs = [
-                (summaries[(task, partner, s)], summaries[(task, variant, s)])
-                for s in spec.seeds_of(variant)
-                if summaries.get((task, partner, s)) and summaries.get((task, variant, s))
-            ]
-            if not pairs:
-                continue
-            metrics = sorted(set.intersection(*(set(final_metrics(b)) & set(final_metrics(o)) for b, o in pairs)))
-            for metric in metrics:
-                results.append(
-                    PairedDifference(
-                        task,
-                        variant,
-                        partner,
-                        metric,
-                        [final_metrics(o)[metric] - final_metrics(b)[metric] for b, o in pairs],
-                    )
+    for task, variant, partner in spec.pairs():
+        pairs = [
+            (summaries[(task, partner, s)], summaries[(task, variant, s)])
+            for s in spec.seeds_of(variant)
+            if summaries.get((task, partner, s)) and summaries.get((task, variant, s))
+        ]
+        if not pairs:
+            continue
+        metrics = sorted(set.intersection(*(set(final_metrics(b)) & set(final_metrics(o)) for b, o in pairs)))
+        for metric in metrics:
+            results.append(
+                PairedDifference(
+                    task,
+                    variant,
+                    partner,
+                    metric,
+                    [final_metrics(o)[metric] - final_metrics(b)[metric] for b, o in pairs],
                 )
+            )
     return results
 
 
@@ -515,19 +520,15 @@ def agreement_section(spec: StudySpec) -> List[str]:
     """For each paired variant and seed where both cells recorded their answers: the share of held-out problems on
     which the two give the same greedy answer (1.00: the loss made no difference to any greedy answer)."""
     rows = []
-    for task in spec.tasks:
-        for variant in spec.variants:
-            partner = spec.partner(variant)
-            if partner is None:
-                continue
-            shares = []
-            for seed in spec.seeds_of(variant):
-                cells = {c.variant: c for c in spec.cells() if c.task == task and c.seed == seed}
-                mine, theirs = (held_out_answers(cells[v]) if v in cells else None for v in (variant, partner))
-                if mine and theirs and len(mine) == len(theirs):
-                    shares.append(f"s{seed}: {sum(a == b for a, b in zip(mine, theirs)) / len(mine):.2f}")
-            if shares:
-                rows.append(f"| {task} | {variant} | {partner} | {'; '.join(shares)} |")
+    for task, variant, partner in spec.pairs():
+        shares = []
+        for seed in spec.seeds_of(variant):
+            cells = {c.variant: c for c in spec.cells() if c.task == task and c.seed == seed}
+            mine, theirs = (held_out_answers(cells[v]) if v in cells else None for v in (variant, partner))
+            if mine and theirs and len(mine) == len(theirs):
+                shares.append(f"s{seed}: {sum(a == b for a, b in zip(mine, theirs)) / len(mine):.2f}")
+        if shares:
+            rows.append(f"| {task} | {variant} | {partner} | {'; '.join(shares)} |")
     if not rows:
         return []
     return [
