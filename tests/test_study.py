@@ -303,3 +303,13 @@ def test_paired_cells_are_compared_answer_by_answer(tmp_path):
             rows.reverse()  # (written in another order: read by problem)
         (cell.folder / "held-out-answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert "| arithmetic | gtpo | grpo | s0: 0.75 |" in study.report(spec)
+
+
+def test_the_final_train_entropy_is_paired_too(tmp_path):
+    spec = study.StudySpec.read(write_spec(tmp_path / "s.json", "m", tmp_path / "o", seeds=[0]))
+    for cell, entropies in zip(spec.cells(), ([0.9, 0.6, 0.5, 0.4], [0.9, 0.5, 0.3, 0.1])):  # grpo, then gtpo
+        fake_cell(cell, {"accuracy": 0.5})
+        rows = [{"kind": "train", "step": i + 1, "entropy": e, "reward": 0.5} for i, e in enumerate(entropies)]
+        (cell.folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # The last 3 steps' mean: 0.5 for grpo, 0.3 for gtpo.
+    assert "| arithmetic | gtpo | grpo | train entropy, last 3 steps | 1 | -0.200 |" in study.report(spec)

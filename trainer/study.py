@@ -48,7 +48,7 @@ from .config import ConfigError
 from .intervals import is_share, t_interval, wilson, with_interval
 
 # The held-out figures each paired difference is taken of (those a run's summary has).
-METRICS = ("accuracy", "pass@", "maj@", "format_rate", "rewards/format_reward")
+METRICS = ("accuracy", "pass@", "maj@", "format_rate", "rewards/format_reward", "train entropy")
 BOOTSTRAP_SAMPLES = 10000
 
 
@@ -345,6 +345,20 @@ def dry_run(spec: StudySpec, jobs: int) -> List[str]:
 
 
 # ---------------------------------------------------------------------------------------------------------- report
+FINAL_ENTROPY = "train entropy, last 3 steps"
+
+
+def cell_final_entropy(cell: Cell) -> Optional[float]:
+    """The mean train entropy (nats per token) of the cell's last 3 steps, from its metrics.jsonl; None without
+    train rows."""
+    path = cell.folder / "metrics.jsonl"
+    if not path.exists():
+        return None
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    train = [r["entropy"] for r in rows if r.get("kind") == "train"][-3:]
+    return sum(train) / len(train) if train else None
+
+
 def final_metrics(summary: dict) -> Dict[str, float]:
     """The held-out figures after training (accuracy, pass@k, maj@k, format rate) of a run's summary."""
     after = summary.get("after") or {}
@@ -400,7 +414,14 @@ class PairedDifference:
 def paired_differences(spec: StudySpec) -> List[PairedDifference]:
     """Each paired variant against its partner (`StudySpec.partner`), per task and metric, over the seeds both
     finished."""
-    summaries = {(c.task, c.variant, c.seed): c.summary() for c in spec.cells()}
+    summaries = {}
+    for c in spec.cells():
+        summary = c.summary()
+        if summary is not None:
+            summaries[(c.task, c.variant, c.seed)] = {**summary, "after": {**(summary.get("after") or {})}}
+            entropy = cell_final_entropy(c)
+            if entropy is not None:  # paired too: the paper's claim is about entropy
+                summaries[(c.task, c.variant, c.seed)]["after"][FINAL_ENTROPY] = entropy
     results = []
     for task, variant, partner in spec.pairs():
         pairs = [
