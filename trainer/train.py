@@ -168,26 +168,6 @@ def train_and_evaluate(
     return stopped, after
 
 
-def eval_row(session: Session, step: int, result: dict) -> dict:
-    """An evaluation's log row: its figures, and each share's 95 % interval over the held-out rows."""
-    return {
-        "kind": "eval",
-        "step": step,
-        **result,
-        "intervals_95": metric_intervals(result, len(session.task.held_out)),
-    }
-
-
-def evaluate_if_due(session: Session, state: RunState, log: MetricsLog) -> None:
-    """The evaluation every --eval-every steps, unless done (a resume may find it still owed)."""
-    every, steps = session.config.eval_every, session.config.steps
-    if every and state.step % every == 0 and 0 < state.step < steps and state.eval_step < state.step:
-        result = session.evaluate(seed=state.step)
-        if result is not None:
-            log.append(eval_row(session, state.step, result))
-            state.eval_step = state.step
-
-
 def train_steps(session: Session, state: RunState, log: MetricsLog, started: float) -> Optional[Stopped]:
     """The training steps from ``state.step`` on, each logged, evaluated and checkpointed when due; returns why they
     stopped early, or None."""
@@ -226,42 +206,6 @@ def train_steps(session: Session, state: RunState, log: MetricsLog, started: flo
     finally:
         bar.close()
     return None
-
-
-def finish(
-    session: Session, state: RunState, log: MetricsLog, after: dict, stopped, started: float, run_started: float
-) -> dict:
-    """The final evaluation logged, the last checkpoint, the model saved, the plot and the summary."""
-    config, dist = session.config, session.dist
-    log.append(eval_row(session, state.step, after))
-    state.eval_step = state.step
-    session.checkpoint(state, log)
-    summary = None
-    out_dir = Path(config.output_dir)
-    if dist.is_main:
-        save_final(session.model, session.tokenizer, session.policy, out_dir / "final", config.merge_lora)
-        plot = plot_run(
-            log.path,
-            out_dir / "training.png",
-            title=f"{config.algo} ({config.loss_preset}) on {config.dataset}, seed {config.seed}",
-        )
-        now = time.time()
-        summary = summarise(
-            config,
-            state,
-            after,
-            stopped,
-            dist.world,
-            len(session.task.held_out),
-            (now - started) / 60,
-            (now - run_started) / 60,
-        )
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-        print_summary(summary, log, plot)
-    else:
-        full_state(session.policy, None)  # take part in save_final's gather
-    dist.barrier()
-    return summary or {"steps": state.step}
 
 
 def train_step(session: Session, state: RunState, step: int) -> dict:
@@ -340,14 +284,6 @@ def train_step(session: Session, state: RunState, step: int) -> dict:
     }
 
 
-def decode_compile_time(session: Session) -> dict:
-    """Under ``--compile-decode``, the seconds the run has spent compiling the sampler's step so far (each first
-    call of a new shape): ``{"time_decode_compile": s}``; else nothing."""
-    if not compiles_decode(session.config, session.dist.device):
-        return {}
-    return {"time_decode_compile": Decoder.of(session.model, compile=True).compile_seconds}
-
-
 def rollout_logprobs(session: Session, state: RunState, batch: dict):
     """``(old_logprobs, ref_logprobs)`` of the rollout, each None where the step needs none: the sampling policy's
     (with ``--num-iterations`` above 1; on the first step its mean entropy, over all processes, becomes ``state``'s
@@ -397,6 +333,70 @@ def reward_figures(session: Session, batch: dict) -> dict:
         figures["accuracy"] = float(totals[1]) / n
     figures["completion_length"] = float(totals[3]) / n
     return figures
+
+
+def decode_compile_time(session: Session) -> dict:
+    """Under ``--compile-decode``, the seconds the run has spent compiling the sampler's step so far (each first
+    call of a new shape): ``{"time_decode_compile": s}``; else nothing."""
+    if not compiles_decode(session.config, session.dist.device):
+        return {}
+    return {"time_decode_compile": Decoder.of(session.model, compile=True).compile_seconds}
+
+
+def evaluate_if_due(session: Session, state: RunState, log: MetricsLog) -> None:
+    """The evaluation every --eval-every steps, unless done (a resume may find it still owed)."""
+    every, steps = session.config.eval_every, session.config.steps
+    if every and state.step % every == 0 and 0 < state.step < steps and state.eval_step < state.step:
+        result = session.evaluate(seed=state.step)
+        if result is not None:
+            log.append(eval_row(session, state.step, result))
+            state.eval_step = state.step
+
+
+def eval_row(session: Session, step: int, result: dict) -> dict:
+    """An evaluation's log row: its figures, and each share's 95 % interval over the held-out rows."""
+    return {
+        "kind": "eval",
+        "step": step,
+        **result,
+        "intervals_95": metric_intervals(result, len(session.task.held_out)),
+    }
+
+
+def finish(
+    session: Session, state: RunState, log: MetricsLog, after: dict, stopped, started: float, run_started: float
+) -> dict:
+    """The final evaluation logged, the last checkpoint, the model saved, the plot and the summary."""
+    config, dist = session.config, session.dist
+    log.append(eval_row(session, state.step, after))
+    state.eval_step = state.step
+    session.checkpoint(state, log)
+    summary = None
+    out_dir = Path(config.output_dir)
+    if dist.is_main:
+        save_final(session.model, session.tokenizer, session.policy, out_dir / "final", config.merge_lora)
+        plot = plot_run(
+            log.path,
+            out_dir / "training.png",
+            title=f"{config.algo} ({config.loss_preset}) on {config.dataset}, seed {config.seed}",
+        )
+        now = time.time()
+        summary = summarise(
+            config,
+            state,
+            after,
+            stopped,
+            dist.world,
+            len(session.task.held_out),
+            (now - started) / 60,
+            (now - run_started) / 60,
+        )
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        print_summary(summary, log, plot)
+    else:
+        full_state(session.policy, None)  # take part in save_final's gather
+    dist.barrier()
+    return summary or {"steps": state.step}
 
 
 def main(argv=None) -> None:
