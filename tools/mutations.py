@@ -158,10 +158,18 @@ MUTANTS: Tuple[Mutant, ...] = (
     Mutant(
         "train rows: accuracy logged for a reward that is not 0/1",
         "trainer/train.py",
-        "    if not totals[2]:",
+        "    if not totals.not_binary:",
         "    if True:",
         ("tests/test_tasks.py::test_a_conversational_jsonl_trains_with_a_reward_file",),
         "a step's accuracy only where the accuracy reward is 0 or 1",
+    ),
+    Mutant(
+        "train rows: a reward's mean divided by every completion, not those it applies to",
+        "trainer/train.py",
+        '        figures[f"rewards/{name}"] = value / count if count else None',
+        '        figures[f"rewards/{name}"] = value / float(totals.completions)',
+        ("tests/test_tasks.py::test_a_conversational_jsonl_trains_with_a_reward_file",),
+        "rewards/NAME is the mean over the completions the reward applies to (None where none)",
     ),
     Mutant(
         "tracking: TensorBoard's steps one off",

@@ -21,6 +21,7 @@ import gc
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Tuple
 
@@ -304,6 +305,32 @@ def rollout_logprobs(session: Session, state: RunState, batch: dict):
     return old_logprobs, ref_logprobs
 
 
+@dataclass
+class RolloutTotals:
+    """A rollout's sums and counts, added over processes as one float64 vector (`to_sums`, `from_sums`): each field
+    is a sum, so the fields of several processes' totals add up to the whole batch's."""
+
+    reward: torch.Tensor  # the summed total reward
+    solved: torch.Tensor  # completions scoring 1 on the accuracy reward
+    not_binary: torch.Tensor  # > 0 where some accuracy reward was neither 0 nor 1 (then no accuracy is reported)
+    tokens: torch.Tensor  # completion tokens
+    completions: torch.Tensor
+    per_reward: torch.Tensor  # [R] each reward function's summed values where it applies
+    applies: torch.Tensor  # [R] how many completions each reward function applies to
+
+    SCALARS = ("reward", "solved", "not_binary", "tokens", "completions")
+
+    def to_sums(self) -> torch.Tensor:
+        scalars = torch.stack([getattr(self, name).double().reshape(()).cpu() for name in self.SCALARS])
+        return torch.cat([scalars, self.per_reward.double().cpu(), self.applies.double().cpu()])
+
+    @classmethod
+    def from_sums(cls, sums: torch.Tensor, rewards: int) -> RolloutTotals:
+        scalars = dict(zip(cls.SCALARS, sums[: len(cls.SCALARS)].unbind()))
+        per_reward = sums[len(cls.SCALARS) :]
+        return cls(**scalars, per_reward=per_reward[:rewards], applies=per_reward[rewards:])
+
+
 def reward_figures(session: Session, batch: dict) -> dict:
     """The step's rollout figures over all processes: the mean reward, each reward function's mean over the
     completions it applies to (``rewards/NAME``), the share scoring 1 on the accuracy reward (where its values are
@@ -312,26 +339,23 @@ def reward_figures(session: Session, batch: dict) -> dict:
     scores = batch["scores"].double()
     applies = ~scores.isnan()
     acc = scores[:, task.reward_names.index(task.accuracy_reward)]
-    binary = ((acc == 0) | (acc == 1) | acc.isnan()).all()
-    totals = torch.cat(
-        [
-            torch.stack([batch["rewards"].double().sum().cpu(), (acc == 1).sum().double(), (~binary).double()]),
-            torch.stack(
-                [batch["completion_mask"].sum().double().cpu(), torch.tensor(float(len(scores)), dtype=torch.float64)]
-            ),
-            torch.where(applies, scores, 0).sum(0),
-            applies.double().sum(0),
-        ]
+    mine = RolloutTotals(
+        reward=batch["rewards"].double().sum(),
+        solved=(acc == 1).sum(),
+        not_binary=~((acc == 0) | (acc == 1) | acc.isnan()).all(),
+        tokens=batch["completion_mask"].sum(),
+        completions=torch.tensor(len(scores)),
+        per_reward=torch.where(applies, scores, 0).sum(0),
+        applies=applies.sum(0),
     )
-    totals = dist.all_sum(totals.to(dist.device)).cpu()
-    n, r = float(totals[4]), len(task.rewards)
-    figures = {"reward": float(totals[0]) / n}
-    for j, name in enumerate(task.reward_names):
-        count = float(totals[5 + r + j])
-        figures[f"rewards/{name}"] = float(totals[5 + j]) / count if count else None
-    if not totals[2]:
-        figures["accuracy"] = float(totals[1]) / n
-    figures["completion_length"] = float(totals[3]) / n
+    totals = RolloutTotals.from_sums(dist.all_sum(mine.to_sums().to(dist.device)).cpu(), len(task.rewards))
+    n = float(totals.completions)
+    figures = {"reward": float(totals.reward) / n}
+    for name, value, count in zip(task.reward_names, totals.per_reward.tolist(), totals.applies.tolist()):
+        figures[f"rewards/{name}"] = value / count if count else None
+    if not totals.not_binary:
+        figures["accuracy"] = float(totals.solved) / n
+    figures["completion_length"] = float(totals.tokens) / n
     return figures
 
 
