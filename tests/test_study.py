@@ -249,7 +249,7 @@ def test_the_untrained_figures_are_each_runs_first_evaluation(tmp_path):
     (base.folder / "metrics.jsonl").write_text(json.dumps({"kind": "eval", "step": 0, "accuracy": 0.5}) + "\n")
     grpo.folder.mkdir(parents=True)
     (grpo.folder / "summary.json").write_text(
-        json.dumps({"algo": "grpo", "steps": 1, "after": {"accuracy": 0.1}, "eval_problems": 64})
+        json.dumps({"algo": "grpo", "seed": 0, "steps": 1, "after": {"accuracy": 0.1}, "eval_problems": 64})
     )
     rows = [{"kind": "train", "step": 1, "entropy": 0.5, "reward": 0.6}, {"kind": "eval", "step": 1, "accuracy": 0.1}]
     (grpo.folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -447,42 +447,38 @@ def final_entropy(run: dict) -> float:
     return mean(last) if last else float("nan")
 
 
-def report(spec: StudySpec) -> str:
-    """The study's report (markdown): the untrained model's figures, the paired differences with their intervals,
-    each variant's figures, its collapses and entropy, wall time; and one figure per task (`compare.plot`)."""
-    from . import compare
-
-    cells = spec.cells()
-    finished = [c for c in cells if c.state == "finished"]
-    lines = [
-        f"# Study: {spec.name}",
-        "",
-        f"{len(finished)} of {len(cells)} cells finished; seeds {', '.join(map(str, spec.seeds))}; baseline "
-        f"`{spec.baseline}`. Every cell is a `gtpo-train` run in `runs/TASK/VARIANT/sSEED/`.",
-    ]
+def reference_section(spec: StudySpec, finished: Sequence[Cell]) -> Tuple[List[str], Dict[str, dict]]:
+    """The reference cells' figures (markdown lines), and each task's untrained-model figures (its ``--steps 0``
+    reference cell's evaluation)."""
+    lines: List[str] = []
     untrained: Dict[str, dict] = {}
-    references = [v for v in spec.variants.values() if v.reference]
-    if references:
-        lines += [
-            "",
-            "## Reference cells (not paired)",
-            "",
-            "Held-out figures of each reference cell (95 % Wilson interval over the held-out problems).",
-            "",
-            "| task | variant | seed | problems | metric | figure |",
-            "|---|---|---|---|---|---|",
-        ]
-        for cell in finished:
-            if not spec.variants[cell.variant].reference:
-                continue
-            summary = cell.summary()
-            n = summary.get("eval_problems")
-            if summary.get("steps") == 0:  # the untrained model: the task's step-0 evaluation
-                untrained.setdefault(cell.task, summary["after"])
-            for metric, value in sorted(final_metrics(summary).items()):
-                figure = with_interval(value, n) if n and is_share(metric) else f"{value:.3f}"
-                lines.append(f"| {cell.task} | {cell.variant} | {cell.seed} | {n} | {metric} | {figure} |")
+    if not any(v.reference for v in spec.variants.values()):
+        return lines, untrained
     lines += [
+        "",
+        "## Reference cells (not paired)",
+        "",
+        "Held-out figures of each reference cell (95 % Wilson interval over the held-out problems).",
+        "",
+        "| task | variant | seed | problems | metric | figure |",
+        "|---|---|---|---|---|---|",
+    ]
+    for cell in finished:
+        if not spec.variants[cell.variant].reference:
+            continue
+        summary = cell.summary()
+        n = summary.get("eval_problems")
+        if summary.get("steps") == 0:  # the untrained model: the task's step-0 evaluation
+            untrained.setdefault(cell.task, summary["after"])
+        for metric, value in sorted(final_metrics(summary).items()):
+            figure = with_interval(value, n) if n and is_share(metric) else f"{value:.3f}"
+            lines.append(f"| {cell.task} | {cell.variant} | {cell.seed} | {n} | {metric} | {figure} |")
+    return lines, untrained
+
+
+def paired_section(spec: StudySpec) -> List[str]:
+    """The paired differences' table (markdown lines)."""
+    lines = [
         "",
         "## Paired differences (variant minus its partner, seed by seed)",
         "",
@@ -502,7 +498,73 @@ def report(spec: StudySpec) -> str:
             f"| {interval_text(*d.interval, signed=True)} | {interval_text(*d.bootstrap, signed=True)} "
             f"| {' '.join(f'{x:+.3f}' for x in d.differences)} | {d.verdict()} |"
         )
-    lines += [
+    return lines
+
+
+def figure_rows(task: str, variant: str, summaries: Sequence[dict]) -> List[str]:
+    """One table row per held-out figure of a variant's finished cells on a task: mean, t interval, seed spread, and
+    one run's own Wilson interval width."""
+    rows = []
+    for metric in sorted(set.intersection(*(set(final_metrics(s)) for s in summaries))):
+        values = [final_metrics(s)[metric] for s in summaries]
+        widths = [
+            wilson(v, s["eval_problems"])[1] - wilson(v, s["eval_problems"])[0]
+            for v, s in zip(values, summaries)
+            if is_share(metric) and s.get("eval_problems")
+        ]
+        rows.append(
+            f"| {task} | {variant} | {len(summaries)} | {metric} | {mean(values):.3f} | "
+            f"{interval_text(*t_interval(values))} | {max(values) - min(values):.3f} | "
+            f"{f'{mean(widths):.3f}' if widths else '-'} |"
+        )
+    return rows
+
+
+def stability_row(task: str, variant: str, runs: Sequence[dict], minutes: Sequence[float]) -> str:
+    """A variant's collapses (`gtpo_train.compare`'s rule, each seed's signs), final and lowest train entropy and
+    minutes per cell on a task, as a table row."""
+    from . import compare
+
+    verdicts = [(run.get("seed"), *compare.collapsed(run)) for run in runs]
+    entropies = [final_entropy(r) for r in runs]
+    signs = "; ".join(f"s{seed}: {why}" for seed, fell, why in verdicts if fell) or "-"
+    return (
+        f"| {task} | {variant} | {sum(fell for _, fell, _ in verdicts)} of {len(runs)} | {signs} | "
+        f"{mean(entropies):.3f} {interval_text(*t_interval(entropies))} | "
+        f"{min(t['entropy'] for r in runs for t in r['train']):.3f} | {mean(minutes):.1f} |"
+    )
+
+
+def report(spec: StudySpec) -> str:
+    """The study's report (markdown): the untrained model's figures, the paired differences with their intervals,
+    each variant's figures, its collapses and entropy, wall time; and one figure per task (`compare.plot`)."""
+    from . import compare
+
+    cells = spec.cells()
+    finished = [c for c in cells if c.state == "finished"]
+    references, untrained = reference_section(spec, finished)
+    figures, stability, total_minutes = [], [], 0.0
+    for task in spec.tasks:
+        by_variant = {}
+        for variant in spec.variants:
+            summaries = [c.summary() for c in finished if c.task == task and c.variant == variant]
+            minutes = [s.get("wall_minutes", 0.0) for s in summaries]
+            total_minutes += sum(minutes)
+            if not summaries or spec.variants[variant].reference:
+                continue
+            mine = [c for c in finished if c.task == task and c.variant == variant]
+            by_variant[variant] = runs = load_runs(spec, mine, untrained.get(task))
+            figures += figure_rows(task, variant, summaries)
+            stability.append(stability_row(task, variant, runs, minutes))
+        if by_variant:  # one figure per task, every variant's curves on it
+            compare.plot(by_variant, spec.figure(task))
+    lines = [
+        f"# Study: {spec.name}",
+        "",
+        f"{len(finished)} of {len(cells)} cells finished; seeds {', '.join(map(str, spec.seeds))}; baseline "
+        f"`{spec.baseline}`. Every cell is a `gtpo-train` run in `runs/TASK/VARIANT/sSEED/`.",
+        *references,
+        *paired_section(spec),
         "",
         "## Each variant",
         "",
@@ -511,45 +573,7 @@ def report(spec: StudySpec) -> str:
         "",
         "| task | variant | seeds | metric | mean | 95 % t interval | seed spread | one run's interval width |",
         "|---|---|---|---|---|---|---|---|",
-    ]
-    stability = []
-    total_minutes = 0.0
-    for task in spec.tasks:
-        by_variant = {}
-        for variant in spec.variants:
-            mine = [c for c in finished if c.task == task and c.variant == variant]
-            if not mine:
-                continue
-            summaries = [c.summary() for c in mine]
-            minutes = [s.get("wall_minutes", 0.0) for s in summaries]
-            total_minutes += sum(minutes)
-            if spec.variants[variant].reference:
-                continue
-            runs = load_runs(spec, mine, untrained.get(task))
-            by_variant[variant] = runs
-            for metric in sorted(set.intersection(*(set(final_metrics(s)) for s in summaries))):
-                values = [final_metrics(s)[metric] for s in summaries]
-                widths = [
-                    wilson(v, s["eval_problems"])[1] - wilson(v, s["eval_problems"])[0]
-                    for v, s in zip(values, summaries)
-                    if is_share(metric) and s.get("eval_problems")
-                ]
-                lines.append(
-                    f"| {task} | {variant} | {len(mine)} | {metric} | {mean(values):.3f} | "
-                    f"{interval_text(*t_interval(values))} | {max(values) - min(values):.3f} | "
-                    f"{f'{mean(widths):.3f}' if widths else '-'} |"
-                )
-            verdicts = [compare.collapsed(r) for r in runs]
-            entropies = [final_entropy(r) for r in runs]
-            stability.append(
-                f"| {task} | {variant} | {sum(v for v, _ in verdicts)} of {len(runs)} | "
-                f"{'; '.join(f's{c.seed}: {why}' for c, (v, why) in zip(mine, verdicts) if v) or '-'} | "
-                f"{mean(entropies):.3f} {interval_text(*t_interval(entropies))} | "
-                f"{min(t['entropy'] for r in runs for t in r['train']):.3f} | {mean(minutes):.1f} |"
-            )
-        if by_variant:  # one figure per task, every variant's curves on it
-            compare.plot(by_variant, spec.figure(task))
-    lines += [
+        *figures,
         "",
         "## Collapses, entropy, time",
         "",
