@@ -164,6 +164,14 @@ MUTANTS: Tuple[Mutant, ...] = (
         "a step's accuracy only where the accuracy reward is 0 or 1",
     ),
     Mutant(
+        "structure: a function grown past 80 lines",
+        "trainer/study.py",
+        "def mean(values: Sequence[float]) -> float:\n",
+        "def mean(values: Sequence[float]) -> float:\n" + "    values = list(values)\n" * 80,
+        ("tests/test_structure.py::test_no_function_grows_past_80_lines",),
+        "no function over 80 lines but the listed ones, none of which grows",
+    ),
+    Mutant(
         "train rows: a reward's mean divided by every completion, not those it applies to",
         "trainer/train.py",
         '        figures[f"rewards/{name}"] = value / count if count else None',
