@@ -192,7 +192,6 @@ LONG_FUNCTIONS = {
     "gtpo_kernels/loss.py:gtpo_loss": 94,
     "gtpo_kernels/config.py:_validate": 90,
     "gtpo_kernels/hf/prompt_cache.py:grouped_completion_hidden_states": 86,
-    "trainer/config.py:__post_init__": 83,
 }
 LONGEST = 80
 
