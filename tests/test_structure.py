@@ -190,7 +190,6 @@ LONG_FUNCTIONS = {
     "gtpo_kernels/objective.py:loss_from_token_stats": 107,
     "gtpo_kernels/backends/triton_token_stats.py:_token_stats_forward_kernel": 97,
     "gtpo_kernels/loss.py:gtpo_loss": 94,
-    "gtpo_kernels/config.py:_validate": 90,
     "gtpo_kernels/hf/prompt_cache.py:grouped_completion_hidden_states": 86,
 }
 LONGEST = 80
