@@ -144,6 +144,15 @@ def test_the_held_out_panel_draws_pass_and_maj_at_each_k():
     assert compare._curve_keys(sampled, "train", conflict) == ["amplified_fraction", "skipped_fraction"]
 
 
+def test_a_task_without_a_held_out_format_rate_shows_the_rollouts_accuracy_instead():
+    builtin = {"a": [{"evals": [{"step": 0, "accuracy": 0.5, "format_rate": 1.0}], "train": [{"accuracy": 0.4}]}]}
+    other = {"a": [{"evals": [{"step": 0, "accuracy": 0.5}], "train": [{"accuracy": 0.4}]}]}
+    titles = lambda runs: [title for title, *_ in compare.panels(runs)]  # noqa: E731
+    assert "held-out format rate" in titles(builtin) and "train accuracy (rollouts)" not in titles(builtin)
+    assert "train accuracy (rollouts)" in titles(other) and "held-out format rate" not in titles(other)
+    assert len(titles(other)) == len(compare.CURVES)
+
+
 def test_each_seeds_final_figure_comes_with_its_interval(tmp_path):
     # The count from summary.json, or (summaries written before it was saved) from config.json's eval_size.
     saved = _run(tmp_path, "saved", seed=0, accuracy=(0.4, 0.6, 0.5))

@@ -748,6 +748,14 @@ MUTANTS: Tuple[Mutant, ...] = (
         "solved is reasoning-gym's full marks",
     ),
     Mutant(
+        "compare: an empty panel kept",
+        "trainer/compare.py",
+        "    return [c if drawable(c) else FALLBACK.get(c[0], c) for c in CURVES]",
+        "    return list(CURVES)",
+        ("tests/test_compare.py::test_a_task_without_a_held_out_format_rate_shows_the_rollouts_accuracy_instead",),
+        "a task without a held-out format rate shows the rollouts' accuracy in its place",
+    ),
+    Mutant(
         "compare: a setting an older run lacks left out of the comparison",
         "trainer/compare.py",
         "    known = [with_defaults(c) for c in configs if c]",

@@ -235,6 +235,21 @@ CURVES = (  # (panel title, rows, keys: solid, dashed, dotted; a key ending in "
 )
 
 
+# A panel none of the runs has data for, and what takes its place: a task without a held-out format rate (only the
+# built-in task has one) shows the rollouts' accuracy, where a collapse to one answer shows within a run.
+FALLBACK = {"held-out format rate": ("train accuracy (rollouts)", "train", ("accuracy",), (0, 1))}
+
+
+def panels(by_variant: Dict[str, List[dict]]) -> list:
+    """`CURVES`, each panel none of the runs has data for replaced by its `FALLBACK`."""
+
+    def drawable(curve) -> bool:
+        rows = [row for group in by_variant.values() for run in group for row in run[curve[1]]]
+        return any(key in row for key in _curve_keys([{curve[1]: rows}], curve[1], curve[2]) for row in rows)
+
+    return [c if drawable(c) else FALLBACK.get(c[0], c) for c in CURVES]
+
+
 def _curve_keys(runs: List[dict], rows: str, keys) -> List[str]:
     """``keys`` with each ``"pass@"``-like prefix replaced by the matching keys the runs' rows hold."""
     found = {k for run in runs for row in run[rows] for k in row}
@@ -252,7 +267,8 @@ def plot(by_variant: Dict[str, List[dict]], path: Path) -> None:
     fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
     palette = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:gray"]
     colors = {name: palette[i % len(palette)] for i, name in enumerate(sorted(by_variant))}
-    for ax, (title, rows, keys, ylim) in zip(axes.flat, CURVES):
+
+    for ax, (title, rows, keys, ylim) in zip(axes.flat, panels(by_variant)):
         for name, runs in sorted(by_variant.items()):
             for k, style in zip(_curve_keys(runs, rows, keys), ("-", "--", ":")):
                 steps, mean, low, high = _band(runs, rows, k)

@@ -543,7 +543,7 @@ def report(spec: StudySpec) -> str:
     cells = spec.cells()
     finished = [c for c in cells if c.state == "finished"]
     references, untrained = reference_section(spec, finished)
-    figures, stability, total_minutes = [], [], 0.0
+    figures, stability, drawn, total_minutes = [], [], [], 0.0
     for task in spec.tasks:
         by_variant = {}
         for variant in spec.variants:
@@ -558,6 +558,7 @@ def report(spec: StudySpec) -> str:
             stability.append(stability_row(task, variant, runs, minutes))
         if by_variant:  # one figure per task, every variant's curves on it
             compare.plot(by_variant, spec.figure(task))
+            drawn.append(spec.figure(task).name)
     lines = [
         f"# Study: {spec.name}",
         "",
@@ -586,7 +587,7 @@ def report(spec: StudySpec) -> str:
         *stability,
         "",
         f"Wall time of the finished cells: {total_minutes:.0f} min in all (cells side by side overlap). Figures: "
-        + ", ".join(f"`{spec.figure(t).name}`" for t in spec.tasks)
+        + (", ".join(f"`{name}`" for name in drawn) or "none yet")
         + ".",
     ]
     return "\n".join(lines) + "\n"
