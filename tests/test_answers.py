@@ -63,3 +63,43 @@ def test_wrong_greedy_answers_come_from_the_final_evaluation(tiny_model_dir, tmp
     assert text == capsys.readouterr().out.rstrip("\n") + "\n"
     assert "**3 wrong**; the operation their reasoning writes: `-` 3." in text
     assert "accuracy 0.500" in text and sum(q in text for q in wrong_questions) == 3
+
+
+def test_the_final_evaluation_writes_each_problems_greedy_answer(tiny_model_dir, tmp_path, monkeypatch):
+    """held-out-answers.jsonl (a run's final evaluation): each problem's greedy answer by the task's answer rule,
+    whether it is right, and how many of its samples are right; what a collapse to one answer, or a comparison
+    problem by problem, reads."""
+    from types import SimpleNamespace
+
+    from trainer.distributed import Distributed
+    from trainer.task import load_task
+    from trainer.train import write_held_out_answers
+
+    config = TrainConfig(model=tiny_model_dir, eval_size=6, eval_k=2, max_new_tokens=4, precision="fp32")
+    config.output_dir = str(tmp_path)
+    _, held_out = arithmetic_rows(config.seed, config.eval_size, config.difficulty)
+    gold = dict(zip(held_out["prompt"], held_out["answer"]))
+    wrong_questions = set(held_out["prompt"][1::2])
+
+    def fake_generate(model, tokenizer, task, questions, n, config, device, greedy_first=False, **kwargs):
+        texts = []
+        for q in questions:
+            value = int(gold[q]) + 1 if q in wrong_questions else int(gold[q])
+            right_samples = 2 if q in wrong_questions else 1
+            samples = [f"<answer>\n{gold[q]}\n</answer>"] * right_samples + ["no answer"] * (2 - right_samples)
+            texts += [f"<answer>\n{value}\n</answer>", *samples]
+        ids = torch.ones(len(texts), 2, dtype=torch.long)
+        return {"texts": texts, "completion_ids": ids, "completion_mask": ids.bool()}
+
+    monkeypatch.setattr(evaluation, "generate", fake_generate)
+    task = load_task(config, train_size=config.prompts_per_step)
+    found = []
+    dist = Distributed.start("cpu")
+    evaluation.evaluate(torch.nn.Linear(1, 1), None, task, config, dist, seed=0, greedy_answers=found)
+    write_held_out_answers(SimpleNamespace(config=config, task=task), found)
+    rows = [json.loads(x) for x in (tmp_path / "held-out-answers.jsonl").read_text().splitlines()]
+    assert [r["problem"] for r in rows] == list(range(6))
+    for r, question in zip(rows, held_out["prompt"]):
+        wrong = question in wrong_questions
+        assert r["answer"] == float(gold[question]) + wrong  # the built-in task votes on the number
+        assert (r["correct"], r["samples_right"]) == ((False, 2) if wrong else (True, 1))

@@ -128,6 +128,12 @@ def test_a_smoke_study_runs_resumes_and_reports_paired_differences(tiny_model_di
     assert not any((c.folder / "final").exists() or list(c.folder.glob("checkpoint-*")) for c in spec.cells())
     rows = [json.loads(x) for x in (spec.cells()[2].folder / "metrics.jsonl").read_text().splitlines()]
     assert [(r["kind"], r["step"]) for r in rows] == [("eval", 0)]  # --steps 0: evaluated once, nothing trained
+    for cell in spec.cells():  # each held-out problem's final greedy answer, as the summary counts them
+        answers = [json.loads(x) for x in (cell.folder / "held-out-answers.jsonl").read_text().splitlines()]
+        after = cell.summary()["after"]
+        assert [a["problem"] for a in answers] == [0, 1, 2, 3]
+        assert sum(a["correct"] for a in answers) / 4 == after["accuracy"]
+        assert sum(a["samples_right"] > 0 for a in answers) / 4 == after["pass@2"]
     assert "resumed from" in first.folder.with_suffix(".log").read_text()
     steps = [
         json.loads(x)["step"]

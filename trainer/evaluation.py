@@ -112,7 +112,8 @@ def evaluate(
 ) -> Optional[dict]:
     """The held-out figures (module docstring); each process takes every K-th row, the sums are added. Returns None
     if a stop was requested meanwhile. ``greedy_answers``, a list, gets this process's rows, each with its greedy
-    completion and whether the accuracy reward scored it 1 (``row | {"completion": ..., "correct": ...}``)."""
+    completion, whether the accuracy reward scored it 1 and how many of its samples it scored 1
+    (``row | {"completion": ..., "correct": ..., "samples_right": ...}``)."""
     model.eval()
     torch.manual_seed(step_seed(config.seed, "eval", seed, dist.rank))
     mine = task.held_out.select(range(dist.rank, len(task.held_out), dist.world))
@@ -143,7 +144,14 @@ def evaluate(
         if greedy_answers is not None:
             for i, (texts, scores) in enumerate(decoded):
                 row = {column: values[i] for column, values in rows.items()}
-                greedy_answers.append({**row, "completion": texts[0], "correct": bool(scores[0, acc] == 1)})
+                greedy_answers.append(
+                    {
+                        **row,
+                        "completion": texts[0],
+                        "correct": bool(scores[0, acc] == 1),
+                        "samples_right": int((scores[1:, acc] == 1).sum()),
+                    }
+                )
         sums += tally(task, decoded, config.eval_k)
         bar.update(len(decoded))
     bar.close()

@@ -86,10 +86,18 @@ class Session:
     head: Optional[LogitTransform] = None  # the head's scale or soft cap, which the fused loss applies
     reference: Optional[nn.Module] = None  # --beta without LoRA: the starting policy, frozen
 
-    def evaluate(self, seed: int, desc: str = "eval") -> Optional[dict]:
+    def evaluate(self, seed: int, desc: str = "eval", greedy_answers: Optional[list] = None) -> Optional[dict]:
         with full_parameters(self.policy):
             return evaluate(
-                self.model, self.tokenizer, self.task, self.config, self.dist, seed=seed, stop=self.stop, desc=desc
+                self.model,
+                self.tokenizer,
+                self.task,
+                self.config,
+                self.dist,
+                seed=seed,
+                stop=self.stop,
+                desc=desc,
+                greedy_answers=greedy_answers,
             )
 
     def checkpoint(self, state: RunState, log: MetricsLog) -> None:

@@ -163,9 +163,12 @@ def train_and_evaluate(
             )
         if stopped is not None and not stopped.finishes:
             return stopped, None
-        after = session.evaluate(seed=config.steps, desc="eval after")
+        answers = [] if dist.world == 1 else None  # each process holds its own rows' answers
+        after = session.evaluate(seed=config.steps, desc="eval after", greedy_answers=answers)
         if after is None:
             return stop.stopped("during the final evaluation"), None
+        if answers is not None:
+            write_held_out_answers(session, answers)
     return stopped, after
 
 
@@ -375,6 +378,23 @@ def evaluate_if_due(session: Session, state: RunState, log: MetricsLog) -> None:
         if result is not None:
             log.append(eval_row(session, state.step, result))
             state.eval_step = state.step
+
+
+def write_held_out_answers(session: Session, answers: list) -> None:
+    """``held-out-answers.jsonl``: the final evaluation's greedy answer to each held-out problem (by the task's
+    ``answer_key``), whether it is right and how many of the ``eval_k`` samples are: what a collapse to one answer,
+    or a paired comparison problem by problem, reads. One process only (under torchrun each holds part)."""
+    with open(Path(session.config.output_dir) / "held-out-answers.jsonl", "w") as f:
+        for problem, row in enumerate(answers):
+            key = session.task.answer_key(row["completion"])
+            record = {
+                "problem": problem,
+                "answer": key if key is None or isinstance(key, (int, float)) else str(key),
+                "correct": row["correct"],
+                "samples_right": row["samples_right"],
+                "completion": row["completion"],
+            }
+            f.write(json.dumps(record) + "\n")
 
 
 def eval_row(session: Session, step: int, result: dict) -> dict:
