@@ -772,6 +772,22 @@ MUTANTS: Tuple[Mutant, ...] = (
         "whether the accuracy reward scored the greedy answer 1",
     ),
     Mutant(
+        "resume: the final evaluation run and logged again",
+        "trainer/train.py",
+        "        if state.after_step == state.step:  # a run stopped after its final evaluation",
+        "        if False:  # a run stopped after its final evaluation",
+        ("tests/test_trainer.py::test_resume_anywhere_reproduces_the_uninterrupted_run",),
+        "a run killed while saving its model resumes to the uninterrupted run's log (one final evaluation)",
+    ),
+    Mutant(
+        "resume: the final evaluation's row logged twice",
+        "trainer/train.py",
+        "    if state.after_step != state.step:  # (a resumed run logged it before it stopped)",
+        "    if True:  # (a resumed run logged it before it stopped)",
+        ("tests/test_trainer.py::test_resume_anywhere_reproduces_the_uninterrupted_run",),
+        "a run killed while saving its model resumes to the uninterrupted run's log (one final evaluation)",
+    ),
+    Mutant(
         "compare: an empty panel kept",
         "trainer/compare.py",
         "    return [c if drawable(c) else FALLBACK.get(c[0], c) for c in CURVES]",

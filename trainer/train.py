@@ -163,6 +163,8 @@ def train_and_evaluate(
             )
         if stopped is not None and not stopped.finishes:
             return stopped, None
+        if state.after_step == state.step:  # a run stopped after its final evaluation was logged and checkpointed
+            return stopped, state.after
         answers = [] if dist.world == 1 else None  # each process holds its own rows' answers
         after = session.evaluate(seed=config.steps, desc="eval after", greedy_answers=answers)
         if after is None:
@@ -412,8 +414,9 @@ def finish(
 ) -> dict:
     """The final evaluation logged, the last checkpoint, the model saved, the plot and the summary."""
     config, dist = session.config, session.dist
-    log.append(eval_row(session, state.step, after))
-    state.eval_step = state.step
+    if state.after_step != state.step:  # (a resumed run logged it before it stopped)
+        log.append(eval_row(session, state.step, after))
+        state.eval_step, state.after, state.after_step = state.step, after, state.step
     session.checkpoint(state, log)
     summary = None
     out_dir = Path(config.output_dir)
