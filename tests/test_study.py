@@ -259,9 +259,11 @@ def test_the_untrained_figures_are_each_runs_first_evaluation(tmp_path):
     )
     rows = [{"kind": "train", "step": 1, "entropy": 0.5, "reward": 0.6}, {"kind": "eval", "step": 1, "accuracy": 0.1}]
     (grpo.folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    answers = [{"problem": i, "answer": a, "correct": False} for i, a in enumerate(["1", "1", "1", "2"])]
+    (grpo.folder / "held-out-answers.jsonl").write_text("".join(json.dumps(a) + "\n" for a in answers))
     text = study.report(spec)
     assert "| arithmetic | base | 0 | 64 | accuracy | 0.500 [0.38, 0.62] |" in text
-    assert "| arithmetic | grpo | 1 of 1 | s0: accuracy 0.50 -> 0.10 |" in text
+    assert "| arithmetic | grpo | 1 of 1 | s0: accuracy 0.50 -> 0.10 | s0: 2 / '1' 0.75 |" in text  # 3 of 4 say 1
 
 
 def test_a_run_without_train_rows_is_plotted(tmp_path):
@@ -272,3 +274,21 @@ def test_a_run_without_train_rows_is_plotted(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"kind": "eval", "step": 0, "accuracy": 0.1, "pass@4": 0.2}))
     assert plot_run(tmp_path / "metrics.jsonl", tmp_path / "run.png", title="untrained") == tmp_path / "run.png"
     assert (tmp_path / "run.png").stat().st_size > 0
+
+
+def test_a_run_answering_one_thing_to_every_problem_has_collapsed(tmp_path):
+    """Its accuracy may rise (a constant answer scores the share of the problems it fits): the answers show it."""
+    variants = {"grpo": ["--algo", "grpo"], "base": {"flags": ["--steps", "0"], "seeds": [0], "reference": True}}
+    spec = study.StudySpec.read(write_spec(tmp_path / "s.json", "m", tmp_path / "o", variants=variants, seeds=[0]))
+    base, grpo = sorted(spec.cells(), key=lambda c: c.variant)
+    base.folder.mkdir(parents=True)
+    (base.folder / "summary.json").write_text(json.dumps({"steps": 0, "after": {"accuracy": 0.2}, "eval_problems": 10}))
+    grpo.folder.mkdir(parents=True)
+    summary = {"algo": "grpo", "seed": 0, "steps": 1, "after": {"accuracy": 0.7}, "eval_problems": 10}
+    (grpo.folder / "summary.json").write_text(json.dumps(summary))
+    rows = [{"kind": "train", "step": 1, "entropy": 0.5, "reward": 0.6}, {"kind": "eval", "step": 1, "accuracy": 0.7}]
+    (grpo.folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    answers = [{"problem": i, "answer": "Yes" if i else "No"} for i in range(10)]  # 9 of 10 say Yes: 0.90
+    (grpo.folder / "held-out-answers.jsonl").write_text("".join(json.dumps(a) + "\n" for a in answers))
+    text = study.report(spec)
+    assert "| arithmetic | grpo | 1 of 1 | s0: one greedy answer ('Yes') on 0.90 | s0: 2 / 'Yes' 0.90 |" in text

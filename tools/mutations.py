@@ -788,6 +788,22 @@ MUTANTS: Tuple[Mutant, ...] = (
         "a run killed while saving its model resumes to the uninterrupted run's log (one final evaluation)",
     ),
     Mutant(
+        "study: the answers' spread counted by the first answer",
+        "trainer/study.py",
+        "        top, n = Counter(answers).most_common(1)[0]",
+        "        top, n = answers[0], Counter(answers)[answers[-1]]",
+        ("tests/test_study.py::test_the_untrained_figures_are_each_runs_first_evaluation",),
+        "the most common greedy answer and its share (3 of 4 problems answered 1)",
+    ),
+    Mutant(
+        "study: a run with one answer for every problem not counted as collapsed",
+        "trainer/study.py",
+        "        return self.share >= ONE_ANSWER",
+        "        return self.share > ONE_ANSWER",
+        ("tests/test_study.py::test_a_run_answering_one_thing_to_every_problem_has_collapsed",),
+        "one greedy answer on at least 90 % of the problems is a collapse, whatever the accuracy",
+    ),
+    Mutant(
         "compare: an empty panel kept",
         "trainer/compare.py",
         "    return [c if drawable(c) else FALLBACK.get(c[0], c) for c in CURVES]",

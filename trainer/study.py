@@ -37,6 +37,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -520,16 +521,62 @@ def figure_rows(task: str, variant: str, summaries: Sequence[dict]) -> List[str]
     return rows
 
 
-def stability_row(task: str, variant: str, runs: Sequence[dict], minutes: Sequence[float]) -> str:
-    """A variant's collapses (`gtpo_train.compare`'s rule, each seed's signs), final and lowest train entropy and
-    minutes per cell on a task, as a table row."""
+# A run whose final greedy answers are one answer on at least this share of the held-out problems has collapsed to
+# it (a constant answer scores the share of the problems it happens to fit), whatever its accuracy.
+ONE_ANSWER = 0.9
+
+
+@dataclass(frozen=True)
+class AnswerSpread:
+    """A cell's final greedy answers (its ``held-out-answers.jsonl``): how many distinct ones, and the most
+    common with its share of the problems."""
+
+    distinct: int
+    top: str
+    share: float
+
+    @classmethod
+    def of(cls, cell: Cell) -> Optional[AnswerSpread]:
+        """None for a cell without the file (runs before it was written)."""
+        path = cell.folder / "held-out-answers.jsonl"
+        if not path.exists():
+            return None
+        answers = [str(json.loads(line)["answer"]) for line in path.read_text().splitlines() if line.strip()]
+        if not answers:
+            return None
+        top, n = Counter(answers).most_common(1)[0]
+        return cls(len(set(answers)), top, n / len(answers))
+
+    @property
+    def collapsed(self) -> bool:
+        return self.share >= ONE_ANSWER
+
+    def __str__(self) -> str:
+        return f"{self.distinct} / {self.top[:12]!r} {self.share:.2f}"
+
+
+def stability_row(
+    task: str, variant: str, runs: Sequence[dict], minutes: Sequence[float], cells: Sequence[Cell] = ()
+) -> str:
+    """A variant's collapses (`gtpo_train.compare`'s rule, each seed's signs), its greedy answers' spread
+    (`answer_profile`, per seed where recorded), final and lowest train entropy and minutes per cell on a task, as
+    a table row."""
     from . import compare
 
-    verdicts = [(run.get("seed"), *compare.collapsed(run)) for run in runs]
+    spreads = {c.seed: AnswerSpread.of(c) for c in cells}
+    verdicts = []
+    for run in runs:
+        fell, why = compare.collapsed(run)
+        spread = spreads.get(run.get("seed"))
+        if spread is not None and spread.collapsed:
+            why = "; ".join(filter(None, [why, f"one greedy answer ({spread.top[:12]!r}) on {spread.share:.2f}"]))
+            fell = True
+        verdicts.append((run.get("seed"), fell, why))
     entropies = [final_entropy(r) for r in runs]
     signs = "; ".join(f"s{seed}: {why}" for seed, fell, why in verdicts if fell) or "-"
+    profiles = "; ".join(f"s{seed}: {spread}" for seed, spread in spreads.items() if spread) or "-"
     return (
-        f"| {task} | {variant} | {sum(fell for _, fell, _ in verdicts)} of {len(runs)} | {signs} | "
+        f"| {task} | {variant} | {sum(fell for _, fell, _ in verdicts)} of {len(runs)} | {signs} | {profiles} | "
         f"{mean(entropies):.3f} {interval_text(*t_interval(entropies))} | "
         f"{min(t['entropy'] for r in runs for t in r['train']):.3f} | {mean(minutes):.1f} |"
     )
@@ -555,7 +602,7 @@ def report(spec: StudySpec) -> str:
             mine = [c for c in finished if c.task == task and c.variant == variant]
             by_variant[variant] = runs = load_runs(spec, mine, untrained.get(task))
             figures += figure_rows(task, variant, summaries)
-            stability.append(stability_row(task, variant, runs, minutes))
+            stability.append(stability_row(task, variant, runs, minutes, mine))
         if by_variant:  # one figure per task, every variant's curves on it
             compare.plot(by_variant, spec.figure(task))
             drawn.append(spec.figure(task).name)
@@ -579,11 +626,15 @@ def report(spec: StudySpec) -> str:
         "## Collapses, entropy, time",
         "",
         f"Collapse: `gtpo_train.compare`'s rule ({compare.COLLAPSE_RULE}); the untrained model's figures count as "
-        "each run's first evaluation. Entropy: the train entropy (nats per token) of the last 3 steps, mean over "
-        "seeds with its t interval, and the lowest of any step of any seed.",
+        f"each run's first evaluation; and, where the cell recorded its answers, one greedy answer on at least "
+        f"{ONE_ANSWER:.0%} of the held-out problems. Greedy answers (cells that wrote `held-out-answers.jsonl`): "
+        "how many distinct answers the final greedy completions gave, and the most common with its share of the "
+        "problems. Entropy: the train entropy (nats per token) of the last 3 steps, mean over seeds with its t "
+        "interval, and the lowest of any step of any seed.",
         "",
-        "| task | variant | collapsed | signs | final entropy [t interval] | lowest entropy | minutes per cell |",
-        "|---|---|---|---|---|---|---|",
+        "| task | variant | collapsed | signs | greedy answers: distinct / most common, share | final entropy "
+        "[t interval] | lowest entropy | minutes per cell |",
+        "|---|---|---|---|---|---|---|---|",
         *stability,
         "",
         f"Wall time of the finished cells: {total_minutes:.0f} min in all (cells side by side overlap). Figures: "
