@@ -292,3 +292,24 @@ def test_a_run_answering_one_thing_to_every_problem_has_collapsed(tmp_path):
     (grpo.folder / "held-out-answers.jsonl").write_text("".join(json.dumps(a) + "\n" for a in answers))
     text = study.report(spec)
     assert "| arithmetic | grpo | 1 of 1 | s0: one greedy answer ('Yes') on 0.90 | s0: 2 / 'Yes' 0.90 |" in text
+
+
+def test_paired_cells_are_compared_answer_by_answer(tmp_path):
+    spec = study.StudySpec.read(write_spec(tmp_path / "s.json", "m", tmp_path / "o", seeds=[0]))
+    for cell, answers in zip(spec.cells(), (["1", "2", "3", "4"], ["1", "2", "3", "5"])):  # grpo, then gtpo
+        fake_cell(cell, {"accuracy": 0.5})
+        rows = [{"problem": i, "answer": a} for i, a in enumerate(answers)]
+        if cell.variant == "gtpo":
+            rows.reverse()  # (written in another order: read by problem)
+        (cell.folder / "held-out-answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert "| arithmetic | gtpo | grpo | s0: 0.75 |" in study.report(spec)
+
+
+def test_the_final_train_entropy_is_paired_too(tmp_path):
+    spec = study.StudySpec.read(write_spec(tmp_path / "s.json", "m", tmp_path / "o", seeds=[0]))
+    for cell, entropies in zip(spec.cells(), ([0.9, 0.6, 0.5, 0.4], [0.9, 0.5, 0.3, 0.1])):  # grpo, then gtpo
+        fake_cell(cell, {"accuracy": 0.5})
+        rows = [{"kind": "train", "step": i + 1, "entropy": e, "reward": 0.5} for i, e in enumerate(entropies)]
+        (cell.folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # The last 3 steps' mean: 0.5 for grpo, 0.3 for gtpo.
+    assert "| arithmetic | gtpo | grpo | train entropy, last 3 steps | 1 | -0.200 |" in study.report(spec)

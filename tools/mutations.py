@@ -804,6 +804,22 @@ MUTANTS: Tuple[Mutant, ...] = (
         "one greedy answer on at least 90 % of the problems is a collapse, whatever the accuracy",
     ),
     Mutant(
+        "study: answers compared in file order, not problem by problem",
+        "trainer/study.py",
+        '    return [str(row["answer"]) for row in sorted(rows, key=lambda row: row["problem"])]',
+        '    return [str(row["answer"]) for row in rows]',
+        ("tests/test_study.py::test_paired_cells_are_compared_answer_by_answer",),
+        "two cells' answers are paired by problem",
+    ),
+    Mutant(
+        "study: the final entropy over every step",
+        "trainer/study.py",
+        '    train = [r["entropy"] for r in rows if r.get("kind") == "train"][-3:]',
+        '    train = [r["entropy"] for r in rows if r.get("kind") == "train"]',
+        ("tests/test_study.py::test_the_final_train_entropy_is_paired_too",),
+        "the final entropy is the last 3 steps' mean, paired seed by seed",
+    ),
+    Mutant(
         "compare: an empty panel kept",
         "trainer/compare.py",
         "    return [c if drawable(c) else FALLBACK.get(c[0], c) for c in CURVES]",

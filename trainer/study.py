@@ -48,7 +48,7 @@ from .config import ConfigError
 from .intervals import is_share, t_interval, wilson, with_interval
 
 # The held-out figures each paired difference is taken of (those a run's summary has).
-METRICS = ("accuracy", "pass@", "maj@", "format_rate", "rewards/format_reward")
+METRICS = ("accuracy", "pass@", "maj@", "format_rate", "rewards/format_reward", "train entropy")
 BOOTSTRAP_SAMPLES = 10000
 
 
@@ -205,6 +205,15 @@ class StudySpec:
                     f"spec gives it ({' '.join(cell.flags)}): give the variant another name, or delete the folder"
                 )
 
+    def pairs(self) -> List[Tuple[str, str, str]]:
+        """Every ``(task, variant, partner)`` the report compares, tasks outermost."""
+        return [
+            (task, variant, partner)
+            for task in self.tasks
+            for variant in self.variants
+            if (partner := self.partner(variant)) is not None
+        ]
+
     def seeds_of(self, variant: str) -> Tuple[int, ...]:
         return self.variants[variant].seeds or self.seeds
 
@@ -336,6 +345,20 @@ def dry_run(spec: StudySpec, jobs: int) -> List[str]:
 
 
 # ---------------------------------------------------------------------------------------------------------- report
+FINAL_ENTROPY = "train entropy, last 3 steps"
+
+
+def cell_final_entropy(cell: Cell) -> Optional[float]:
+    """The mean train entropy (nats per token) of the cell's last 3 steps, from its metrics.jsonl; None without
+    train rows."""
+    path = cell.folder / "metrics.jsonl"
+    if not path.exists():
+        return None
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    train = [r["entropy"] for r in rows if r.get("kind") == "train"][-3:]
+    return sum(train) / len(train) if train else None
+
+
 def final_metrics(summary: dict) -> Dict[str, float]:
     """The held-out figures after training (accuracy, pass@k, maj@k, format rate) of a run's summary."""
     after = summary.get("after") or {}
@@ -391,31 +414,34 @@ class PairedDifference:
 def paired_differences(spec: StudySpec) -> List[PairedDifference]:
     """Each paired variant against its partner (`StudySpec.partner`), per task and metric, over the seeds both
     finished."""
-    summaries = {(c.task, c.variant, c.seed): c.summary() for c in spec.cells()}
+    summaries = {}
+    for c in spec.cells():
+        summary = c.summary()
+        if summary is not None:
+            summaries[(c.task, c.variant, c.seed)] = {**summary, "after": {**(summary.get("after") or {})}}
+            entropy = cell_final_entropy(c)
+            if entropy is not None:  # paired too: the paper's claim is about entropy
+                summaries[(c.task, c.variant, c.seed)]["after"][FINAL_ENTROPY] = entropy
     results = []
-    for task in spec.tasks:
-        for variant in spec.variants:
-            partner = spec.partner(variant)
-            if partner is None:
-                continue
-            pairs = [
-                (summaries[(task, partner, s)], summaries[(task, variant, s)])
-                for s in spec.seeds_of(variant)
-                if summaries.get((task, partner, s)) and summaries.get((task, variant, s))
-            ]
-            if not pairs:
-                continue
-            metrics = sorted(set.intersection(*(set(final_metrics(b)) & set(final_metrics(o)) for b, o in pairs)))
-            for metric in metrics:
-                results.append(
-                    PairedDifference(
-                        task,
-                        variant,
-                        partner,
-                        metric,
-                        [final_metrics(o)[metric] - final_metrics(b)[metric] for b, o in pairs],
-                    )
+    for task, variant, partner in spec.pairs():
+        pairs = [
+            (summaries[(task, partner, s)], summaries[(task, variant, s)])
+            for s in spec.seeds_of(variant)
+            if summaries.get((task, partner, s)) and summaries.get((task, variant, s))
+        ]
+        if not pairs:
+            continue
+        metrics = sorted(set.intersection(*(set(final_metrics(b)) & set(final_metrics(o)) for b, o in pairs)))
+        for metric in metrics:
+            results.append(
+                PairedDifference(
+                    task,
+                    variant,
+                    partner,
+                    metric,
+                    [final_metrics(o)[metric] - final_metrics(b)[metric] for b, o in pairs],
                 )
+            )
     return results
 
 
@@ -502,6 +528,43 @@ def paired_section(spec: StudySpec) -> List[str]:
     return lines
 
 
+def held_out_answers(cell: Cell) -> Optional[List[str]]:
+    """The cell's final greedy answers, problem by problem (its ``held-out-answers.jsonl``), or None."""
+    path = cell.folder / "held-out-answers.jsonl"
+    if not path.exists():
+        return None
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [str(row["answer"]) for row in sorted(rows, key=lambda row: row["problem"])]
+
+
+def agreement_section(spec: StudySpec) -> List[str]:
+    """For each paired variant and seed where both cells recorded their answers: the share of held-out problems on
+    which the two give the same greedy answer (1.00: the loss made no difference to any greedy answer)."""
+    rows = []
+    for task, variant, partner in spec.pairs():
+        shares = []
+        for seed in spec.seeds_of(variant):
+            cells = {c.variant: c for c in spec.cells() if c.task == task and c.seed == seed}
+            mine, theirs = (held_out_answers(cells[v]) if v in cells else None for v in (variant, partner))
+            if mine and theirs and len(mine) == len(theirs):
+                shares.append(f"s{seed}: {sum(a == b for a, b in zip(mine, theirs)) / len(mine):.2f}")
+        if shares:
+            rows.append(f"| {task} | {variant} | {partner} | {'; '.join(shares)} |")
+    if not rows:
+        return []
+    return [
+        "",
+        "## The same greedy answer, problem by problem",
+        "",
+        "Where both cells of a pair recorded their final greedy answers: the share of held-out problems on which the "
+        "variant and its partner give the same answer.",
+        "",
+        "| task | variant | against | per seed |",
+        "|---|---|---|---|",
+        *rows,
+    ]
+
+
 def figure_rows(task: str, variant: str, summaries: Sequence[dict]) -> List[str]:
     """One table row per held-out figure of a variant's finished cells on a task: mean, t interval, seed spread, and
     one run's own Wilson interval width."""
@@ -538,10 +601,7 @@ class AnswerSpread:
     @classmethod
     def of(cls, cell: Cell) -> Optional[AnswerSpread]:
         """None for a cell without the file (runs before it was written)."""
-        path = cell.folder / "held-out-answers.jsonl"
-        if not path.exists():
-            return None
-        answers = [str(json.loads(line)["answer"]) for line in path.read_text().splitlines() if line.strip()]
+        answers = held_out_answers(cell)
         if not answers:
             return None
         top, n = Counter(answers).most_common(1)[0]
@@ -613,6 +673,7 @@ def report(spec: StudySpec) -> str:
         f"`{spec.baseline}`. Every cell is a `gtpo-train` run in `runs/TASK/VARIANT/sSEED/`.",
         *references,
         *paired_section(spec),
+        *agreement_section(spec),
         "",
         "## Each variant",
         "",
