@@ -893,3 +893,11 @@ def test_loss_reduction_token_mean_on_grpo_is_trls_dapo():
     assert dapo.normalize_advantages_by_std and not dapo.use_conflict_weights and dapo.entropy_threshold is None
     assert TrainConfig(algo="grpo").loss_config().loss_reduction == "sequence_mean"
     assert TrainConfig(algo="gtpo", preset="official").loss_config().loss_reduction == "sum"
+
+
+def test_steps_0_only_evaluates_the_model_once(tiny_model_dir, tmp_path):
+    """``--steps 0``: the model's held-out figures, one evaluation (not a before and an after of the same weights),
+    nothing trained; its summary's figures are the after ones."""
+    summary = train_module.run(tiny_config(tiny_model_dir, tmp_path, steps=0))
+    assert [(r["kind"], r["step"]) for r in train_rows(tmp_path)] == [("eval", 0)]
+    assert summary["steps"] == 0 and summary["before"] is None and "accuracy" in summary["after"]

@@ -704,7 +704,7 @@ MUTANTS: Tuple[Mutant, ...] = (
         "trainer/train.py",
         "        if state.eval_step < 0 and config.eval_before and config.steps > 0:",
         "        if state.eval_step < 0 and config.eval_before:",
-        ("tests/test_study.py::test_a_smoke_study_runs_resumes_and_reports_paired_differences",),
+        ("tests/test_trainer.py::test_steps_0_only_evaluates_the_model_once",),
         "the untrained model's cell logs one evaluation",
     ),
     Mutant(
