@@ -87,6 +87,10 @@ def _same(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)
+
+
 @dataclass(frozen=True)
 class GTPOConfig:
     """Configuration of the GTPO loss.
@@ -244,12 +248,13 @@ class GTPOConfig:
             object.__setattr__(self, "clip_eps_high" if low_given else "clip_eps_low", one)
         self._validate()
 
-    def _validate(self) -> None:
-        def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"GTPOConfig: {name} {why} (got {getattr(self, name)!r})")
+    def _bad(self, name: str, why: str) -> ValueError:
+        return ValueError(f"GTPOConfig: {name} {why} (got {getattr(self, name)!r})")
 
-        def is_number(x) -> bool:
-            return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)
+    def _validate(self) -> None:
+        """GTPO's own knobs (entropy, conflict weights, reduction, clipping, KL) and the flags; then the policy
+        term's (`_validate_policy_term`)."""
+        bad, is_number = self._bad, _is_number
 
         tau = self.entropy_threshold
         if tau is not None and not (is_number(tau) and tau > 0):
@@ -280,6 +285,28 @@ class GTPOConfig:
             raise bad("ratio_cap", "must be a number > 1 (the cap on the unclipped ratio), or None for no cap")
         if not (is_number(self.entropy_bonus) and math.isfinite(self.entropy_bonus) and self.entropy_bonus >= 0):
             raise bad("entropy_bonus", "must be a finite number >= 0")
+        self._validate_policy_term()
+        for name in ("max_completion_length", "max_chunk_bytes"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+                raise bad(name, "must be a positive int, or None")
+        for name in (
+            "normalize_advantages_by_std",
+            "entropy_gate",
+            "use_conflict_weights",
+            "divide_by_conflict_count",
+            "inplace_backward",
+            "validate_inputs",
+            "warn_no_signal",
+            "kl_ratio_weighted",
+        ):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be True or False")
+
+    def _validate_policy_term(self) -> None:
+        """The policy term's knobs: the ratio's level and function (CISPO, VESPO, SAPO), the sampler's correction,
+        the off-policy mask and the high-entropy token share."""
+        bad, is_number = self._bad, _is_number
         if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
             raise bad("importance_sampling_level", f"must be one of {IMPORTANCE_SAMPLING_LEVELS}")
         if self.ratio_function not in RATIO_FUNCTIONS:
@@ -318,22 +345,6 @@ class GTPOConfig:
         rho = self.top_entropy_quantile
         if not (is_number(rho) and 0 < rho <= 1):
             raise bad("top_entropy_quantile", "must be a number in (0, 1] (the share of tokens kept; 1: all)")
-        for name in ("max_completion_length", "max_chunk_bytes"):
-            value = getattr(self, name)
-            if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
-                raise bad(name, "must be a positive int, or None")
-        for name in (
-            "normalize_advantages_by_std",
-            "entropy_gate",
-            "use_conflict_weights",
-            "divide_by_conflict_count",
-            "inplace_backward",
-            "validate_inputs",
-            "warn_no_signal",
-            "kl_ratio_weighted",
-        ):
-            if not isinstance(getattr(self, name), bool):
-                raise bad(name, "must be True or False")
 
     # The properties below compare with inf rather than call math.isfinite: torch.compile traces them, and
     # may hold a config's floats as symbols, which math.isfinite does not take.

@@ -179,3 +179,37 @@ def test_the_trainer_reads_in_short_functions_and_nothing_imports_the_script():
         if path.name not in ("train.py", "__main__.py"):
             assert not imports_train, f"{path.name} imports the script trainer/train.py"
     assert not long, long
+
+
+# The functions longer than 80 lines, each at its length when this test was written: none may grow, and a new one
+# is a failure. Each is owed a split (issue 59), except the oracle's, which reads better whole (its docstring says
+# why). Shorten one, and lower its number here; split it, and delete its line.
+LONG_FUNCTIONS = {
+    "gtpo_kernels/reference.py:reference_loss_from_token_stats": 213,
+    "gtpo_kernels/fused_linear.py:fused_linear_gtpo_loss": 135,
+    "gtpo_kernels/objective.py:loss_from_token_stats": 107,
+    "gtpo_kernels/backends/triton_token_stats.py:_token_stats_forward_kernel": 97,
+    "gtpo_kernels/loss.py:gtpo_loss": 94,
+    "gtpo_kernels/hf/prompt_cache.py:grouped_completion_hidden_states": 86,
+}
+LONGEST = 80
+
+
+def function_lengths():
+    """``{"path:name": lines}`` of every function and method of the package and the trainer."""
+    lengths = {}
+    for root in (PACKAGE, TRAINER):
+        for path in sorted(root.rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    key = f"{path.relative_to(PACKAGE.parent)}:{node.name}"
+                    lengths[key] = max(lengths.get(key, 0), node.end_lineno - node.lineno + 1)
+    return lengths
+
+
+def test_no_function_grows_past_80_lines():
+    lengths = function_lengths()
+    too_long = {key: n for key, n in lengths.items() if n > LONG_FUNCTIONS.get(key, LONGEST)}
+    assert not too_long, f"functions over {LONGEST} lines (or longer than LONG_FUNCTIONS allows): {too_long}"
+    stale = {key for key in LONG_FUNCTIONS if key not in lengths or lengths[key] <= LONGEST}
+    assert not stale, f"split or gone: delete these from LONG_FUNCTIONS: {sorted(stale)}"

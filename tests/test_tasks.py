@@ -31,8 +31,9 @@ def length_reward(prompts, completions, completion_ids, **kwargs):
 
 
 def parity_reward(prompts, completions, completion_ids, target, **kwargs):
-    """Needs the column 'target'; None (does not apply) on rows whose target is 'skip'."""
-    return [None if t == "skip" else float(len(ids) % 2) for ids, t in zip(completion_ids, target)]
+    """Needs the column 'target'; None (does not apply) on rows whose target is 'skip'; 1 or 2 (never 0: its mean
+    over the rows it applies to is not its mean over all)."""
+    return [None if t == "skip" else 1.0 + len(ids) % 2 for ids, t in zip(completion_ids, target)]
 
 
 def broken_reward(prompts, completions, completion_ids, **kwargs):
@@ -110,19 +111,20 @@ def test_a_conversational_jsonl_trains_with_a_reward_file(tiny_model_dir, tmp_pa
     assert len(train_call["completions"]) == 6 and train_call["id"][:3] == [train_call["id"][0]] * 3
     for ids in train_call["completion_ids"]:
         assert all(isinstance(t, int) for t in ids) and 1 <= len(ids) <= 4
-    step = [r for r in rows_of(out) if r["kind"] == "train"][0]
-    lengths = [len(c[0]["content"]) / 10 for c in train_call["completions"]]
-    parity = [
-        None if t == "skip" else float(len(ids) % 2)
-        for ids, t in zip(train_call["completion_ids"], train_call["target"])
-    ]
-    assert step["rewards/length_reward"] == pytest.approx(sum(lengths) / 6)
-    applied = [p for p in parity if p is not None]
-    expected_parity = sum(applied) / len(applied) if applied else None
-    assert step["rewards/parity_reward"] == (pytest.approx(expected_parity) if applied else None)
-    total = sum(a + 0.5 * (b or 0.0) for a, b in zip(lengths, parity)) / 6  # TRL's nansum of the weighted rewards
-    assert step["reward"] == pytest.approx(total, rel=1e-6)
-    assert "accuracy" not in step  # length_reward is not 0/1: no accuracy, pass@k or maj@k
+    steps = [r for r in rows_of(out) if r["kind"] == "train"]
+    for step, call in zip(steps, module.calls[1:3]):  # the two steps' calls
+        lengths = [len(c[0]["content"]) / 10 for c in call["completions"]]
+        parity = [None if t == "skip" else 1.0 + len(ids) % 2 for ids, t in zip(call["completion_ids"], call["target"])]
+        assert step["rewards/length_reward"] == pytest.approx(sum(lengths) / 6)
+        applied = [p for p in parity if p is not None]
+        expected_parity = sum(applied) / len(applied) if applied else None
+        assert step["rewards/parity_reward"] == (pytest.approx(expected_parity) if applied else None)
+        total = sum(a + 0.5 * (b or 0.0) for a, b in zip(lengths, parity)) / 6  # TRL's nansum of the weighted rewards
+        assert step["reward"] == pytest.approx(total, rel=1e-6)
+        assert "accuracy" not in step  # length_reward is not 0/1: no accuracy, pass@k or maj@k
+    # The parity reward applied to some completions of the run, not to others: its mean is over the former.
+    targets = [t for call in module.calls[1:3] for t in call["target"]]
+    assert "skip" in targets and "go" in targets
     evals = [r for r in rows_of(out) if r["kind"] == "eval"]
     assert set(evals[0]) == {"kind", "step", "reward", "rewards/length_reward", "rewards/parity_reward", "intervals_95"}
     assert evals[0]["intervals_95"] == {}  # reward means are not shares: no interval
@@ -410,7 +412,7 @@ def test_the_builtin_task_is_one_task_like_any_other():
 
 def test_rewards_of_a_file_see_the_rows_columns_as_keywords(reward_file):
     fn = load_reward(f"{reward_file}:parity_reward")
-    assert fn(prompts=["a"], completions=["b"], completion_ids=[[1, 2, 3]], target=["go"]) == [1.0]
+    assert fn(prompts=["a"], completions=["b"], completion_ids=[[1, 2, 3]], target=["go"]) == [2.0]
     assert textwrap.dedent(fn.__doc__).startswith("Needs the column")
 
 

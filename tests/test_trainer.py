@@ -275,6 +275,8 @@ def crash():
         ("during the first evaluation", "session.evaluate", lambda n, a, k: n == 1, signal_self(signal.SIGINT)),
         # kill -9 during step 4, after step 3's row was logged and the last checkpoint is step 2's.
         ("killed between checkpoints", "train.rollout", lambda n, a, k: n == 4, crash),
+        # kill -9 while the final model is saved: the final evaluation is logged and checkpointed, not run again.
+        ("killed saving the model", "train.save_final", lambda n, a, k: n == 1, crash),
     ],
 )
 def test_resume_anywhere_reproduces_the_uninterrupted_run(
@@ -287,10 +289,16 @@ def test_resume_anywhere_reproduces_the_uninterrupted_run(
             result = train_module.run(tiny_config(tiny_model_dir, stopped, **RESUME))
             assert result["interrupted"], point
         except Killed:
-            assert point == "killed between checkpoints"
-            assert len([r for r in train_rows(stopped) if r["kind"] == "train"]) == 3  # step 3 logged, not saved
-    train_module.run(tiny_config(tiny_model_dir, stopped, resume=True, **RESUME))
+            assert point.startswith("killed")
+            if point == "killed between checkpoints":
+                assert len([r for r in train_rows(stopped) if r["kind"] == "train"]) == 3  # logged, not saved
+    evaluations = []
+    with monkeypatch.context() as patch:  # count the resumed run's evaluations
+        stop_once(patch, "session.evaluate", lambda n, a, k: evaluations.append(n) and False, lambda: None)
+        train_module.run(tiny_config(tiny_model_dir, stopped, resume=True, **RESUME))
     assert train_rows(stopped) == straight_rows, point
+    if point == "killed saving the model":
+        assert not evaluations  # its final evaluation was checkpointed: not run again
 
 
 def test_resume_without_checkpoint_is_a_clear_error(tiny_model_dir, tmp_path):

@@ -41,6 +41,8 @@ class RunState:
     eval_step: int = -1  # the step of the last evaluation logged (-1: not even the one before training)
     initial_entropy: Optional[float] = None  # the policy's mean token entropy before any update
     before: Optional[dict] = None  # the evaluation before training
+    after: Optional[dict] = None  # the final evaluation at step after_step, once logged and checkpointed: a run
+    after_step: int = -1  # resumed at that step (stopped while saving its model, say) does not run it again
     no_signal_streak: int = 0  # steps in a row without any learning signal
 
     def to_dict(self) -> dict:

@@ -104,10 +104,6 @@ class TrainConfig:
         def bad(name, why):
             return ConfigError(f"--{name.replace('_', '-')} {why} (got {getattr(self, name)!r})")
 
-        if self.algo not in ("gtpo", "grpo"):
-            raise bad("algo", "must be 'gtpo' or 'grpo'")
-        if self.preset is not None and self.preset not in ("paper", "official", "grpo"):
-            raise bad("preset", "must be 'paper', 'official' or 'grpo'")
         for name in (
             "prompts_per_step",
             "group_size",
@@ -146,6 +142,26 @@ class TrainConfig:
             raise bad("max_minutes", "must be positive")
         if self.loss_chunk_mib is not None and not (isinstance(self.loss_chunk_mib, int) and self.loss_chunk_mib > 0):
             raise bad("loss_chunk_mib", "must be a positive integer")
+        self._check_loss()
+        self._check_task()
+        self._check_model_and_sampling()
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise bad("device", "must be 'auto', 'cpu' or 'cuda'")
+        if self.precision not in ("auto", "bf16", "fp32"):
+            raise bad("precision", "must be 'auto', 'bf16' or 'fp32'")
+        if self.compile_decode not in ("auto", "on", "off"):
+            raise bad("compile_decode", "must be 'auto', 'on' or 'off'")
+
+    def _check_loss(self) -> None:
+        """The loss's settings: the algorithm, its preset and each override of it."""
+
+        def bad(name, why):
+            return ConfigError(f"--{name.replace('_', '-')} {why} (got {getattr(self, name)!r})")
+
+        if self.algo not in ("gtpo", "grpo"):
+            raise bad("algo", "must be 'gtpo' or 'grpo'")
+        if self.preset is not None and self.preset not in ("paper", "official", "grpo"):
+            raise bad("preset", "must be 'paper', 'official' or 'grpo'")
         if self.entropy_threshold is not None and not self.entropy_threshold > 0:
             raise bad("entropy_threshold", "must be positive (nats)")
         if self.entropy_threshold is not None and self.entropy_filter is False:
@@ -175,14 +191,6 @@ class TrainConfig:
         rho = self.top_entropy_quantile
         if not (isinstance(rho, (int, float)) and 0 < rho <= 1):
             raise bad("top_entropy_quantile", "must be a number in (0, 1] (1: every token)")
-        self._check_task()
-        self._check_model_and_sampling()
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise bad("device", "must be 'auto', 'cpu' or 'cuda'")
-        if self.precision not in ("auto", "bf16", "fp32"):
-            raise bad("precision", "must be 'auto', 'bf16' or 'fp32'")
-        if self.compile_decode not in ("auto", "on", "off"):
-            raise bad("compile_decode", "must be 'auto', 'on' or 'off'")
 
     def _check_model_and_sampling(self) -> None:
         """The weights, adapters, KL, sampling and checkpoint settings."""

@@ -175,11 +175,10 @@ FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"
 def use_grouped_query_attention_on_cpu() -> None:
     """For a float32 run on a CPU: let SDPA read each key/value head for its group of query heads, instead of
     the copies transformers makes of them (``repeat_kv``) for every call with a mask and more than one query (the
-    masked, left-padded prompts and completions of a training step). On the default run (SmolLM2-135M: 9 query
-    heads, 3 key/value heads; 2 CPU cores) the update's forward went from 6.0-7.3 s to 4.3-4.5 s, with the
-    same hidden states to the bit; the gradients differ by rounding (2e-7 relative: a group's heads are summed
-    in another order). Not with bf16 autocast: there the CPU kernel's grouped path decodes a token several
-    times slower than transformers' own (5.7 ms against 1.2 ms an attention call of 32 rows). A value the user
-    set is kept; the switch holds for the whole process."""
+    masked, left-padded prompts and completions of a training step): the update's forward is faster
+    (docs/training.md, with its figures), with the same hidden states to the bit; the gradients differ by rounding
+    (a group's heads are summed in another order). Not with bf16 autocast: there the CPU kernel's grouped path
+    decodes a token several times slower than transformers' own. A value the user set is kept; the switch holds
+    for the whole process."""
     if tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5):
         os.environ.setdefault(FORCE_GQA, "1")

@@ -22,8 +22,8 @@ class PolicyOptimizer:
         self.master: Optional[List[torch.Tensor]] = None
         if master and any(p.dtype != torch.float32 for p in self.params):
             self.master = [p.detach().float().clone() for p in self.params]
-        # fused: one kernel over all parameters; on 2 CPU cores 0.07 s a step for SmolLM2-135M against 0.39 s for
-        # the loop over parameters torch picks on a CPU (the same update, summed in another order).
+        # fused: one kernel over all parameters, not the loop over parameters torch picks on a CPU (the same
+        # update, summed in another order; the step's time: docs/training.md, "Where a step goes").
         self.adamw = torch.optim.AdamW(
             self.master or self.params,
             lr=config.learning_rate,

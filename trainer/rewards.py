@@ -23,14 +23,13 @@ SYSTEM_PROMPT = (
     "Solve the problem. Respond in the following format:\n"
     "<reasoning>\nshort reasoning\n</reasoning>\n<answer>\nthe number\n</answer>"
 )
-# Worked examples, shown as earlier chat turns before the question (TrainConfig.worked_examples), one per
-# operation of the built-in problems at --difficulty 1. A 135M model ignores the layout when it is only
-# described (format rate 0 on 128 samples) and follows it after an example, which also makes most prompt
-# groups mixed (some right, some wrong), so the rewards carry signal. With the addition example alone,
-# greedy format 0.69 and accuracy 0.38 on the 32 held-out problems, and short runs split by seed between
-# learning to subtract and adding every pair of numbers (results/trainer-cpu/first-hour/README.md); with
-# both, 1.00 and 0.72 before any training. Their names and items are outside the built-in generator's, so
-# an example never equals a training or held-out problem.
+# Worked examples, shown as earlier chat turns before the question (TrainConfig.worked_examples), one per operation of
+# the built-in problems at --difficulty 1. A 135M model ignores the layout when it is only described and follows it
+# after an example, which also makes most prompt groups mixed (some right, some wrong), so the rewards carry signal.
+# With the addition example alone, short runs split by seed between learning to subtract and adding every pair of
+# numbers; with both, the untrained model already keeps the layout (figures:
+# results/trainer-cpu/first-hour/README.md). Their names and items are outside the built-in generator's, so an example
+# never equals a training or held-out problem.
 WORKED_EXAMPLES = [
     (
         "Tom has 3 pens. Ann gives Tom 4 more. How many pens does Tom have now?",

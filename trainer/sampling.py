@@ -59,7 +59,7 @@ def draw_tokens(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     distribution, summed in float64 so that no token's share is off by more than about 1e-12. The lookup
     goes in two levels: the cumulative sum of the `DRAW_BLOCK`-entry blocks' sums finds the block, then the
     cumulative sum within that block finds the token (a float64 cumulative sum over the whole vocabulary
-    was two thirds of a draw's time: 9 of 13 ms for 32 rows of SmolLM2's 49152 entries on 2 CPU cores). A
+    was most of a draw's time on a CPU). A
     token of probability 0 is never drawn: it adds nothing to either sum, and each lookup takes the first
     entry whose sum exceeds the draw, kept within the range its block covers."""
     probs = torch.softmax(logits.float() / temperature, dim=-1)

@@ -120,24 +120,46 @@ def has_answer_block(text: str) -> bool:
     return "<answer>" in text and "</answer>" in text
 
 
-def load_task(config: TrainConfig, train_size: int = 100_000) -> Task:
-    """The run's task from its settings; every check that needs no model runs here, before the model loads."""
-    builtin = config.dataset == "arithmetic"
-    if builtin and (config.prompt_column != "prompt" or config.eval_dataset or config.eval_split):
+@dataclass(frozen=True)
+class TaskFraming:
+    """How a task's string prompts are asked and what else its greedy completions are scored on: for a dataset of
+    the user's, its --system-prompt and nothing else; for the built-in task, its own system prompt (unless one is
+    given), its worked examples and its format rate."""
+
+    system_prompt: Optional[str] = None
+    examples: List[Dict[str, str]] = field(default_factory=list)
+    greedy_rates: Dict[str, Callable[[str], bool]] = field(default_factory=dict)
+
+
+def framing(config: TrainConfig) -> TaskFraming:
+    """The task's `TaskFraming`, its settings checked against it (one line naming the flag, before any data)."""
+    if config.dataset != "arithmetic":
+        return TaskFraming(system_prompt=config.system_prompt)
+    if config.prompt_column != "prompt" or config.eval_dataset or config.eval_split:
         raise ConfigError(
             "--dataset arithmetic is generated with its own prompts and held-out problems: --prompt-column, "
             "--eval-dataset and --eval-split apply to a dataset of your own"
         )
+    if not config.chat_template and config.worked_examples:
+        raise ConfigError(
+            "--no-chat-template: the built-in task's worked examples are chat turns; add --worked-examples 0"
+        )
+    return TaskFraming(
+        system_prompt=SYSTEM_PROMPT if config.system_prompt is None else config.system_prompt,
+        examples=worked_example_turns(config.worked_examples),
+        greedy_rates={"format_rate": has_answer_block},
+    )
+
+
+def load_task(config: TrainConfig, train_size: int = 100_000) -> Task:
+    """The run's task from its settings; every check that needs no model runs here, before the model loads."""
+    framed = framing(config)
     train, held_out = load_rows(config, train_size)
     conversational = check_prompts(train, config.prompt_column, config.dataset)
     if check_prompts(held_out, config.prompt_column, config.eval_dataset or config.dataset) != conversational:
         raise ConfigError("the held-out rows' prompts are in another format than the training rows': use one format")
     if conversational and not config.chat_template:
         raise ConfigError("--no-chat-template: the prompts are chat messages, which need the chat template")
-    if builtin and not config.chat_template and config.worked_examples:
-        raise ConfigError(
-            "--no-chat-template: the built-in task's worked examples are chat turns; add --worked-examples 0"
-        )
     specs = config.reward or ["correctness", "format"]
     rewards = [load_reward(spec, config.answer_in_block) for spec in specs]
     names = [reward_name(fn) for fn in rewards]
@@ -162,9 +184,9 @@ def load_task(config: TrainConfig, train_size: int = 100_000) -> Task:
         rewards=rewards,
         weights=list(config.reward_weights or [1.0] * len(rewards)),
         accuracy_reward=accuracy,
-        system_prompt=SYSTEM_PROMPT if builtin and config.system_prompt is None else config.system_prompt,
-        examples=worked_example_turns(config.worked_examples) if builtin else [],
+        system_prompt=framed.system_prompt,
+        examples=framed.examples,
         chat_template=config.chat_template,
         answer_key=numeric_answer(config.answer_in_block) if numeric else last_answer,
-        greedy_rates={"format_rate": has_answer_block} if builtin else {},
+        greedy_rates=framed.greedy_rates,
     )

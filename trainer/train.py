@@ -21,6 +21,7 @@ import gc
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Tuple
 
@@ -162,6 +163,8 @@ def train_and_evaluate(
             )
         if stopped is not None and not stopped.finishes:
             return stopped, None
+        if state.after_step == state.step:  # a run stopped after its final evaluation was logged and checkpointed
+            return stopped, state.after
         answers = [] if dist.world == 1 else None  # each process holds its own rows' answers
         after = session.evaluate(seed=config.steps, desc="eval after", greedy_answers=answers)
         if after is None:
@@ -169,43 +172,6 @@ def train_and_evaluate(
         if answers is not None:
             write_held_out_answers(session, answers)
     return stopped, after
-
-
-def write_held_out_answers(session: Session, answers: list) -> None:
-    """``held-out-answers.jsonl``: the final evaluation's greedy answer to each held-out problem (by the task's
-    ``answer_key``), whether it is right and how many of the ``eval_k`` samples are: what a collapse to one answer,
-    or a paired comparison problem by problem, reads. One process only (under torchrun each holds part)."""
-    with open(Path(session.config.output_dir) / "held-out-answers.jsonl", "w") as f:
-        for problem, row in enumerate(answers):
-            key = session.task.answer_key(row["completion"])
-            record = {
-                "problem": problem,
-                "answer": key if key is None or isinstance(key, (int, float)) else str(key),
-                "correct": row["correct"],
-                "samples_right": row["samples_right"],
-                "completion": row["completion"],
-            }
-            f.write(json.dumps(record) + "\n")
-
-
-def eval_row(session: Session, step: int, result: dict) -> dict:
-    """An evaluation's log row: its figures, and each share's 95 % interval over the held-out rows."""
-    return {
-        "kind": "eval",
-        "step": step,
-        **result,
-        "intervals_95": metric_intervals(result, len(session.task.held_out)),
-    }
-
-
-def evaluate_if_due(session: Session, state: RunState, log: MetricsLog) -> None:
-    """The evaluation every --eval-every steps, unless done (a resume may find it still owed)."""
-    every, steps = session.config.eval_every, session.config.steps
-    if every and state.step % every == 0 and 0 < state.step < steps and state.eval_step < state.step:
-        result = session.evaluate(seed=state.step)
-        if result is not None:
-            log.append(eval_row(session, state.step, result))
-            state.eval_step = state.step
 
 
 def train_steps(session: Session, state: RunState, log: MetricsLog, started: float) -> Optional[Stopped]:
@@ -246,42 +212,6 @@ def train_steps(session: Session, state: RunState, log: MetricsLog, started: flo
     finally:
         bar.close()
     return None
-
-
-def finish(
-    session: Session, state: RunState, log: MetricsLog, after: dict, stopped, started: float, run_started: float
-) -> dict:
-    """The final evaluation logged, the last checkpoint, the model saved, the plot and the summary."""
-    config, dist = session.config, session.dist
-    log.append(eval_row(session, state.step, after))
-    state.eval_step = state.step
-    session.checkpoint(state, log)
-    summary = None
-    out_dir = Path(config.output_dir)
-    if dist.is_main:
-        save_final(session.model, session.tokenizer, session.policy, out_dir / "final", config.merge_lora)
-        plot = plot_run(
-            log.path,
-            out_dir / "training.png",
-            title=f"{config.algo} ({config.loss_preset}) on {config.dataset}, seed {config.seed}",
-        )
-        now = time.time()
-        summary = summarise(
-            config,
-            state,
-            after,
-            stopped,
-            dist.world,
-            len(session.task.held_out),
-            (now - started) / 60,
-            (now - run_started) / 60,
-        )
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-        print_summary(summary, log, plot)
-    else:
-        full_state(session.policy, None)  # take part in save_final's gather
-    dist.barrier()
-    return summary or {"steps": state.step}
 
 
 def train_step(session: Session, state: RunState, step: int) -> dict:
@@ -360,14 +290,6 @@ def train_step(session: Session, state: RunState, step: int) -> dict:
     }
 
 
-def decode_compile_time(session: Session) -> dict:
-    """Under ``--compile-decode``, the seconds the run has spent compiling the sampler's step so far (each first
-    call of a new shape): ``{"time_decode_compile": s}``; else nothing."""
-    if not compiles_decode(session.config, session.dist.device):
-        return {}
-    return {"time_decode_compile": Decoder.of(session.model, compile=True).compile_seconds}
-
-
 def rollout_logprobs(session: Session, state: RunState, batch: dict):
     """``(old_logprobs, ref_logprobs)`` of the rollout, each None where the step needs none: the sampling policy's
     (with ``--num-iterations`` above 1; on the first step its mean entropy, over all processes, becomes ``state``'s
@@ -388,6 +310,32 @@ def rollout_logprobs(session: Session, state: RunState, batch: dict):
     return old_logprobs, ref_logprobs
 
 
+@dataclass
+class RolloutTotals:
+    """A rollout's sums and counts, added over processes as one float64 vector (`to_sums`, `from_sums`): each field
+    is a sum, so the fields of several processes' totals add up to the whole batch's."""
+
+    reward: torch.Tensor  # the summed total reward
+    solved: torch.Tensor  # completions scoring 1 on the accuracy reward
+    not_binary: torch.Tensor  # > 0 where some accuracy reward was neither 0 nor 1 (then no accuracy is reported)
+    tokens: torch.Tensor  # completion tokens
+    completions: torch.Tensor
+    per_reward: torch.Tensor  # [R] each reward function's summed values where it applies
+    applies: torch.Tensor  # [R] how many completions each reward function applies to
+
+    SCALARS = ("reward", "solved", "not_binary", "tokens", "completions")
+
+    def to_sums(self) -> torch.Tensor:
+        scalars = torch.stack([getattr(self, name).double().reshape(()).cpu() for name in self.SCALARS])
+        return torch.cat([scalars, self.per_reward.double().cpu(), self.applies.double().cpu()])
+
+    @classmethod
+    def from_sums(cls, sums: torch.Tensor, rewards: int) -> RolloutTotals:
+        scalars = dict(zip(cls.SCALARS, sums[: len(cls.SCALARS)].unbind()))
+        per_reward = sums[len(cls.SCALARS) :]
+        return cls(**scalars, per_reward=per_reward[:rewards], applies=per_reward[rewards:])
+
+
 def reward_figures(session: Session, batch: dict) -> dict:
     """The step's rollout figures over all processes: the mean reward, each reward function's mean over the
     completions it applies to (``rewards/NAME``), the share scoring 1 on the accuracy reward (where its values are
@@ -396,27 +344,106 @@ def reward_figures(session: Session, batch: dict) -> dict:
     scores = batch["scores"].double()
     applies = ~scores.isnan()
     acc = scores[:, task.reward_names.index(task.accuracy_reward)]
-    binary = ((acc == 0) | (acc == 1) | acc.isnan()).all()
-    totals = torch.cat(
-        [
-            torch.stack([batch["rewards"].double().sum().cpu(), (acc == 1).sum().double(), (~binary).double()]),
-            torch.stack(
-                [batch["completion_mask"].sum().double().cpu(), torch.tensor(float(len(scores)), dtype=torch.float64)]
-            ),
-            torch.where(applies, scores, 0).sum(0),
-            applies.double().sum(0),
-        ]
+    mine = RolloutTotals(
+        reward=batch["rewards"].double().sum(),
+        solved=(acc == 1).sum(),
+        not_binary=~((acc == 0) | (acc == 1) | acc.isnan()).all(),
+        tokens=batch["completion_mask"].sum(),
+        completions=torch.tensor(len(scores)),
+        per_reward=torch.where(applies, scores, 0).sum(0),
+        applies=applies.sum(0),
     )
-    totals = dist.all_sum(totals.to(dist.device)).cpu()
-    n, r = float(totals[4]), len(task.rewards)
-    figures = {"reward": float(totals[0]) / n}
-    for j, name in enumerate(task.reward_names):
-        count = float(totals[5 + r + j])
-        figures[f"rewards/{name}"] = float(totals[5 + j]) / count if count else None
-    if not totals[2]:
-        figures["accuracy"] = float(totals[1]) / n
-    figures["completion_length"] = float(totals[3]) / n
+    totals = RolloutTotals.from_sums(dist.all_sum(mine.to_sums().to(dist.device)).cpu(), len(task.rewards))
+    n = float(totals.completions)
+    figures = {"reward": float(totals.reward) / n}
+    for name, value, count in zip(task.reward_names, totals.per_reward.tolist(), totals.applies.tolist()):
+        figures[f"rewards/{name}"] = value / count if count else None
+    if not totals.not_binary:
+        figures["accuracy"] = float(totals.solved) / n
+    figures["completion_length"] = float(totals.tokens) / n
     return figures
+
+
+def decode_compile_time(session: Session) -> dict:
+    """Under ``--compile-decode``, the seconds the run has spent compiling the sampler's step so far (each first
+    call of a new shape): ``{"time_decode_compile": s}``; else nothing."""
+    if not compiles_decode(session.config, session.dist.device):
+        return {}
+    return {"time_decode_compile": Decoder.of(session.model, compile=True).compile_seconds}
+
+
+def evaluate_if_due(session: Session, state: RunState, log: MetricsLog) -> None:
+    """The evaluation every --eval-every steps, unless done (a resume may find it still owed)."""
+    every, steps = session.config.eval_every, session.config.steps
+    if every and state.step % every == 0 and 0 < state.step < steps and state.eval_step < state.step:
+        result = session.evaluate(seed=state.step)
+        if result is not None:
+            log.append(eval_row(session, state.step, result))
+            state.eval_step = state.step
+
+
+def write_held_out_answers(session: Session, answers: list) -> None:
+    """``held-out-answers.jsonl``: the final evaluation's greedy answer to each held-out problem (by the task's
+    ``answer_key``), whether it is right and how many of the ``eval_k`` samples are: what a collapse to one answer,
+    or a paired comparison problem by problem, reads. One process only (under torchrun each holds part)."""
+    with open(Path(session.config.output_dir) / "held-out-answers.jsonl", "w") as f:
+        for problem, row in enumerate(answers):
+            key = session.task.answer_key(row["completion"])
+            record = {
+                "problem": problem,
+                "answer": key if key is None or isinstance(key, (int, float)) else str(key),
+                "correct": row["correct"],
+                "samples_right": row["samples_right"],
+                "completion": row["completion"],
+            }
+            f.write(json.dumps(record) + "\n")
+
+
+def eval_row(session: Session, step: int, result: dict) -> dict:
+    """An evaluation's log row: its figures, and each share's 95 % interval over the held-out rows."""
+    return {
+        "kind": "eval",
+        "step": step,
+        **result,
+        "intervals_95": metric_intervals(result, len(session.task.held_out)),
+    }
+
+
+def finish(
+    session: Session, state: RunState, log: MetricsLog, after: dict, stopped, started: float, run_started: float
+) -> dict:
+    """The final evaluation logged, the last checkpoint, the model saved, the plot and the summary."""
+    config, dist = session.config, session.dist
+    if state.after_step != state.step:  # (a resumed run logged it before it stopped)
+        log.append(eval_row(session, state.step, after))
+        state.eval_step, state.after, state.after_step = state.step, after, state.step
+    session.checkpoint(state, log)
+    summary = None
+    out_dir = Path(config.output_dir)
+    if dist.is_main:
+        save_final(session.model, session.tokenizer, session.policy, out_dir / "final", config.merge_lora)
+        plot = plot_run(
+            log.path,
+            out_dir / "training.png",
+            title=f"{config.algo} ({config.loss_preset}) on {config.dataset}, seed {config.seed}",
+        )
+        now = time.time()
+        summary = summarise(
+            config,
+            state,
+            after,
+            stopped,
+            dist.world,
+            len(session.task.held_out),
+            (now - started) / 60,
+            (now - run_started) / 60,
+        )
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        print_summary(summary, log, plot)
+    else:
+        full_state(session.policy, None)  # take part in save_final's gather
+    dist.barrier()
+    return summary or {"steps": state.step}
 
 
 def main(argv=None) -> None:

@@ -262,12 +262,10 @@ def _token_stats_backward_kernel(
         tl.store(grad_base + target.to(tl.int64), _round_for(grad_target, grad_ptr, EMULATE_BF16_ROUNDING))
 
 
-# (vocabulary limit, BLOCK_V, num_warps, num_stages), for the forward and the backward apart. For V > 8192 from
-# the H200 sweep of 2026-11-30 (bf16, T = 16384, V = 151936; `python -m bench kernels`): forward fastest at
-# 2048 x 4 warps (16 warps was the slowest everywhere), backward at 4096 x 16 and 2048 x 8 (within 1 %); that
-# sweep ran 4-16 warps at Triton's default 3 stages only (Liger's forward runs 1 warp, 2 stages): the GPU check
-# now sweeps 1-8 warps and 1-3 stages. Smaller vocabularies take a block that covers them. Under the
-# interpreter only BLOCK_V matters.
+# (vocabulary limit, BLOCK_V, num_warps, num_stages), for the forward and the backward apart. For V > 8192 the
+# fastest of an H200 sweep (`python -m bench kernels`; its table: bench/results/h200-2026-11-30/README.md), which
+# ran 4-16 warps at Triton's default 3 stages only: the GPU check now sweeps 1-8 warps and 1-3 stages. Smaller
+# vocabularies take a block that covers them. Under the interpreter only BLOCK_V matters.
 _FORWARD_LAUNCH = ((1024, 1024, 4, 3), (1 << 62, 2048, 4, 3))
 _BACKWARD_LAUNCH = ((1024, 1024, 4, 3), (8192, 2048, 8, 3), (1 << 62, 4096, 16, 3))
 
