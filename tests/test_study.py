@@ -200,7 +200,9 @@ def test_the_bootstrap_interval_holds_the_mean_and_narrows_with_agreement():
     low, high = study.bootstrap_interval([-0.2, 0.0, 0.2, 0.4])
     assert low < 0.1 < high and low >= -0.2 and high <= 0.4
     assert study.PairedDifference("t", "v", "b", "m", [0.05, 0.1, 0.08]).verdict() == "higher"
-    assert study.PairedDifference("t", "v", "b", "m", [-0.2, 0.3]).verdict() == "no difference detectable"
+    assert study.PairedDifference("t", "v", "b", "m", [-0.2, 0.3, 0.1]).verdict() == "no difference detectable"
+    # Two seeds one problem apart both times: an interval of zero width, and no verdict from it.
+    assert study.PairedDifference("t", "v", "b", "m", [-0.004, -0.004]).verdict() == "two seeds: no verdict"
     # Four seeds that mostly agree: the bootstrap calls it, the t interval (what the verdict reads) does not.
     d = study.PairedDifference("t", "v", "b", "m", [0.10, 0.12, 0.11, -0.02])
     assert d.bootstrap[0] > 0 and d.interval[0] < 0 and d.verdict() == "no difference detectable"

@@ -820,6 +820,14 @@ MUTANTS: Tuple[Mutant, ...] = (
         "the final entropy is the last 3 steps' mean, paired seed by seed",
     ),
     Mutant(
+        "study: a verdict from two seeds",
+        "trainer/study.py",
+        "MIN_SEEDS_FOR_VERDICT = 3",
+        "MIN_SEEDS_FOR_VERDICT = 2",
+        ("tests/test_study.py::test_the_bootstrap_interval_holds_the_mean_and_narrows_with_agreement",),
+        "two seeds that agree give a zero-width interval: no verdict below three seeds",
+    ),
+    Mutant(
         "compare: an empty panel kept",
         "trainer/compare.py",
         "    return [c if drawable(c) else FALLBACK.get(c[0], c) for c in CURVES]",

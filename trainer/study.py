@@ -50,6 +50,7 @@ from .intervals import is_share, t_interval, wilson, with_interval
 # The held-out figures each paired difference is taken of (those a run's summary has).
 METRICS = ("accuracy", "pass@", "maj@", "format_rate", "rewards/format_reward", "train entropy")
 BOOTSTRAP_SAMPLES = 10000
+MIN_SEEDS_FOR_VERDICT = 3
 
 
 VARIANT_KEYS = ("flags", "seeds", "tasks", "against", "reference")
@@ -401,9 +402,13 @@ class PairedDifference:
         return bootstrap_interval(self.differences)
 
     def verdict(self) -> str:
+        """ "higher", "lower" or "no difference detectable" by the t interval, from three seeds on: two seeds that
+        happen to agree (say one problem apart both times) give an interval of zero width, not evidence."""
         low, high = self.interval
         if math.isnan(low):
             return "one seed: no interval"
+        if len(self.differences) < MIN_SEEDS_FOR_VERDICT:
+            return "two seeds: no verdict"
         if low > 0:
             return "higher"
         if high < 0:
@@ -513,7 +518,7 @@ def paired_section(spec: StudySpec) -> List[str]:
         "interval over the seeds' differences (the held-out problems are the same for every seed and variant, so a "
         "seed's difference already holds the problems' noise; the seeds are the independent unit), and beside it "
         f"the percentile bootstrap over seeds ({BOOTSTRAP_SAMPLES} resamples), which is too narrow for a few seeds. "
-        '"No difference detectable": the t interval holds 0.',
+        '"No difference detectable": the t interval holds 0; a verdict needs three seeds or more.',
         "",
         "| task | variant | against | metric | seeds | mean difference | 95 % t interval | bootstrap | per seed "
         "| verdict |",
