@@ -887,8 +887,8 @@ MUTANTS: Tuple[Mutant, ...] = (
     Mutant(
         "answers: a sample judged instead of the greedy answer",
         "trainer/evaluation.py",
-        '"completion": texts[0], "correct": bool(scores[0, acc] == 1)',
-        '"completion": texts[1], "correct": bool(scores[1, acc] == 1)',
+        '"completion": texts[0],\n                        "correct": bool(scores[0, acc] == 1),',
+        '"completion": texts[1],\n                        "correct": bool(scores[1, acc] == 1),',
         ("tests/test_answers.py::test_wrong_greedy_answers_come_from_the_final_evaluation",),
         "the wrong answers listed are the greedy ones the summary's accuracy counts",
     ),
