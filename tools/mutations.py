@@ -814,8 +814,8 @@ MUTANTS: Tuple[Mutant, ...] = (
     Mutant(
         "study: the final entropy over every step",
         "trainer/study.py",
-        '    train = [r["entropy"] for r in rows if r.get("kind") == "train"][-3:]',
-        '    train = [r["entropy"] for r in rows if r.get("kind") == "train"]',
+        '    last = [t["entropy"] for t in run["train"][-3:]]',
+        '    last = [t["entropy"] for t in run["train"]]',
         ("tests/test_study.py::test_the_final_train_entropy_is_paired_too",),
         "the final entropy is the last 3 steps' mean, paired seed by seed",
     ),

@@ -356,8 +356,8 @@ def cell_final_entropy(cell: Cell) -> Optional[float]:
     if not path.exists():
         return None
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    train = [r["entropy"] for r in rows if r.get("kind") == "train"][-3:]
-    return sum(train) / len(train) if train else None
+    train = [r for r in rows if r.get("kind") == "train"]
+    return final_entropy({"train": train}) if train else None
 
 
 def final_metrics(summary: dict) -> Dict[str, float]:
@@ -460,7 +460,7 @@ def interval_text(low: float, high: float, signed: bool = False) -> str:
     return f"[{low:+.3f}, {high:+.3f}]" if signed else f"[{low:.3f}, {high:.3f}]"
 
 
-def load_runs(spec: StudySpec, cells: Sequence[Cell], untrained: Optional[dict]) -> List[dict]:
+def load_runs(cells: Sequence[Cell], untrained: Optional[dict]) -> List[dict]:
     """``cells``' runs as `gtpo_train.compare` loads them; where the cells did not evaluate before training
     (``--no-eval-before``), the task's untrained-model figures (``untrained``: a reference cell's final evaluation)
     are their step-0 evaluation, so that the collapse rule's peak and the curves start from it."""
@@ -546,11 +546,14 @@ def agreement_section(spec: StudySpec) -> List[str]:
     """For each paired variant and seed where both cells recorded their answers: the share of held-out problems on
     which the two give the same greedy answer (1.00: the loss made no difference to any greedy answer)."""
     rows = []
+    cells = {(c.task, c.variant, c.seed): c for c in spec.cells()}
     for task, variant, partner in spec.pairs():
         shares = []
         for seed in spec.seeds_of(variant):
-            cells = {c.variant: c for c in spec.cells() if c.task == task and c.seed == seed}
-            mine, theirs = (held_out_answers(cells[v]) if v in cells else None for v in (variant, partner))
+            mine, theirs = (
+                held_out_answers(cells[(task, v, seed)]) if (task, v, seed) in cells else None
+                for v in (variant, partner)
+            )
             if mine and theirs and len(mine) == len(theirs):
                 shares.append(f"s{seed}: {sum(a == b for a, b in zip(mine, theirs)) / len(mine):.2f}")
         if shares:
@@ -659,13 +662,13 @@ def report(spec: StudySpec) -> str:
     for task in spec.tasks:
         by_variant = {}
         for variant in spec.variants:
-            summaries = [c.summary() for c in finished if c.task == task and c.variant == variant]
+            mine = [c for c in finished if c.task == task and c.variant == variant]
+            summaries = [c.summary() for c in mine]
             minutes = [s.get("wall_minutes", 0.0) for s in summaries]
             total_minutes += sum(minutes)
             if not summaries or spec.variants[variant].reference:
                 continue
-            mine = [c for c in finished if c.task == task and c.variant == variant]
-            by_variant[variant] = runs = load_runs(spec, mine, untrained.get(task))
+            by_variant[variant] = runs = load_runs(mine, untrained.get(task))
             figures += figure_rows(task, variant, summaries)
             stability.append(stability_row(task, variant, runs, minutes, mine))
         if by_variant:  # one figure per task, every variant's curves on it
