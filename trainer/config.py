@@ -100,9 +100,12 @@ class TrainConfig:
     device: str = "auto"  # "auto", "cpu" or "cuda"
     precision: str = "auto"  # "bf16" autocast, "fp32", or "auto": bf16 on a GPU; on a CPU, whichever is measured faster
 
+    def _bad(self, name: str, why: str) -> ConfigError:
+        """One line naming the flag, why, and the value given."""
+        return ConfigError(f"--{name.replace('_', '-')} {why} (got {getattr(self, name)!r})")
+
     def __post_init__(self) -> None:
-        def bad(name, why):
-            return ConfigError(f"--{name.replace('_', '-')} {why} (got {getattr(self, name)!r})")
+        bad = self._bad
 
         for name in (
             "prompts_per_step",
@@ -154,9 +157,7 @@ class TrainConfig:
 
     def _check_loss(self) -> None:
         """The loss's settings: the algorithm, its preset and each override of it."""
-
-        def bad(name, why):
-            return ConfigError(f"--{name.replace('_', '-')} {why} (got {getattr(self, name)!r})")
+        bad = self._bad
 
         if self.algo not in ("gtpo", "grpo"):
             raise bad("algo", "must be 'gtpo' or 'grpo'")
