@@ -42,7 +42,7 @@ from .fused_chunks import LogitTransform, Walk, fused_forward, token_statistics,
 from .objective import signal_beyond_advantages
 from .packed import padded_rows
 from .result import ROW_METRICS, SUMS_SIZE, GTPOLossOutput, GTPOMetrics
-from .rows import Conflict, LossRows, checked_rows, resolved_config
+from .rows import LossRows, checked_rows, resolved_config, rows_of_call, takes_row_keywords
 from .validation import token_temperature
 from .vocab_parallel import VocabParallel, group_name, group_named
 
@@ -134,6 +134,7 @@ def _read_checks_and_lengths(
     return checks.read(valid.sum(dim=1), stacklevel=5)
 
 
+@takes_row_keywords()
 def fused_linear_gtpo_loss(
     hidden_states: torch.Tensor,
     lm_head_weight: torch.Tensor,
@@ -141,23 +142,15 @@ def fused_linear_gtpo_loss(
     completion_mask: torch.Tensor,
     advantages: torch.Tensor,
     *,
-    group_size: Optional[int] = None,
     lm_head_bias: Optional[torch.Tensor] = None,
     logit_scale: float = 1.0,
     logit_softcap: Optional[float] = None,
     config: Optional[GTPOConfig] = None,
-    old_logprobs: Optional[torch.Tensor] = None,
-    ref_logprobs: Optional[torch.Tensor] = None,
-    sampling_logprobs: Optional[torch.Tensor] = None,
-    initial_entropy: Optional[float] = None,
-    conflict: Optional[Conflict] = None,
-    num_sequences=None,
-    num_tokens=None,
-    temperature=1.0,
     backend: str = "auto",
     cu_seqlens: Optional[torch.Tensor] = None,
     vocab_group=None,
     entropy_quantile_group=None,
+    **row_keywords,
 ) -> GTPOLossOutput:
     """The GTPO loss of ``logits = hidden_states @ lm_head_weight.T + lm_head_bias`` (or a soft cap or scale of
     them), never building them.
@@ -201,20 +194,7 @@ def fused_linear_gtpo_loss(
     compute_dtype = _check_linear_inputs(hidden_states, lm_head_weight, lm_head_bias)
     transform = LogitTransform.checked(logit_scale, logit_softcap)
     config = resolved_config(config)
-    given = LossRows(
-        completion_ids,
-        completion_mask,
-        advantages,
-        conflict=conflict,
-        old_logprobs=old_logprobs,
-        ref_logprobs=ref_logprobs,
-        sampling_logprobs=sampling_logprobs,
-        initial_entropy=initial_entropy,
-        temperature=temperature,
-        num_sequences=num_sequences,
-        num_tokens=num_tokens,
-        group_size=group_size,
-    )
+    given = rows_of_call("fused_linear_gtpo_loss", completion_ids, completion_mask, advantages, row_keywords)
     packing = hidden_index = None
     layout = hidden_states
     if packed_hidden is not None:
@@ -241,7 +221,7 @@ def fused_linear_gtpo_loss(
     def as_count(value):  # whole-batch counts travel as 0-d float64 tensors (the operator's signature)
         return None if value is None else torch.as_tensor(value, dtype=torch.float64, device=device)
 
-    rows = rows.replace(num_sequences=as_count(num_sequences), num_tokens=as_count(num_tokens))
+    rows = rows.replace(num_sequences=as_count(rows.num_sequences), num_tokens=as_count(rows.num_tokens))
     need_grads = _needed_gradients(hidden_states, lm_head_weight, lm_head_bias)
     with torch.autocast(device.type, enabled=False):
         outputs = fused_linear_gtpo(
@@ -264,7 +244,7 @@ def fused_linear_gtpo_loss(
     # The operator's outputs all carry its grad_fn; metrics are reports, never part of the graph.
     metrics = GTPOMetrics.from_sums(
         outputs[4].detach(),
-        has_kl=ref_logprobs is not None,
+        has_kl=rows.ref_logprobs is not None,
         has_vespo=config.ratio_function == "vespo",
         per_row=[values.detach() for values in outputs[5:]],
     )

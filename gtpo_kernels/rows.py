@@ -11,8 +11,10 @@ operator's boundary (`fused_linear.fused_linear_gtpo`) flattens it into tensors 
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import typing
 from dataclasses import dataclass
-from typing import Optional, Tuple, Union
+from typing import Callable, Optional, Tuple, TypeVar, Union
 
 import torch
 
@@ -132,6 +134,53 @@ class LossRows:
 
 
 _FIELDS = tuple(field.name for field in dataclasses.fields(LossRows))  # read once, outside any compiled code
+
+# The per-row keywords every loss entry point takes, declared once: `LossRows`' fields after the three that are
+# positional arguments (``completion_ids``, ``completion_mask``, ``advantages``), less the one the loss computes.
+# A new per-row input is a new field; `takes_row_keywords` puts it in every entry point's signature.
+_POSITIONAL = ("ids", "valid", "advantages")
+_COMPUTED = ("entropy_floor",)
+ROW_KEYWORDS = tuple(name for name in _FIELDS if name not in _POSITIONAL + _COMPUTED)
+
+Entry = TypeVar("Entry", bound=Callable)
+
+
+def rows_of_call(
+    entry: str, completion_ids, completion_mask, advantages, row_keywords: dict, not_taken: Tuple[str, ...] = ()
+) -> LossRows:
+    """The `LossRows` of a loss call: its three positional row arguments and its ``row_keywords`` (the ``**``
+    of an entry point that `takes_row_keywords`). A keyword that is not a row keyword is refused as Python
+    refuses one, naming the entry point."""
+    for name in row_keywords:
+        if name not in ROW_KEYWORDS or name in not_taken:
+            raise TypeError(f"{entry}() got an unexpected keyword argument {name!r}")
+    return LossRows(completion_ids, completion_mask, advantages, **row_keywords)
+
+
+def takes_row_keywords(not_taken: Tuple[str, ...] = ()) -> Callable[[Entry], Entry]:
+    """Declares that a loss entry point's ``**row_keywords`` are `ROW_KEYWORDS` (less ``not_taken``): its
+    signature, as ``help`` and ``inspect.signature`` show it, lists each one, keyword-only, with its type and
+    default from `LossRows`, in place of the ``**``. The function reads them with `rows_of_call`."""
+    hints = typing.get_type_hints(LossRows)
+    defaults = {field.name: field.default for field in dataclasses.fields(LossRows)}
+    declared = [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=defaults[name], annotation=hints[name])
+        for name in ROW_KEYWORDS
+        if name not in not_taken
+    ]
+
+    def declare(entry: Entry) -> Entry:
+        signature = inspect.signature(entry)
+        own = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        clash = {p.name for p in own} & {p.name for p in declared}
+        if len(own) == len(signature.parameters) or clash:
+            raise TypeError(f"{entry.__name__} must end in **row_keywords and not name a row keyword itself: {clash}")
+        positional = [p for p in own if p.kind is not inspect.Parameter.KEYWORD_ONLY]
+        keyword_only = [p for p in own if p.kind is inspect.Parameter.KEYWORD_ONLY]
+        entry.__signature__ = signature.replace(parameters=positional + declared + keyword_only)
+        return entry
+
+    return declare
 
 
 def checked_rows(

@@ -2,14 +2,19 @@
 flat arguments round-trip, and no function of the package threads the inputs one by one any more."""
 
 import ast
+import dataclasses
+import inspect
 from pathlib import Path
 
+import pytest
 import torch
 
 import gtpo_kernels
 from gtpo_kernels import GTPOConfig, conflict_weights, gtpo_loss
+from gtpo_kernels.fused_linear import fused_linear_gtpo_loss
 from gtpo_kernels.loss import loss_of_rows
-from gtpo_kernels.rows import LossRows
+from gtpo_kernels.reference import reference_gtpo_loss, reference_loss_from_token_stats
+from gtpo_kernels.rows import ROW_KEYWORDS, LossRows
 
 from .helpers import random_batch
 
@@ -70,6 +75,52 @@ def test_gtpo_loss_is_loss_of_rows():
     assert torch.equal(a, b)
 
 
+# Every field of LossRows but the three positional arguments and the computed entropy floor, written out here by
+# hand (not read from the code under test): a field added to the bundle must reach every entry point.
+EXPECTED_ROW_KEYWORDS = {
+    "conflict",
+    "old_logprobs",
+    "ref_logprobs",
+    "sampling_logprobs",
+    "initial_entropy",
+    "temperature",
+    "num_sequences",
+    "num_tokens",
+    "group_size",
+}
+ENTRY_POINTS = [gtpo_loss, fused_linear_gtpo_loss, reference_gtpo_loss, reference_loss_from_token_stats]
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS, ids=lambda f: f.__name__)
+def test_every_entry_point_takes_every_row_keyword(entry):
+    """The row keywords are declared once (LossRows' fields) and each entry point's signature lists them all,
+    keyword-only, with the bundle's defaults; the oracle on token statistics takes all but the temperature."""
+    fields = {field.name: field.default for field in dataclasses.fields(LossRows)}
+    assert set(fields) - {"ids", "valid", "advantages", "entropy_floor"} == EXPECTED_ROW_KEYWORDS
+    expected = EXPECTED_ROW_KEYWORDS - ({"temperature"} if entry is reference_loss_from_token_stats else set())
+    parameters = inspect.signature(entry).parameters
+    taken = {name for name in parameters if name in fields} - {"advantages", "valid"}  # positional arguments
+    assert taken == expected
+    for name in expected:
+        assert parameters[name].kind is inspect.Parameter.KEYWORD_ONLY and parameters[name].default == fields[name]
+    assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    assert set(ROW_KEYWORDS) == EXPECTED_ROW_KEYWORDS
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS, ids=lambda f: f.__name__)
+def test_a_misspelt_row_keyword_is_refused_by_name(entry):
+    logits, rows = rows_of()
+    head = torch.randn(logits.shape[-1], 4, dtype=torch.float64)
+    first = (logits[..., :4], head) if entry is fused_linear_gtpo_loss else (logits,)
+    if entry is reference_loss_from_token_stats:
+        first = (logits[..., 0], logits[..., 1])
+    with pytest.raises(TypeError, match=rf"^{entry.__name__}\(\) got an unexpected keyword argument 'old_logprob'$"):
+        entry(*first, rows.ids, rows.valid, rows.advantages, config=GTPOConfig(), old_logprob=rows.old_logprobs)
+    if entry is reference_loss_from_token_stats:
+        with pytest.raises(TypeError, match="unexpected keyword argument 'temperature'"):
+            entry(*first, rows.ids, rows.valid, rows.advantages, config=GTPOConfig(), temperature=0.5)
+
+
 # Functions whose signature is not ours to shorten: the public entry points (their keywords are the users'
 # API), the float64 oracle that mirrors them, registered operators and their fakes (torch.library takes flat
 # tensors and numbers), Triton kernels (pointers and strides), the backends' kernel contract
@@ -78,8 +129,6 @@ EXEMPT = {
     "gtpo_loss",
     "fused_linear_gtpo_loss",
     "fused_linear_token_logprobs_and_entropy",
-    "reference_gtpo_loss",
-    "reference_loss_from_token_stats",
     "_get_per_token_logps_and_entropies",
 }
 KERNEL_CONTRACT = {"backends/torch_backend.py", "backends/cpu_backend.py", "backends/triton_token_stats.py"}

@@ -1476,6 +1476,22 @@ MUTANTS: Tuple[Mutant, ...] = (
         "torch 2.4-2.6's custom_op cannot read string annotations: the package would not import there",
     ),
     Mutant(
+        "row keywords: one field of LossRows left out of the entry points' declared keywords",
+        "gtpo_kernels/rows.py",
+        '_COMPUTED = ("entropy_floor",)',
+        '_COMPUTED = ("entropy_floor", "num_tokens")',
+        ("tests/test_rows.py", "-k", "every_entry_point_takes_every_row_keyword"),
+        "every loss entry point (and the oracle) takes every per-row input LossRows declares, as a keyword",
+    ),
+    Mutant(
+        "row keywords: a misspelt keyword handed to LossRows unchecked",
+        "gtpo_kernels/rows.py",
+        "        if name not in ROW_KEYWORDS or name in not_taken:\n",
+        "        if name in not_taken:\n",
+        ("tests/test_rows.py", "-k", "misspelt_row_keyword"),
+        "a keyword no entry point takes is refused as Python refuses one, naming the entry point the user called",
+    ),
+    Mutant(
         "torch internals: eager_autograd without the dispatcher guard",
         "gtpo_kernels/_autograd.py",
         '    with internal("torch._C._ForceDispatchKeyGuard")(include, _EAGER_EXCLUDE):',
