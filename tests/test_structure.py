@@ -148,12 +148,36 @@ def test_modules_that_register_operators_keep_their_annotations_as_objects():
     """torch.library.custom_op reads an operator's signature, and torch 2.4-2.6 cannot read annotations written as
     strings (`from __future__ import annotations`): the package would not import there (tools/torch-matrix.md)."""
     registering = [
-        path.name for path in sorted(PACKAGE.rglob("*.py")) if "torch.library.custom_op(" in path.read_text()
+        path.name
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if "torch.library.custom_op(" in path.read_text() or "@register_operator(" in path.read_text()
     ]
     assert registering, "no module registers an operator: the test looks in the wrong place"
     future = re.compile(r"^from __future__ import annotations", re.M)
     postponed = [name for name in registering if future.search((PACKAGE / name).read_text())]
     assert not postponed, f"string annotations in modules that register operators: {postponed}"
+
+
+# The names the code around a registered operator gives its flat inputs and outputs.
+FLAT_LISTS = {"inputs", "output", "outputs", "rest", "args", "settings"}
+
+
+def test_no_operator_is_read_by_index():
+    """Around a registered operator (its call, fake, setup and backward) the inputs and outputs are read by name
+    (`operators.Inputs`, `fused_chunks.FusedOutputs`, `operators.gradients_for`): no ``inputs[2]``, ``rest[-6]`` or
+    ``outputs[5:]``, and no backward that counts its ``None`` gradients (``(None,) * 9``)."""
+    registering = [path for path in sorted(PACKAGE.rglob("*.py")) if "@register_operator(" in path.read_text()]
+    assert {path.name for path in registering} >= {"custom_ops.py", "fused_linear.py"}
+    by_index = []
+    for path in registering:
+        for node in ast.walk(ast.parse(path.read_text())):
+            flat = isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id in FLAT_LISTS
+            if flat and not (isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str)):  # a key
+                by_index.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+                if any(isinstance(side, ast.Tuple) and "None" in ast.unparse(side) for side in (node.left, node.right)):
+                    by_index.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+    assert not by_index, f"operator inputs or outputs read by position: {by_index}"
 
 
 TRAINER = PACKAGE.parent / "trainer"
