@@ -1518,7 +1518,7 @@ MUTANTS: Tuple[Mutant, ...] = (
     Mutant(
         "row inputs: a LossRows field dropped on the way into the operator",
         "gtpo_kernels/rows.py",
-        "            initial_entropy=inputs[\"initial_entropy\"],\n",
+        '            initial_entropy=inputs["initial_entropy"],\n',
         "",
         ("tests/test_rows.py::test_the_operator_arguments_round_trip",),
         "the rows come out of the operator's arguments as they went in, field by field",
