@@ -103,6 +103,11 @@ class LossRows:
             group_size=None,
         )
 
+    def row_keywords(self) -> Dict[str, object]:
+        """The rows as an entry point's keywords (`ROW_KEYWORDS`), beside its three positional row arguments:
+        ``gtpo_loss(logits, rows.ids, rows.valid, rows.advantages, **rows.row_keywords())``."""
+        return {name: getattr(self, name) for name in ROW_KEYWORDS}
+
     def op_inputs(self) -> Dict[str, object]:
         """The rows as a registered operator takes them: flat tensors and numbers named as in `OP_PARAMETERS`
         (``group_size`` is not among them: the conflict weights are computed before an operator runs). The
