@@ -139,12 +139,19 @@ def _needed_gradients(hidden, weight, bias) -> List[bool]:
 
 
 def _read_checks_and_lengths(
-    checks: validation.DeferredChecks, hidden_states, lm_head_weight, lm_head_bias, completion_ids, valid, vocab_size
+    checks: validation.DeferredChecks,
+    hidden_states,
+    lm_head_weight,
+    lm_head_bias,
+    completion_ids,
+    valid,
+    vocab_size,
+    stacklevel: int = 5,
 ) -> Optional[List[int]]:
     """The fused path's one host synchronisation: its value checks and the row lengths that plan its chunks,
-    read together. Its logits are finite when the hidden states and weights are, so those are checked in
-    place of the statistics (which come only after the chunks are planned). ``None`` under torch.compile
-    (the operator reads the lengths itself)."""
+    read together (a warning points ``stacklevel`` frames up: the public function's caller). Its logits are finite
+    when the hidden states and weights are, so those are checked in place of the statistics (which come only after
+    the chunks are planned). ``None`` under torch.compile (the operator reads the lengths itself)."""
     if torch.compiler.is_compiling():
         return None
     validation.add_ids_check(checks, completion_ids, valid, vocab_size)
@@ -154,7 +161,7 @@ def _read_checks_and_lengths(
         ("lm_head_bias", lm_head_bias),
     ):
         validation.add_finite_check(checks, name, tensor)
-    return checks.read(valid.sum(dim=1), stacklevel=5)
+    return checks.read(valid.sum(dim=1), stacklevel=stacklevel)
 
 
 @takes_row_keywords()
@@ -206,14 +213,7 @@ def fused_linear_gtpo_loss(
         and ``lm_head_bias``. ``d_weight`` is accumulated in float32 and returned in the weight's dtype.
         Under ``torch.autocast`` the matrix products run in the autocast dtype.
     """
-    packed_hidden = None
-    if cu_seqlens is not None:  # checked as [1, T, H]; the operator takes them [T, H] with each position's row
-        if isinstance(hidden_states, torch.Tensor) and hidden_states.dim() != 2:
-            raise ValueError(
-                f"with cu_seqlens (packed completions) hidden_states must be 2-D [T, H], got shape "
-                f"{tuple(hidden_states.shape)}"
-            )
-        packed_hidden, hidden_states = hidden_states, hidden_states[None]
+    packed_hidden, hidden_states = _packed_hidden(hidden_states, cu_seqlens)
     compute_dtype = _check_linear_inputs(hidden_states, lm_head_weight, lm_head_bias)
     transform = LogitTransform.checked(logit_scale, logit_softcap)
     config = resolved_config(config)
@@ -225,26 +225,12 @@ def fused_linear_gtpo_loss(
         hidden_states, hidden_index = packed_hidden, packing.index()
         layout = packed_hidden.new_empty(()).expand(*packing.shape, packed_hidden.shape[-1])
     rows, checks = checked_rows(layout, "hidden_states", given, config)
-    device = hidden_states.device
-    backend_ = resolve_backend_name(backend, device.type)
-    stat_dtype = stats_dtype(compute_dtype)
-    rows = with_conflict_weights(rows.replace(advantages=rows.advantages.detach().to(stat_dtype)), config, backend_)
-    valid = rows.valid
+    backend_ = resolve_backend_name(backend, hidden_states.device.type)
+    advantages = rows.advantages.detach().to(stats_dtype(compute_dtype))
+    rows = with_conflict_weights(rows.replace(advantages=advantages), config, backend_)
     _queue_no_signal_warning(checks, rows, config)
-    vocab_size, vocab_parallel = lm_head_weight.shape[0], None
-    if vocab_group is not None:
-        vocab_parallel = VocabParallel.of_head(
-            vocab_group, vocab_size, rows.ids.shape, hidden_states.shape[-1], compute_dtype, device
-        )
-        vocab_size = vocab_parallel.shards.vocab_size
-    row_lengths = _read_checks_and_lengths(
-        checks, hidden_states, lm_head_weight, lm_head_bias, rows.ids, valid, vocab_size
-    )
-
-    def as_count(value):  # whole-batch counts travel as 0-d float64 tensors (the operator's signature)
-        return None if value is None else torch.as_tensor(value, dtype=torch.float64, device=device)
-
-    rows = rows.replace(num_sequences=as_count(rows.num_sequences), num_tokens=as_count(rows.num_tokens))
+    head = dict(hidden=hidden_states, weight=lm_head_weight, bias=lm_head_bias, hidden_index=hidden_index)
+    vocab_parallel, row_lengths = _shards_and_lengths(checks, head, rows, vocab_group, compute_dtype)
     settings = FusedSettings(
         logit_scale=transform.scale,
         logit_softcap=transform.softcap,
@@ -256,7 +242,46 @@ def fused_linear_gtpo_loss(
         entropy_quantile_group=group_name(entropy_quantile_group),
         need_grads=_needed_gradients(hidden_states, lm_head_weight, lm_head_bias),
     )
-    head = dict(hidden=hidden_states, weight=lm_head_weight, bias=lm_head_bias, hidden_index=hidden_index)
+    return _loss_of_operator(head, rows, settings, config)
+
+
+def _shards_and_lengths(checks: validation.DeferredChecks, head: dict, rows: LossRows, vocab_group, compute_dtype):
+    """``(vocab_parallel, row_lengths)``: the head's vocabulary shards over ``vocab_group`` (``None``: the whole
+    vocabulary is here), and each row's unmasked tokens, read with the call's value checks (its one host
+    synchronisation, `_read_checks_and_lengths`; warnings point at the loss's caller, two frames up)."""
+    hidden, weight, bias = head["hidden"], head["weight"], head["bias"]
+    vocab_parallel = None
+    if vocab_group is not None:
+        vocab_parallel = VocabParallel.of_head(
+            vocab_group, weight.shape[0], rows.ids.shape, hidden.shape[-1], compute_dtype, hidden.device
+        )
+    vocab_size = weight.shape[0] if vocab_parallel is None else vocab_parallel.shards.vocab_size
+    lengths = _read_checks_and_lengths(checks, hidden, weight, bias, rows.ids, rows.valid, vocab_size, stacklevel=6)
+    return vocab_parallel, lengths
+
+
+def _packed_hidden(hidden_states, cu_seqlens) -> Tuple[Optional[Tensor], Tensor]:
+    """``(packed [T, H] or None, hidden states as checked)``: packed ones are checked as ``[1, T, H]``; the operator
+    takes them ``[T, H]``, with each position's row."""
+    if cu_seqlens is None:
+        return None, hidden_states
+    if isinstance(hidden_states, torch.Tensor) and hidden_states.dim() != 2:
+        raise ValueError(
+            f"with cu_seqlens (packed completions) hidden_states must be 2-D [T, H], got shape "
+            f"{tuple(hidden_states.shape)}"
+        )
+    return hidden_states, hidden_states[None]
+
+
+def _loss_of_operator(head: dict, rows: LossRows, settings: FusedSettings, config: GTPOConfig) -> GTPOLossOutput:
+    """The registered operator on checked inputs (``head``: its head arguments by name), its outputs as the loss and
+    the metrics."""
+    device = head["hidden"].device
+
+    def as_count(value):  # whole-batch counts travel as 0-d float64 tensors (the operator's signature)
+        return None if value is None else torch.as_tensor(value, dtype=torch.float64, device=device)
+
+    rows = rows.replace(num_sequences=as_count(rows.num_sequences), num_tokens=as_count(rows.num_tokens))
     with torch.autocast(device.type, enabled=False):
         outputs = FusedOutputs.of(
             fused_linear_gtpo(**head, **rows.op_inputs(), **_settings_inputs(settings), **_config_inputs(config))
