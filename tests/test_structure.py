@@ -211,7 +211,6 @@ def test_the_trainer_reads_in_short_functions_and_nothing_imports_the_script():
 LONG_FUNCTIONS = {
     "gtpo_kernels/reference.py:reference_loss_from_token_stats": 217,
     "gtpo_kernels/backends/triton_token_stats.py:_token_stats_forward_kernel": 97,
-    "gtpo_kernels/hf/prompt_cache.py:grouped_completion_hidden_states": 86,
 }
 LONGEST = 80
 
