@@ -1,4 +1,5 @@
-"""`python -m gtpo_train.answers`: a saved model's wrong greedy answers, through the trainer's own evaluation."""
+"""`python -m gtpo_train.offline.answers`: a saved model's wrong greedy answers, through the trainer's own
+evaluation."""
 
 import json
 
@@ -8,9 +9,9 @@ import torch
 pytest.importorskip("transformers")
 
 import trainer.evaluation as evaluation  # noqa: E402
-from trainer import answers  # noqa: E402
 from trainer.config import TrainConfig  # noqa: E402
 from trainer.data import arithmetic_rows  # noqa: E402
+from trainer.offline import answers  # noqa: E402
 from trainer.rollout import Completions  # noqa: E402
 
 

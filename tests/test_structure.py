@@ -188,8 +188,9 @@ def test_the_trainer_reads_in_short_functions_and_nothing_imports_the_script():
     """No function of ``trainer/`` is over 80 lines, and no module imports ``trainer/train.py`` (the script at the
     top: evaluation, the session and the report live in modules of their own that it and others import)."""
     long = []
-    for path in sorted(TRAINER.glob("*.py")):
+    for path in sorted(TRAINER.rglob("*.py")):
         tree = ast.parse(path.read_text())
+        depth = len(path.relative_to(TRAINER).parts)  # 1: trainer/x.py; 2: trainer/offline/x.py
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 length = node.end_lineno - node.lineno + 1
@@ -198,11 +199,27 @@ def test_the_trainer_reads_in_short_functions_and_nothing_imports_the_script():
         imports_train = [
             node
             for node in ast.walk(tree)
-            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module == "train"
+            if isinstance(node, ast.ImportFrom) and node.level == depth and node.module == "train"
         ]
         if path.name not in ("train.py", "__main__.py"):
             assert not imports_train, f"{path.name} imports the script trainer/train.py"
     assert not long, long
+
+
+def test_the_training_loop_does_not_import_the_offline_tools():
+    """trainer/offline/ (the study, compare, answers, quantisation, plots) is run beside or after training: no module
+    of the loop imports it, but train.py, which draws the run's figure once at its end (plots.plot_run)."""
+    offline = {path.stem for path in (TRAINER / "offline").glob("*.py") if path.stem != "__init__"}
+    assert {"study", "compare", "answers", "quantisation", "plots"} <= offline
+    assert not offline & {path.stem for path in TRAINER.glob("*.py")}, "an offline tool beside the loop's modules"
+    reaching = []
+    for path in sorted(TRAINER.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and (node.module or "").startswith("offline"):
+                names = {alias.name for alias in node.names}
+                if not (path.name == "train.py" and node.module == "offline.plots" and names == {"plot_run"}):
+                    reaching.append(f"{path.name}: from .{node.module} import {sorted(names)}")
+    assert not reaching, reaching
 
 
 # The functions longer than 80 lines, each at its length when this test was written: none may grow, and a new one

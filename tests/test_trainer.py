@@ -703,7 +703,7 @@ def test_default_model_trains_two_steps(tmp_path):
 
 
 def test_compare_runs_table(tmp_path):
-    from trainer.compare import load, table
+    from trainer.offline.compare import load, table
 
     for algo, seed, after in (("gtpo", 0, 0.5), ("gtpo", 1, 0.6), ("grpo", 0, 0.4)):
         d = tmp_path / f"{algo}{seed}"

@@ -37,8 +37,8 @@ from .distributed import Distributed, full_parameters, full_state, load_optimize
 from .intervals import metric_intervals
 from .metrics_log import MetricsLog
 from .model import check_model_source
+from .offline.plots import plot_run
 from .optimizer import check_master_weights
-from .plots import plot_run
 from .precision import autocast
 from .report import print_summary, save_final, summarise
 from .rollout import Rollout, compiles_decode, rollout
