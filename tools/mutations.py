@@ -1548,6 +1548,22 @@ MUTANTS: Tuple[Mutant, ...] = (
         "each field of a process-summed vector is read at its own offset (a vector field shifts the ones after it)",
     ),
     Mutant(
+        "offline tools: the training loop imports the study's comparison",
+        "trainer/train.py",
+        "from .offline.plots import plot_run\n",
+        "from .offline.compare import load  # noqa: F401\nfrom .offline.plots import plot_run\n",
+        ("tests/test_structure.py::test_the_training_loop_does_not_import_the_offline_tools",),
+        "the loop's modules import nothing of trainer/offline/ but the figure train.py draws at a run's end",
+    ),
+    Mutant(
+        "offline tools: a study's cells run the offline subpackage instead of the trainer",
+        "trainer/offline/study.py",
+        '        module = (__package__ or "trainer.offline").rpartition(".")[0]',
+        '        module = __package__ or "trainer"',
+        ("tests/test_study.py::test_a_smoke_study_runs_resumes_and_reports_paired_differences",),
+        "each cell is a plain run of the trainer (gtpo_train, or trainer in a checkout), wherever the study lives",
+    ),
+    Mutant(
         "torch internals: eager_autograd without the dispatcher guard",
         "gtpo_kernels/_autograd.py",
         '    with internal("torch._C._ForceDispatchKeyGuard")(include, _EAGER_EXCLUDE):',
