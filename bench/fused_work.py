@@ -12,6 +12,8 @@ kernels differ, ``--before-tree``: a checkout of ``REV`` with its own build; and
                     ``prediction_step``): wall time, and the largest and peak new tensor storage of the call
   backward          ``loss.backward()`` after a forward with grad: wall time, and the largest and peak new
                     storage during the backward (the gradients themselves were made by the forward)
+  logits_step       (``--what``) ``gtpo_loss`` forward and backward on the ``[N, L, V]`` logits ``h @ W.T``, made once
+                    before the timing: the unfused entry point
 Memory is counted exactly, per tensor storage created by an operator (`common.PeakTensorMemory`), in a run
 of its own; times are medians of ``--reps``, the two sources alternating in separate processes, in the other order
 every other time (C++ backend).
@@ -58,6 +60,13 @@ def worker(tokens: int, hidden: int, vocab: int, dtype_name: str, what: str, inn
     def loss():
         return gtpo_kernels.fused_linear_gtpo_loss(h, w, ids, mask, adv, group_size=8, backend="cpu").loss
 
+    if what == "logits_step":  # gtpo_loss on the logits themselves (materialised once, outside the timing)
+        logits = (h.detach() @ w.detach().T).requires_grad_()
+        h = w = None  # only the logits' memory is the call's
+
+        def loss():
+            return gtpo_kernels.gtpo_loss(logits, ids, mask, adv, group_size=8, backend="cpu").loss
+
     def timed(call, before=lambda: None) -> float:
         times = []
         for _ in range(inner):
@@ -72,7 +81,7 @@ def worker(tokens: int, hidden: int, vocab: int, dtype_name: str, what: str, inn
         (the dispatch mode sees only its outputs)."""
         return common.resident_peak(call).extra / 2**20
 
-    if what == "step":
+    if what in ("step", "logits_step"):
         loss().backward()  # warm
         seconds = timed(lambda _: loss().backward())
         with PeakTensorMemory() as memory:
@@ -139,7 +148,11 @@ def main(argv=None) -> None:
     p.add_argument("--name", default="fused-work-cpu", help="the table's file name (in bench/results/local/)")
     p.add_argument("--before-tree", help="a checkout of --before with its own C++ build (when csrc/ differs)")
     p.add_argument(
-        "--what", nargs="+", default=["step", "no_grad", "backward"], choices=["step", "no_grad", "backward"]
+        "--what",
+        nargs="+",
+        default=["step", "no_grad", "backward"],
+        choices=["step", "no_grad", "backward", "logits_step"],
+        help="logits_step: gtpo_loss forward + backward on materialised [N, L, V] logits (the unfused path)",
     )
     args = p.parse_args(argv)
     rev = subprocess.run(["git", "rev-parse", "--short", args.before], cwd=ROOT, capture_output=True, text=True)
@@ -164,7 +177,8 @@ def main(argv=None) -> None:
             if not args.before_tree:
                 subprocess.run(["git", "worktree", "remove", "--force", str(before)], cwd=ROOT, capture_output=True)
     lines = [
-        f"`python -m bench fused_work --before {args.before}`: fused_linear_gtpo_loss, C++ backend, T = {args.tokens}, "
+        f"`python -m bench fused_work --before {args.before} --what {' '.join(args.what)}`: fused_linear_gtpo_loss "
+        f"(and gtpo_loss for logits_step), C++ backend, T = {args.tokens}, "
         f"H = {args.hidden}, V = {args.vocab}, {args.dtype}, {args.threads} threads; times the median of {args.reps} "
         f"processes per source, each the median of "
         f"{args.inner} calls. "
@@ -176,7 +190,12 @@ def main(argv=None) -> None:
         "| source | what | ms | largest new storage MiB | peak new storage MiB | peak resident MiB |",
         "|---|---|---|---|---|---|",
     ]
-    labels = {"step": "forward + backward", "no_grad": "no_grad forward", "backward": "backward"}
+    labels = {
+        "step": "forward + backward",
+        "no_grad": "no_grad forward",
+        "backward": "backward",
+        "logits_step": "gtpo_loss on logits, forward + backward",
+    }
     for what in args.what:
         for name in sources:
             runs = results[name][what]

@@ -148,7 +148,7 @@ def model_sizes(model) -> dict:
 
 
 def phase_work(model, batch) -> dict:
-    """GFLOP of each phase's matrix products for ``batch`` (a rollout's prompts and completions), attention's
+    """GFLOP of each phase's matrix products for ``batch`` (a rollout's `trainer.rollout.Completions`), attention's
     products left out: the prompt pass runs the shared prefix once and each prompt's own tokens once (the padded
     width), decoding one token per row and step; the update's decoder forward the same prompts plus every completion
     position, its backward twice that; the fused loss the head's product forward and both of its gradients."""
@@ -157,9 +157,9 @@ def phase_work(model, batch) -> dict:
     sizes = model_sizes(model)
     layer_params = sum(i * o for i, o in sizes["layers"])
     hidden, vocab = sizes["head"]
-    prompts, width = batch["prompt_ids"].shape
-    rows, length = batch["completion_ids"].shape
-    prefix = prefix_run_once(model, batch["prompt_ids"], batch["prompt_mask"])
+    prompts, width = batch.prompt_ids.shape
+    rows, length = batch.completion_ids.shape
+    prefix = prefix_run_once(model, batch.prompt_ids, batch.prompt_mask)
     prompt_tokens = prefix + prompts * (width - prefix)
     decode_tokens = rows * (length - 1)  # the first token comes from the prompt pass
     forward = 2 * layer_params * (prompt_tokens + rows * length)
@@ -198,7 +198,7 @@ def bare_rates(model, batch) -> dict:
     layer and the head), the update's decoder (its tokens through every layer once), the head (the completions)."""
     sizes = model_sizes(model)
     work = phase_work(model, batch)
-    rows, length = batch["completion_ids"].shape
+    rows, length = batch.completion_ids.shape
     update_rows = min(work["update_tokens"], 4096)  # as many rows as the update runs (capped: a rate, not a step)
     decoder = bare_rate(sizes["layers"], update_rows)
     return {

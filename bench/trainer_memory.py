@@ -52,25 +52,26 @@ QWEN2_05B = dict(
 BATCH = dict(prompts=2, group_size=2, prompt_tokens=128, completion_tokens=48)
 
 
-def synthetic_batch(vocab: int, device) -> dict:
+def synthetic_batch(vocab: int, device):
+    """A `trainer.rollout.Rollout` of ``BATCH``'s shape: random ids, every position kept, advantages of +-1."""
     import torch
 
     from gtpo_kernels import conflict_weights
+    from trainer.rollout import Completions, Rollout
 
     g = torch.Generator().manual_seed(0)
     b, n = BATCH["prompts"], BATCH["prompts"] * BATCH["group_size"]
-    batch = {
-        "prompt_ids": torch.randint(0, vocab, (b, BATCH["prompt_tokens"]), generator=g),
-        "prompt_mask": torch.ones(b, BATCH["prompt_tokens"], dtype=torch.long),
-        "completion_ids": torch.randint(0, vocab, (n, BATCH["completion_tokens"]), generator=g),
-        "completion_mask": torch.ones(n, BATCH["completion_tokens"], dtype=torch.bool),
-        "advantages": torch.tensor([1.0, -1.0] * (n // 2)),
-    }
-    batch = {k: v.to(device) for k, v in batch.items()}
-    batch["conflict"] = conflict_weights(
-        batch["completion_ids"], batch["completion_mask"], batch["advantages"], BATCH["group_size"]
+    completions = Completions(
+        prompt_ids=torch.randint(0, vocab, (b, BATCH["prompt_tokens"]), generator=g).to(device),
+        prompt_mask=torch.ones(b, BATCH["prompt_tokens"], dtype=torch.long, device=device),
+        completion_ids=torch.randint(0, vocab, (n, BATCH["completion_tokens"]), generator=g).to(device),
+        completion_mask=torch.ones(n, BATCH["completion_tokens"], dtype=torch.bool, device=device),
+        texts=[""] * n,
     )
-    return batch
+    advantages = torch.tensor([1.0, -1.0] * (n // 2), device=device)
+    ids, mask = completions.completion_ids, completions.completion_mask
+    conflict = conflict_weights(ids, mask, advantages, BATCH["group_size"])
+    return Rollout(completions, BATCH["group_size"], advantages, conflict=conflict)
 
 
 def one(model: str, setting: str) -> dict:
@@ -107,13 +108,12 @@ def one(model: str, setting: str) -> dict:
     t1 = time.time()
     with ResidentPeak() as peak:  # the kernel's high-water mark, reset here: the step's own peak
         _, entropy = token_stats(session.model, batch, config, session.head)
-        ref = None
         if config.beta:
             with reference_weights(session.model, session.reference) as reference:
-                ref, _ = token_stats(reference, batch, config, session.head)
+                batch.ref_logprobs, _ = token_stats(reference, batch, config, session.head)
         initial_entropy = float(entropy.mean())
         policy, optimizer, loss_config = session.policy, session.optimizer, session.loss_config
-        result = update(policy, optimizer, batch, loss_config, config, dist, None, initial_entropy, ref)
+        result = update(policy, optimizer, batch, loss_config, config, dist, initial_entropy)
     return {
         "model": model,
         "setting": setting,
@@ -124,8 +124,8 @@ def one(model: str, setting: str) -> dict:
         "peak_exact": peak.exact,
         "load_s": t1 - t0,
         "step_s": time.time() - t1,
-        "stepped": bool(result["stepped"]),
-        "kl": None if result["metrics"].kl is None else float(result["metrics"].kl),
+        "stepped": bool(result.stepped),
+        "kl": None if result.metrics.kl is None else float(result.metrics.kl),
     }
 
 

@@ -3,7 +3,8 @@
 nothing of the GTPO objective: the fused loss's operator, which runs the objective inside its chunk walk, is
 registered beside its public function (`fused_linear`).
 
-    gtpo_kernels::token_stats(logits, ids, valid, temperature, token_temperature, backend, max_chunk_bytes)
+    gtpo_kernels::token_stats(logits, ids, valid, temperature, token_temperature, backend, max_chunk_bytes,
+                              inplace, vocab_group, shard_sizes)
         -> (row_max, log_s, logp, H)                       autograd registered; backward is the next op
     gtpo_kernels::token_stats_backward(logits, ids, valid, row_max, log_s, logp, H, grad_logp, grad_H,
                                        temperature, token_temperature, backend, max_chunk_bytes) -> dlogits
@@ -12,7 +13,8 @@ registered beside its public function (`fused_linear`).
     gtpo_kernels::conflict_weights(ids, valid, advantages, group_size, weight, backend) -> (lambda, n_conflict)
     (gtpo_kernels::fused_linear_gtpo, the whole fused hidden @ lm_head loss: `fused_linear`)
 
-Each has a fake (meta) implementation, so the compiler knows its output shapes without running it, and
+Each is registered by `operators.register_operator`, which keeps its parameter names: its autograd reads its
+inputs by name. Each has a fake (meta) implementation, so the compiler knows its output shapes without running it, and
 each backend's kernels run inside (``backend`` names a registered backend). A second derivative through
 the closed-form backwards raises, as in eager mode. Everything else in the losses is plain torch code,
 which the compiler traces; value checks (`validation`) run only in eager mode.
@@ -28,6 +30,7 @@ from torch import Tensor
 from ._autograd import SECOND_DERIVATIVE, first_derivative_only, is_plain
 from .backends import get_backend, kernels_for
 from .backends.base import Backend, stats_dtype
+from .operators import Inputs, gradients_for, register_operator
 from .vocab_parallel import VocabParallel
 
 NAMESPACE = "gtpo_kernels"
@@ -55,7 +58,7 @@ def token_stats_gradient(
     return out
 
 
-@torch.library.custom_op(f"{NAMESPACE}::token_stats", mutates_args=())
+@register_operator(f"{NAMESPACE}::token_stats")
 def token_stats(
     logits: Tensor,
     ids: Tensor,
@@ -95,7 +98,7 @@ def _(logits, ids, valid, *settings):
     return tuple(logits.new_empty(shape, dtype=dtype) for _ in range(4))
 
 
-@torch.library.custom_op(f"{NAMESPACE}::token_stats_backward", mutates_args=())
+@register_operator(f"{NAMESPACE}::token_stats_backward")
 def token_stats_backward(
     logits: Tensor,
     ids: Tensor,
@@ -124,11 +127,11 @@ def _(logits, ids, valid, row_max, log_s, logp, entropy, grad_logp, grad_entropy
 
 
 def _token_stats_setup(ctx, inputs, output):
-    logits, ids, valid, temperature, token_temperature, backend, max_chunk_bytes, inplace, group, sizes = inputs
-    ctx.save_for_backward(logits, ids, valid, *output, token_temperature)
-    ctx.settings = (temperature, backend, max_chunk_bytes)
-    ctx.inplace = inplace
-    vocab_parallel = VocabParallel.named(group, sizes)
+    given = Inputs(token_stats, inputs)
+    ctx.save_for_backward(given.logits, given.ids, given.valid, *output, given.token_temperature)
+    ctx.settings = given.pick(("temperature", "backend", "max_chunk_bytes"))
+    ctx.inplace = given.inplace
+    vocab_parallel = VocabParallel.named(given.vocab_group, given.shard_sizes)
     ctx.id_offset = 0 if vocab_parallel is None else vocab_parallel.shards.offset
 
 
@@ -137,14 +140,13 @@ def _token_stats_grad(ctx, grad_row_max, grad_log_s, grad_logp, grad_entropy):
     if ctx.id_offset:
         ids = ids.long() - ctx.id_offset  # this shard's columns
     saved = (logits, ids, valid, row_max, log_s, logp, entropy)
-    temperature, backend, max_chunk_bytes = ctx.settings
+    settings = ctx.settings
     if ctx.inplace and not torch.compiler.is_compiling() and is_plain(logits):
-        grad = _gradient_over_the_logits(ctx, saved, grad_logp, grad_entropy, _either(temperature, token_temperature))
+        temperature = _either(settings["temperature"], token_temperature)
+        grad = _gradient_over_the_logits(ctx, saved, grad_logp, grad_entropy, temperature)
     else:
-        grad = token_stats_backward(
-            *saved, grad_logp, grad_entropy, temperature, token_temperature, backend, max_chunk_bytes
-        )
-    return (grad,) + (None,) * 9
+        grad = token_stats_backward(*saved, grad_logp, grad_entropy, token_temperature=token_temperature, **settings)
+    return gradients_for(token_stats, logits=grad)
 
 
 def _gradient_over_the_logits(ctx, saved, grad_logp, grad_entropy, temperature) -> Tensor:
@@ -155,7 +157,8 @@ def _gradient_over_the_logits(ctx, saved, grad_logp, grad_entropy, temperature) 
     @first_derivative_only
     def write(ctx, grad_logp, grad_entropy):
         logits = saved[0]
-        kernels = kernels_for(get_backend(ctx.settings[1]), logits.dtype, ctx.settings[2] or None)
+        backend, max_chunk_bytes = ctx.settings["backend"], ctx.settings["max_chunk_bytes"]
+        kernels = kernels_for(get_backend(backend), logits.dtype, max_chunk_bytes or None)
         token_stats_gradient(kernels, saved, grad_logp, grad_entropy, logits, temperature)
         torch.autograd.graph.increment_version(logits)
         return logits
@@ -176,7 +179,7 @@ torch.library.register_autograd(
 # ------------------------------------------------------------------------------------------ conflict weights
 
 
-@torch.library.custom_op(f"{NAMESPACE}::conflict_weights", mutates_args=())
+@register_operator(f"{NAMESPACE}::conflict_weights")
 def conflict_weights(
     ids: Tensor, valid: Tensor, advantages: Tensor, group_size: int, weight: float, backend: str
 ) -> Tuple[Tensor, Tensor]:

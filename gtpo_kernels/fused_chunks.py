@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -322,17 +322,42 @@ def token_statistics(hidden: torch.Tensor, head, ids: torch.Tensor, temperature:
     return chunks.stats[2], chunks.stats[3]
 
 
+@dataclass(frozen=True)
+class FusedOutputs:
+    """What the fused operator returns, by name: the loss (0-d), the gradients it computed on the way (``None``:
+    not asked for), the metric sums (`GTPOMetrics.to_sums`) and the per-completion metrics ``[N]`` in
+    `result.ROW_METRICS`' order. An operator returns a flat list (`to_list`, `of`)."""
+
+    loss: torch.Tensor
+    d_hidden: Optional[torch.Tensor]
+    d_weight: Optional[torch.Tensor]
+    d_bias: Optional[torch.Tensor]
+    metric_sums: torch.Tensor
+    row_metrics: Tuple[torch.Tensor, ...]
+
+    def to_list(self) -> List[torch.Tensor]:
+        """``[loss, d_hidden, d_weight, d_bias, metric_sums, *row_metrics]``, an empty tensor for a gradient not
+        computed (a schema's list holds no ``None``); a fresh one each: an operator's outputs may not alias."""
+        gradients = [self.loss.new_empty((0,)) if g is None else g for g in (self.d_hidden, self.d_weight, self.d_bias)]
+        return [self.loss, *gradients, self.metric_sums, *self.row_metrics]
+
+    @classmethod
+    def of(cls, outputs: Sequence[torch.Tensor]) -> FusedOutputs:
+        """The inverse of `to_list` (an empty gradient stays an empty tensor)."""
+        loss, d_hidden, d_weight, d_bias, metric_sums, *row_metrics = outputs
+        return cls(loss, d_hidden, d_weight, d_bias, metric_sums, tuple(row_metrics))
+
+
 def fused_forward(
     hidden: torch.Tensor,
     head: Tuple[torch.Tensor, Optional[torch.Tensor]],
     rows: LossRows,
     config: GTPOConfig,
     walk: Walk,
-) -> List[torch.Tensor]:
+) -> FusedOutputs:
     """The body of ``gtpo_kernels::fused_linear_gtpo`` (`fused_linear`): the loss and its gradients in one walk over
     the chunks of ``walk.tokens`` (``hidden`` ``[N, L, H]``, or ``[T, H]`` packed), for the head ``(weight [V, H],
-    bias [V] or None)``. Returns ``[loss, d_hidden, d_weight, d_bias, metric sums, completion entropy [N],
-    completion clip low [N], completion clip high [N]]``; a gradient not in ``walk.need_grads`` is an empty tensor.
+    bias [V] or None)``; a gradient not in ``walk.need_grads`` is ``None``.
 
     Each chunk's rows are one evaluation of the objective with the whole call's counts (`loss_and_gradients`): its
     share of the loss, its metrics (merged over the chunks) and ``c, e``, the gradient with respect to its log-probs
@@ -362,14 +387,11 @@ def fused_forward(
         parts.append(out)
     metrics = GTPOMetrics.merge([p.metrics for p in parts])
 
-    def empty():  # a fresh one each time: an operator's outputs may not alias one another
-        return hidden.new_empty((0,))
-
-    return [
-        torch.stack([p.loss.detach() for p in parts]).sum().to(chunks.stat_dtype),
-        empty() if grads.d_hidden is None else grads.d_hidden,
-        empty() if grads.d_weight is None else grads.d_weight.to(weight.dtype),
-        empty() if grads.d_bias is None else grads.d_bias.to(bias.dtype),
-        metrics.to_sums(),
-        *(getattr(metrics, name).to(chunks.stat_dtype) for name in ROW_METRICS),
-    ]
+    return FusedOutputs(
+        loss=torch.stack([p.loss.detach() for p in parts]).sum().to(chunks.stat_dtype),
+        d_hidden=grads.d_hidden,
+        d_weight=None if grads.d_weight is None else grads.d_weight.to(weight.dtype),
+        d_bias=None if grads.d_bias is None else grads.d_bias.to(bias.dtype),
+        metric_sums=metrics.to_sums(),
+        row_metrics=tuple(getattr(metrics, name).to(chunks.stat_dtype) for name in ROW_METRICS),
+    )

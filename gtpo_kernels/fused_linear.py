@@ -26,7 +26,9 @@ log-probs and the initial entropy, from hidden states.
 
 # No `from __future__ import annotations` here: torch.library.custom_op reads the signatures of the operators
 # registered in this module, and torch 2.4-2.6 cannot read annotations written as strings (tools/torch-matrix.md).
-import json
+import dataclasses
+import typing
+from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import torch
@@ -38,27 +40,48 @@ from .backends import get_backend, kernels_for, resolve_backend_name
 from .backends.base import stats_dtype
 from .config import GTPOConfig
 from .conflict import with_conflict_weights
-from .fused_chunks import LogitTransform, Walk, fused_forward, token_statistics, unmasked_tokens
+from .fused_chunks import FusedOutputs, LogitTransform, Walk, fused_forward, token_statistics, unmasked_tokens
 from .objective import signal_beyond_advantages
+from .operators import Inputs, gradients_for, register_operator, signature_of
 from .packed import padded_rows
 from .result import ROW_METRICS, SUMS_SIZE, GTPOLossOutput, GTPOMetrics
-from .rows import Conflict, LossRows, checked_rows, resolved_config
+from .rows import OP_PARAMETERS, LossRows, checked_rows, resolved_config, rows_of_call, takes_row_keywords
 from .validation import token_temperature
 from .vocab_parallel import VocabParallel, group_name, group_named
 
-_CONFIG_FIELDS = tuple(GTPOConfig().to_dict())
+
+@dataclass(frozen=True)
+class FusedSettings:
+    """The fused operator's arguments that are neither the head nor the rows nor the config: the head's transform
+    of its logits (`fused_chunks.LogitTransform`), the backend, the dtype of the matrix products, each row's
+    unmasked tokens when the caller has read them (else the operator reads them: one host synchronisation), the
+    process groups by the names `vocab_parallel.group_name` gave them (a schema takes no process group) with each
+    rank's vocabulary shard size, and which of hidden, weight, bias to compute a gradient for."""
+
+    logit_scale: float
+    logit_softcap: Optional[float]
+    backend: str
+    compute_dtype: torch.dtype
+    row_lengths: Optional[List[int]]
+    vocab_group: Optional[str]
+    shard_sizes: Optional[List[int]]
+    entropy_quantile_group: Optional[str]
+    need_grads: List[bool]
 
 
-@torch.compiler.assume_constant_result
-def _json_of(items: tuple) -> str:
-    return json.dumps(dict(items))
+# The operator's arguments, in order: the head, the rows (`LossRows.op_inputs`), the settings, and every field of
+# the config (its resolved values, constants for torch.compile). Each group declares its own names once.
+_HEAD = (("hidden", Tensor), ("weight", Tensor), ("bias", Optional[Tensor]), ("hidden_index", Optional[Tensor]))
+_SETTINGS = tuple((field.name, field.type) for field in dataclasses.fields(FusedSettings))
+_CONFIG = tuple(typing.get_type_hints(GTPOConfig).items())
+_SIGNATURE = signature_of(_HEAD, OP_PARAMETERS, _SETTINGS, _CONFIG, returns=List[Tensor])
 
 
-def _config_json(config: GTPOConfig) -> str:
-    """The config as the operator takes it (a string); a constant for ``torch.compile``. Made from the
-    resolved values, which Dynamo tracks even for a config built inside the compiled function (the object
-    itself it would hand over with the preset's sentinels still in place)."""
-    return _json_of(tuple((name, getattr(config, name)) for name in _CONFIG_FIELDS))
+def _config_inputs(config: GTPOConfig) -> dict:
+    """The config as the operator takes it: each field's resolved value (which Dynamo tracks as a constant even for
+    a config built inside the compiled function; the object itself it would hand over with the preset's sentinels
+    still in place)."""
+    return {name: getattr(config, name) for name, _ in _CONFIG}
 
 
 def _check_linear_inputs(hidden_states, lm_head_weight, lm_head_bias) -> torch.dtype:
@@ -116,12 +139,19 @@ def _needed_gradients(hidden, weight, bias) -> List[bool]:
 
 
 def _read_checks_and_lengths(
-    checks: validation.DeferredChecks, hidden_states, lm_head_weight, lm_head_bias, completion_ids, valid, vocab_size
+    checks: validation.DeferredChecks,
+    hidden_states,
+    lm_head_weight,
+    lm_head_bias,
+    completion_ids,
+    valid,
+    vocab_size,
+    stacklevel: int = 5,
 ) -> Optional[List[int]]:
     """The fused path's one host synchronisation: its value checks and the row lengths that plan its chunks,
-    read together. Its logits are finite when the hidden states and weights are, so those are checked in
-    place of the statistics (which come only after the chunks are planned). ``None`` under torch.compile
-    (the operator reads the lengths itself)."""
+    read together (a warning points ``stacklevel`` frames up: the public function's caller). Its logits are finite
+    when the hidden states and weights are, so those are checked in place of the statistics (which come only after
+    the chunks are planned). ``None`` under torch.compile (the operator reads the lengths itself)."""
     if torch.compiler.is_compiling():
         return None
     validation.add_ids_check(checks, completion_ids, valid, vocab_size)
@@ -131,9 +161,10 @@ def _read_checks_and_lengths(
         ("lm_head_bias", lm_head_bias),
     ):
         validation.add_finite_check(checks, name, tensor)
-    return checks.read(valid.sum(dim=1), stacklevel=5)
+    return checks.read(valid.sum(dim=1), stacklevel=stacklevel)
 
 
+@takes_row_keywords()
 def fused_linear_gtpo_loss(
     hidden_states: torch.Tensor,
     lm_head_weight: torch.Tensor,
@@ -141,23 +172,15 @@ def fused_linear_gtpo_loss(
     completion_mask: torch.Tensor,
     advantages: torch.Tensor,
     *,
-    group_size: Optional[int] = None,
     lm_head_bias: Optional[torch.Tensor] = None,
     logit_scale: float = 1.0,
     logit_softcap: Optional[float] = None,
     config: Optional[GTPOConfig] = None,
-    old_logprobs: Optional[torch.Tensor] = None,
-    ref_logprobs: Optional[torch.Tensor] = None,
-    sampling_logprobs: Optional[torch.Tensor] = None,
-    initial_entropy: Optional[float] = None,
-    conflict: Optional[Conflict] = None,
-    num_sequences=None,
-    num_tokens=None,
-    temperature=1.0,
     backend: str = "auto",
     cu_seqlens: Optional[torch.Tensor] = None,
     vocab_group=None,
     entropy_quantile_group=None,
+    **row_keywords,
 ) -> GTPOLossOutput:
     """The GTPO loss of ``logits = hidden_states @ lm_head_weight.T + lm_head_bias`` (or a soft cap or scale of
     them), never building them.
@@ -190,31 +213,11 @@ def fused_linear_gtpo_loss(
         and ``lm_head_bias``. ``d_weight`` is accumulated in float32 and returned in the weight's dtype.
         Under ``torch.autocast`` the matrix products run in the autocast dtype.
     """
-    packed_hidden = None
-    if cu_seqlens is not None:  # checked as [1, T, H]; the operator takes them [T, H] with each position's row
-        if isinstance(hidden_states, torch.Tensor) and hidden_states.dim() != 2:
-            raise ValueError(
-                f"with cu_seqlens (packed completions) hidden_states must be 2-D [T, H], got shape "
-                f"{tuple(hidden_states.shape)}"
-            )
-        packed_hidden, hidden_states = hidden_states, hidden_states[None]
+    packed_hidden, hidden_states = _packed_hidden(hidden_states, cu_seqlens)
     compute_dtype = _check_linear_inputs(hidden_states, lm_head_weight, lm_head_bias)
     transform = LogitTransform.checked(logit_scale, logit_softcap)
     config = resolved_config(config)
-    given = LossRows(
-        completion_ids,
-        completion_mask,
-        advantages,
-        conflict=conflict,
-        old_logprobs=old_logprobs,
-        ref_logprobs=ref_logprobs,
-        sampling_logprobs=sampling_logprobs,
-        initial_entropy=initial_entropy,
-        temperature=temperature,
-        num_sequences=num_sequences,
-        num_tokens=num_tokens,
-        group_size=group_size,
-    )
+    given = rows_of_call("fused_linear_gtpo_loss", completion_ids, completion_mask, advantages, row_keywords)
     packing = hidden_index = None
     layout = hidden_states
     if packed_hidden is not None:
@@ -222,143 +225,132 @@ def fused_linear_gtpo_loss(
         hidden_states, hidden_index = packed_hidden, packing.index()
         layout = packed_hidden.new_empty(()).expand(*packing.shape, packed_hidden.shape[-1])
     rows, checks = checked_rows(layout, "hidden_states", given, config)
-    device = hidden_states.device
-    backend_ = resolve_backend_name(backend, device.type)
-    stat_dtype = stats_dtype(compute_dtype)
-    rows = with_conflict_weights(rows.replace(advantages=rows.advantages.detach().to(stat_dtype)), config, backend_)
-    valid = rows.valid
+    backend_ = resolve_backend_name(backend, hidden_states.device.type)
+    advantages = rows.advantages.detach().to(stats_dtype(compute_dtype))
+    rows = with_conflict_weights(rows.replace(advantages=advantages), config, backend_)
     _queue_no_signal_warning(checks, rows, config)
-    vocab_size, vocab_parallel = lm_head_weight.shape[0], None
+    head = dict(hidden=hidden_states, weight=lm_head_weight, bias=lm_head_bias, hidden_index=hidden_index)
+    vocab_parallel, row_lengths = _shards_and_lengths(checks, head, rows, vocab_group, compute_dtype)
+    settings = FusedSettings(
+        logit_scale=transform.scale,
+        logit_softcap=transform.softcap,
+        backend=backend_,
+        compute_dtype=compute_dtype,
+        row_lengths=row_lengths or None,  # N = 0: an empty list would not match its gradient's structure (None)
+        vocab_group=group_name(vocab_group),
+        shard_sizes=None if vocab_parallel is None else list(vocab_parallel.shards.sizes),
+        entropy_quantile_group=group_name(entropy_quantile_group),
+        need_grads=_needed_gradients(hidden_states, lm_head_weight, lm_head_bias),
+    )
+    return _loss_of_operator(head, rows, settings, config)
+
+
+def _shards_and_lengths(checks: validation.DeferredChecks, head: dict, rows: LossRows, vocab_group, compute_dtype):
+    """``(vocab_parallel, row_lengths)``: the head's vocabulary shards over ``vocab_group`` (``None``: the whole
+    vocabulary is here), and each row's unmasked tokens, read with the call's value checks (its one host
+    synchronisation, `_read_checks_and_lengths`; warnings point at the loss's caller, two frames up)."""
+    hidden, weight, bias = head["hidden"], head["weight"], head["bias"]
+    vocab_parallel = None
     if vocab_group is not None:
         vocab_parallel = VocabParallel.of_head(
-            vocab_group, vocab_size, rows.ids.shape, hidden_states.shape[-1], compute_dtype, device
+            vocab_group, weight.shape[0], rows.ids.shape, hidden.shape[-1], compute_dtype, hidden.device
         )
-        vocab_size = vocab_parallel.shards.vocab_size
-    row_lengths = _read_checks_and_lengths(
-        checks, hidden_states, lm_head_weight, lm_head_bias, rows.ids, valid, vocab_size
-    )
+    vocab_size = weight.shape[0] if vocab_parallel is None else vocab_parallel.shards.vocab_size
+    lengths = _read_checks_and_lengths(checks, hidden, weight, bias, rows.ids, rows.valid, vocab_size, stacklevel=6)
+    return vocab_parallel, lengths
+
+
+def _packed_hidden(hidden_states, cu_seqlens) -> Tuple[Optional[Tensor], Tensor]:
+    """``(packed [T, H] or None, hidden states as checked)``: packed ones are checked as ``[1, T, H]``; the operator
+    takes them ``[T, H]``, with each position's row."""
+    if cu_seqlens is None:
+        return None, hidden_states
+    if isinstance(hidden_states, torch.Tensor) and hidden_states.dim() != 2:
+        raise ValueError(
+            f"with cu_seqlens (packed completions) hidden_states must be 2-D [T, H], got shape "
+            f"{tuple(hidden_states.shape)}"
+        )
+    return hidden_states, hidden_states[None]
+
+
+def _loss_of_operator(head: dict, rows: LossRows, settings: FusedSettings, config: GTPOConfig) -> GTPOLossOutput:
+    """The registered operator on checked inputs (``head``: its head arguments by name), its outputs as the loss and
+    the metrics."""
+    device = head["hidden"].device
 
     def as_count(value):  # whole-batch counts travel as 0-d float64 tensors (the operator's signature)
         return None if value is None else torch.as_tensor(value, dtype=torch.float64, device=device)
 
-    rows = rows.replace(num_sequences=as_count(num_sequences), num_tokens=as_count(num_tokens))
-    need_grads = _needed_gradients(hidden_states, lm_head_weight, lm_head_bias)
+    rows = rows.replace(num_sequences=as_count(rows.num_sequences), num_tokens=as_count(rows.num_tokens))
     with torch.autocast(device.type, enabled=False):
-        outputs = fused_linear_gtpo(
-            hidden_states,
-            lm_head_weight,
-            lm_head_bias,
-            hidden_index,
-            transform.scale,
-            transform.softcap,
-            *rows.op_args(),
-            _config_json(config),
-            backend_,
-            compute_dtype,
-            row_lengths or None,  # N = 0: an empty list would not match its gradient's structure (None)
-            group_name(vocab_group),
-            None if vocab_parallel is None else list(vocab_parallel.shards.sizes),
-            group_name(entropy_quantile_group),
-            need_grads,
+        outputs = FusedOutputs.of(
+            fused_linear_gtpo(**head, **rows.op_inputs(), **_settings_inputs(settings), **_config_inputs(config))
         )
     # The operator's outputs all carry its grad_fn; metrics are reports, never part of the graph.
     metrics = GTPOMetrics.from_sums(
-        outputs[4].detach(),
-        has_kl=ref_logprobs is not None,
+        outputs.metric_sums.detach(),
+        has_kl=rows.ref_logprobs is not None,
         has_vespo=config.ratio_function == "vespo",
-        per_row=[values.detach() for values in outputs[5:]],
+        per_row=[values.detach() for values in outputs.row_metrics],
     )
-    return GTPOLossOutput(outputs[0], metrics)
+    return GTPOLossOutput(outputs.loss, metrics)
 
 
 # ------------------------------------------------------------------------------------------ the operator
 
 
-@torch.library.custom_op("gtpo_kernels::fused_linear_gtpo", mutates_args=())
-def fused_linear_gtpo(
-    hidden: Tensor,
-    weight: Tensor,
-    bias: Optional[Tensor],
-    hidden_index: Optional[Tensor],
-    logit_scale: float,
-    logit_softcap: Optional[float],
-    ids: Tensor,
-    valid: Tensor,
-    advantages: Tensor,
-    lambda_: Optional[Tensor],
-    n_conflict: Optional[Tensor],
-    old_logprobs: Optional[Tensor],
-    ref_logprobs: Optional[Tensor],
-    sampling_logprobs: Optional[Tensor],
-    initial_entropy: Optional[float],
-    temperature: float,
-    row_temperature: Optional[Tensor],
-    num_sequences: Optional[Tensor],
-    num_tokens: Optional[Tensor],
-    config_json: str,
-    backend: str,
-    compute_dtype: torch.dtype,
-    row_lengths: Optional[List[int]],
-    vocab_group: Optional[str],
-    shard_sizes: Optional[List[int]],
-    entropy_quantile_group: Optional[str],
-    need_grads: List[bool],
-) -> List[Tensor]:
-    """The fused loss and, computed on the way, its gradients: ``[loss, d_hidden, d_weight, d_bias, metric sums,
-    completion entropy, completion clip low, completion clip high]`` (gradients not asked for are empty tensors).
-    ``ids`` to ``num_tokens`` are a checked `rows.LossRows` as `LossRows.op_args` flattens it. ``row_lengths``: the
-    unmasked tokens of each row, when the caller has read them already (else one host synchronisation here).
-    ``hidden_index``: ``None`` for ``hidden [N, L, H]``; for packed ``hidden [T, H]``, each position's row in it
-    (`packed.Packing.index`). ``logit_scale``, ``logit_softcap``: the head's `fused_chunks.LogitTransform`.
-    ``vocab_group`` (with each rank's ``shard_sizes``) and ``entropy_quantile_group``: the
-    names `vocab_parallel.group_name` gave the process groups (a schema takes no process group)."""
-    rows = LossRows.from_op_args(
-        (ids, valid, advantages, lambda_, n_conflict, old_logprobs, ref_logprobs, sampling_logprobs)
-        + (initial_entropy, temperature, row_temperature, num_sequences, num_tokens)
-    )
-    config = GTPOConfig.from_dict(json.loads(config_json))
-    kernels = kernels_for(get_backend(backend), compute_dtype, config.max_chunk_bytes)
-    tokens = unmasked_tokens(valid, row_lengths, hidden_index)
-    vocab_parallel = VocabParallel.named(vocab_group, shard_sizes)
+def _settings_inputs(settings: FusedSettings) -> dict:
+    return {name: getattr(settings, name) for name, _ in _SETTINGS}  # not asdict: it deep-copies the lists
+
+
+@register_operator("gtpo_kernels::fused_linear_gtpo", _SIGNATURE)
+def fused_linear_gtpo(*inputs) -> List[Tensor]:
+    """The fused loss and, computed on the way, its gradients: `fused_chunks.FusedOutputs` as a list (gradients not
+    asked for are empty tensors). Its arguments (`_SIGNATURE`): the head ``hidden, weight, bias, hidden_index``
+    (``hidden_index``: ``None`` for ``hidden [N, L, H]``; for packed ``hidden [T, H]``, each position's row in it,
+    `packed.Packing.index`), a checked `rows.LossRows` as `LossRows.op_inputs` names it, the `FusedSettings` and every
+    field of the `GTPOConfig`, each by its own name."""
+    given = Inputs(fused_linear_gtpo, inputs)
+    rows = LossRows.from_op_inputs(given.pick(name for name, _ in OP_PARAMETERS))
+    settings = FusedSettings(**given.pick(name for name, _ in _SETTINGS))
+    config = GTPOConfig.from_dict(given.pick(name for name, _ in _CONFIG))
+    kernels = kernels_for(get_backend(settings.backend), settings.compute_dtype, config.max_chunk_bytes)
+    tokens = unmasked_tokens(rows.valid, settings.row_lengths, given.hidden_index)
     walk = Walk(
         kernels,
-        compute_dtype,
+        settings.compute_dtype,
         tokens,
-        need_grads,
+        settings.need_grads,
         config.max_chunk_bytes,
-        LogitTransform(logit_scale, logit_softcap),
-        vocab_parallel,
-        group_named(entropy_quantile_group),
+        LogitTransform(settings.logit_scale, settings.logit_softcap),
+        VocabParallel.named(settings.vocab_group, settings.shard_sizes),
+        group_named(settings.entropy_quantile_group),
     )
-    return fused_forward(hidden, (weight, bias), rows, config, walk)
+    return fused_forward(given.hidden, (given.weight, given.bias), rows, config, walk).to_list()
 
 
 @fused_linear_gtpo.register_fake
-def _(hidden, weight, bias, hidden_index, logit_scale, logit_softcap, ids, *rest):
-    compute_dtype, need_grads = rest[-6], rest[-1]
-    stat = stats_dtype(compute_dtype)
-    n_rows = ids.shape[0]
-
-    def empty():  # a fresh one each time: an operator's outputs may not alias one another
-        return hidden.new_empty((0,))
-
-    return [
-        hidden.new_empty((), dtype=stat),
-        torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_grads[0] else empty(),
-        torch.empty_like(weight) if need_grads[1] else empty(),
-        torch.empty_like(bias) if bias is not None and need_grads[2] else empty(),
-        hidden.new_empty((SUMS_SIZE,), dtype=torch.float64),
-        *(hidden.new_empty((n_rows,), dtype=stat) for _ in ROW_METRICS),
-    ]
+def _(*inputs):
+    given = Inputs(fused_linear_gtpo, inputs)
+    hidden, weight, bias, need_grads = given.hidden, given.weight, given.bias, given.need_grads
+    stat = stats_dtype(given.compute_dtype)
+    return FusedOutputs(
+        loss=hidden.new_empty((), dtype=stat),
+        d_hidden=torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_grads[0] else None,
+        d_weight=torch.empty_like(weight) if need_grads[1] else None,
+        d_bias=torch.empty_like(bias) if bias is not None and need_grads[2] else None,
+        metric_sums=hidden.new_empty((SUMS_SIZE,), dtype=torch.float64),
+        row_metrics=tuple(hidden.new_empty((given.ids.shape[0],), dtype=stat) for _ in ROW_METRICS),
+    ).to_list()
 
 
 def _fused_setup(ctx, inputs, output):
     # Only the loss is differentiated: no zero gradients materialised for the other outputs (two of them are
     # d_hidden- and d_weight-sized).
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(output[1], output[2], output[3])
-    ctx.needed = [need and (i != 2 or inputs[2] is not None) for i, need in enumerate(inputs[-1])]
-    ctx.num_inputs = len(inputs)
+    given, outputs = Inputs(fused_linear_gtpo, inputs), FusedOutputs.of(output)
+    ctx.save_for_backward(outputs.d_hidden, outputs.d_weight, outputs.d_bias)
+    ctx.needed = [need and (i != 2 or given.bias is not None) for i, need in enumerate(given.need_grads)]
 
 
 def _fused_grad(ctx, output_grads):
@@ -368,7 +360,7 @@ def _fused_grad(ctx, output_grads):
 @first_derivative_only
 def fused_gradients(ctx, grad_loss):
     """The fused loss's backward: the gradients its forward stored (``ctx.saved_tensors``: hidden, weight, bias)
-    times the loss's incoming gradient; ``None`` for the ``ctx.num_inputs - 3`` other inputs.
+    times the loss's incoming gradient; ``None`` for the operator's other inputs.
 
     In eager mode they are scaled in place and handed on: a copy would cost another ``d_weight`` and
     ``d_hidden`` (1.1 GB at H = 3584, V = 151936 in bf16) at the backward's peak, to multiply by 1. So the
@@ -385,11 +377,11 @@ def fused_gradients(ctx, grad_loss):
         grad_loss = torch.zeros((), device=saved[0].device)
     in_place = not torch.compiler.is_compiling() and all(is_plain(t) for t in (*saved, grad_loss))
     ctx.gradients_handed_on = in_place
-    grads = [
+    hidden, weight, bias = (
         (g.mul_(grad_loss.to(g.dtype)) if in_place else g * grad_loss.to(g.dtype)) if needed else None
         for g, needed in zip(saved, ctx.needed)
-    ]
-    return (*grads,) + (None,) * (ctx.num_inputs - len(grads))  # hidden, weight, bias; nothing for the rest
+    )
+    return gradients_for(fused_linear_gtpo, hidden=hidden, weight=weight, bias=bias)
 
 
 torch.library.register_autograd("gtpo_kernels::fused_linear_gtpo", _fused_grad, setup_context=_fused_setup)

@@ -14,31 +14,24 @@ from .conflict import with_conflict_weights
 from .objective import entropy_floor, loss_from_token_stats
 from .packed import Packing, padded_rows
 from .result import GTPOLossOutput
-from .rows import Conflict, LossRows, checked_rows, resolved_config
+from .rows import LossRows, checked_rows, resolved_config, rows_of_call, takes_row_keywords
 from .token_stats import token_stats
 from .vocab_parallel import quantile_gather
 
 
+@takes_row_keywords()
 def gtpo_loss(
     logits: torch.Tensor,
     completion_ids: torch.Tensor,
     completion_mask: torch.Tensor,
     advantages: torch.Tensor,
     *,
-    group_size: Optional[int] = None,
     config: Optional[GTPOConfig] = None,
-    old_logprobs: Optional[torch.Tensor] = None,
-    ref_logprobs: Optional[torch.Tensor] = None,
-    sampling_logprobs: Optional[torch.Tensor] = None,
-    initial_entropy: Optional[float] = None,
-    conflict: Optional[Conflict] = None,
-    num_sequences=None,
-    num_tokens=None,
-    temperature=1.0,
     backend: str = "auto",
     vocab_group=None,
     cu_seqlens: Optional[torch.Tensor] = None,
     entropy_quantile_group=None,
+    **row_keywords,
 ) -> GTPOLossOutput:
     """The GTPO loss of a batch of completions, from the policy's logits.
 
@@ -93,20 +86,7 @@ def gtpo_loss(
         (`GTPOMetrics` of this call's rows, detached; merge calls with `GTPOMetrics.merge`). A batch with
         every position masked gives a zero loss and zero gradients.
     """
-    given = LossRows(
-        completion_ids,
-        completion_mask,
-        advantages,
-        conflict=conflict,
-        old_logprobs=old_logprobs,
-        ref_logprobs=ref_logprobs,
-        sampling_logprobs=sampling_logprobs,
-        initial_entropy=initial_entropy,
-        temperature=temperature,
-        num_sequences=num_sequences,
-        num_tokens=num_tokens,
-        group_size=group_size,
-    )
+    given = rows_of_call("gtpo_loss", completion_ids, completion_mask, advantages, row_keywords)
     packing = None
     if cu_seqlens is not None:
         given, packing = padded_rows(logits, "logits", given, cu_seqlens)

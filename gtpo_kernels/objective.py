@@ -15,7 +15,7 @@ and gradient (docs/method.md, "Batches split across calls").
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -338,32 +338,21 @@ def _batch_tokens(rows: LossRows, lengths: torch.Tensor) -> torch.Tensor:
     return tokens.to(lengths.dtype).clamp(min=1)
 
 
-def loss_from_token_stats(
-    token_logprobs: torch.Tensor, token_entropy: torch.Tensor, rows: LossRows, config: GTPOConfig
-) -> GTPOLossOutput:
-    """The GTPO loss from per-token log-probs and entropies.
+class _PolicyTerm(NamedTuple):
+    """The policy term per token ``[N, L]`` and what the metrics report of it: the importance ratio, the tokens
+    the clip (or CISPO's cap) held below or above (``None``: the ratio function has no clip), VESPO's weights."""
 
-    Args:
-        token_logprobs, token_entropy: ``[N, L]`` float32/float64, differentiable; values at masked
-            positions are never used (they may hold anything, even NaN).
-        rows: the checked per-row inputs (`rows.checked_rows`): ``valid`` ``[N, L]`` bool (the tokens that take
-            part, a prefix per row or with holes), the advantages ``[N]``, the conflict weights ``[N, L]`` and
-            counts ``[N]`` (``None`` when the config does not use them), old and reference log-probs, and
-            the whole batch's completions and unmasked tokens (defaults: this call's), as ints or 0-d tensors
-            (tensors keep the call free of host synchronisation).
+    per_token: torch.Tensor
+    ratio: torch.Tensor
+    was_clipped: Optional[torch.Tensor]
+    clipped_low: Optional[torch.Tensor]
+    clipped_high: Optional[torch.Tensor]
+    phi: Optional[torch.Tensor]
 
-    Returns:
-        `GTPOLossOutput`; the metrics describe this call's rows only (merge them with
-        `GTPOMetrics.merge`).
-    """
-    masked = _Masked(token_logprobs, token_entropy, rows, config)
-    valid, mask, lengths, zero = rows.valid, masked.mask, masked.lengths, masked.zero
-    logp, entropy, token_advantage = masked.logp, masked.entropy, masked.token_advantage
-    completion_entropy, keep = masked.completion_entropy, masked.keep
-    dtype, device = masked.dtype, valid.device
-    n_rows = valid.shape[0]
-    call_tokens = mask.sum()
 
+def _policy_term(masked: _Masked, rows: LossRows, config: GTPOConfig) -> _PolicyTerm:
+    """``-f(ratio) * A`` per token for ``config.ratio_function`` (the clip, CISPO, VESPO, SAPO, or none)."""
+    logp, token_advantage = masked.logp, masked.token_advantage
     # Importance ratio; on-policy it is 1 in value and carries the gradient of logp.
     ratio = masked.ratio(rows, config)
     capped = ratio if config.ratio_cap is None else torch.clamp(ratio, max=config.ratio_cap)
@@ -387,6 +376,32 @@ def loss_from_token_stats(
         was_clipped = clipped_low | clipped_high
     else:
         per_token = -unclipped
+    return _PolicyTerm(per_token, ratio, was_clipped, clipped_low, clipped_high, phi)
+
+
+def loss_from_token_stats(
+    token_logprobs: torch.Tensor, token_entropy: torch.Tensor, rows: LossRows, config: GTPOConfig
+) -> GTPOLossOutput:
+    """The GTPO loss from per-token log-probs and entropies.
+
+    Args:
+        token_logprobs, token_entropy: ``[N, L]`` float32/float64, differentiable; values at masked
+            positions are never used (they may hold anything, even NaN).
+        rows: the checked per-row inputs (`rows.checked_rows`): ``valid`` ``[N, L]`` bool (the tokens that take
+            part, a prefix per row or with holes), the advantages ``[N]``, the conflict weights ``[N, L]`` and
+            counts ``[N]`` (``None`` when the config does not use them), old and reference log-probs, and
+            the whole batch's completions and unmasked tokens (defaults: this call's), as ints or 0-d tensors
+            (tensors keep the call free of host synchronisation).
+
+    Returns:
+        `GTPOLossOutput`; the metrics describe this call's rows only (merge them with
+        `GTPOMetrics.merge`).
+    """
+    masked = _Masked(token_logprobs, token_entropy, rows, config)
+    valid, mask, lengths, zero = rows.valid, masked.mask, masked.lengths, masked.zero
+    logp, entropy = masked.logp, masked.entropy
+    policy = _policy_term(masked, rows, config)
+    per_token, ratio = policy.per_token, policy.ratio
 
     weight = policy_weights(masked, rows, config)
     if weight is not None:  # the sampler's correction weighs the policy term only, not the penalty or the KL
@@ -403,13 +418,37 @@ def loss_from_token_stats(
             kl_per_token = kl_per_token * ratio  # reported weighted too, as TRL reports it
         if config.kl_beta:
             per_token = per_token + config.kl_beta * kl_per_token
-        kl = (kl_per_token.detach() * mask).sum() / call_tokens.clamp(min=1)
+        kl = (kl_per_token.detach() * mask).sum() / mask.sum().clamp(min=1)
 
     # The reduction: each unmasked token's factor (the whole batch's denominators when given).
     weights = _token_weights(rows, lengths, config)
     loss = (torch.where(valid, per_token, zero) * weights).sum()
     if config.entropy_bonus > 0:
         loss = loss - config.entropy_bonus * (entropy * _bonus_tokens(masked)).sum() / _bonus_denominator(masked, rows)
+
+    return GTPOLossOutput(loss, _call_metrics(masked, rows, config, policy, weight, kl))
+
+
+def _call_metrics(
+    masked: _Masked,
+    rows: LossRows,
+    config: GTPOConfig,
+    policy: _PolicyTerm,
+    weight: Optional[torch.Tensor],
+    kl: Optional[torch.Tensor],
+) -> GTPOMetrics:
+    """The call's `GTPOMetrics` (of its own rows): entropies, the filter's and the signal's shares, the conflict
+    weights' and the clip's shares of tokens, the ratio's mean, the KL and the counts."""
+    valid, mask, lengths, zero = rows.valid, masked.mask, masked.lengths, masked.zero
+    token_advantage, completion_entropy, keep = masked.token_advantage, masked.completion_entropy, masked.keep
+    dtype, device, n_rows, call_tokens = masked.dtype, valid.device, valid.shape[0], mask.sum()
+    ratio, was_clipped, clipped_low, clipped_high, phi = (
+        policy.ratio,
+        policy.was_clipped,
+        policy.clipped_low,
+        policy.clipped_high,
+        policy.phi,
+    )
 
     def token_fraction(flags: Optional[torch.Tensor]) -> torch.Tensor:
         if flags is None:
@@ -425,7 +464,7 @@ def loss_from_token_stats(
     if signal_beyond_advantages(config, rows.ref_logprobs is not None):
         has_signal = torch.ones_like(has_signal)
     count = dict(dtype=torch.float64, device=device)
-    metrics = GTPOMetrics(
+    return GTPOMetrics(
         entropy=(completion_entropy * lengths).sum() / call_tokens.clamp(min=1),
         completion_entropy=completion_entropy,
         filtered_fraction=((1 - keep) * non_empty).sum() / n_non_empty.clamp(min=1),
@@ -444,7 +483,6 @@ def loss_from_token_stats(
         num_sequences=torch.full((), n_rows, **count),
         num_nonempty=n_non_empty.to(**count),
     )
-    return GTPOLossOutput(loss, metrics)
 
 
 def loss_and_gradients(token_logprobs: torch.Tensor, token_entropy: torch.Tensor, rows: LossRows, config: GTPOConfig):

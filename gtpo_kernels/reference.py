@@ -1,7 +1,8 @@
 """The float64 oracle: the GTPO loss written straight from ``docs/method.md``, for tests only.
 
 Nothing on the package's hot path imports this module (a test checks it), and it shares no code with
-the production path beyond the config and result containers: the per-token statistics come from
+the production path beyond the config and result containers and the declaration of the row keywords
+(`rows.takes_row_keywords`: the signature, not the maths): the per-token statistics come from
 ``log_softmax``, the conflict weights from loops over the rows of each group, and the per-completion
 step is a loop over completions that follows the spec term by term. Slow and readable on purpose;
 every backend and entry point is tested against it, in float64.
@@ -18,6 +19,7 @@ import torch
 
 from .config import GTPOConfig
 from .result import GTPOLossOutput, GTPOMetrics
+from .rows import rows_of_call, takes_row_keywords
 
 
 def token_logprobs_and_entropy(logits: torch.Tensor, completion_ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -79,48 +81,31 @@ def reference_conflict_weights(
     return lambda_, n_conflict
 
 
+@takes_row_keywords()
 def reference_gtpo_loss(
     logits: torch.Tensor,
     completion_ids: torch.Tensor,
     completion_mask: torch.Tensor,
     advantages: torch.Tensor,
     *,
-    group_size: Optional[int] = None,
     config: Optional[GTPOConfig] = None,
-    old_logprobs: Optional[torch.Tensor] = None,
-    ref_logprobs: Optional[torch.Tensor] = None,
-    sampling_logprobs: Optional[torch.Tensor] = None,
-    initial_entropy: Optional[float] = None,
-    conflict: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
-    num_sequences: Optional[int] = None,
-    num_tokens: Optional[int] = None,
-    temperature=1.0,
+    **row_keywords,
 ) -> GTPOLossOutput:
-    """The whole GTPO loss by plain autograd, unchunked and unvalidated, same signature as `gtpo_loss`.
+    """The whole GTPO loss by plain autograd, unchunked and unvalidated, with `gtpo_loss`'s row keywords.
 
     ``logits: [N, L, V]`` (use float64), ``completion_ids, completion_mask: [N, L]``, ``advantages: [N]``.
     """
-    config = config or GTPOConfig()
+    rows = rows_of_call("reference_gtpo_loss", completion_ids, completion_mask, advantages, row_keywords)
     valid = completion_mask.bool()
     safe_ids = torch.where(valid, completion_ids.long(), 0)  # masked ids may be pad values like -100
+    temperature = rows.temperature
     if isinstance(temperature, torch.Tensor):  # each completion's own: [N] -> [N, 1, 1]
         temperature = temperature.to(logits.dtype)[:, None, None]
     logp, entropy = token_logprobs_and_entropy(logits / temperature, safe_ids)
+    statistics_keywords = {name: value for name, value in row_keywords.items() if name != "temperature"}
+    config = config or GTPOConfig()
     return reference_loss_from_token_stats(
-        logp,
-        entropy,
-        completion_ids,
-        valid,
-        advantages,
-        group_size=group_size,
-        config=config,
-        old_logprobs=old_logprobs,
-        ref_logprobs=ref_logprobs,
-        sampling_logprobs=sampling_logprobs,
-        initial_entropy=initial_entropy,
-        conflict=conflict,
-        num_sequences=num_sequences,
-        num_tokens=num_tokens,
+        logp, entropy, completion_ids, valid, advantages, config=config, **statistics_keywords
     )
 
 
@@ -138,6 +123,7 @@ def reference_sampling_weights(old: List[float], sampled: List[float], config: G
     return [w if low <= w <= high else 0.0 for w in weights]
 
 
+@takes_row_keywords(not_taken=("temperature",))
 def reference_loss_from_token_stats(
     logp: torch.Tensor,
     entropy: torch.Tensor,
@@ -145,19 +131,23 @@ def reference_loss_from_token_stats(
     valid: torch.Tensor,
     advantages: torch.Tensor,
     *,
-    group_size: Optional[int] = None,
     config: GTPOConfig,
-    old_logprobs: Optional[torch.Tensor] = None,
-    ref_logprobs: Optional[torch.Tensor] = None,
-    sampling_logprobs: Optional[torch.Tensor] = None,
-    initial_entropy: Optional[float] = None,
-    conflict: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
-    num_sequences: Optional[int] = None,
-    num_tokens: Optional[int] = None,
+    **row_keywords,
 ) -> GTPOLossOutput:
     """The loss from per-token ``logp, entropy [N, L]`` (its gradient w.r.t. them is the ``c, e`` of docs/method.md's
     "Gradient with respect to the logits"); ``valid`` a bool mask: a prefix of ones per row, or with holes
-    (masked positions inside a completion take no part in the loss, but count in the conflict runs)."""
+    (masked positions inside a completion take no part in the loss, but count in the conflict runs). The row
+    keywords are `gtpo_loss`'s but ``temperature`` (already in the statistics).
+
+    One long function on purpose: it is the spec read top to bottom (conflict weights, entropy filter, then one
+    completion at a time through shaping, ratio, clipping and reduction), the order a reader checks it against
+    docs/method.md; split into helpers it would share their names, and so their mistakes, with `objective`."""
+    rows = rows_of_call(
+        "reference_loss_from_token_stats", completion_ids, valid, advantages, row_keywords, ("temperature",)
+    )
+    group_size, conflict, initial_entropy = rows.group_size, rows.conflict, rows.initial_entropy
+    old_logprobs, ref_logprobs, sampling_logprobs = rows.old_logprobs, rows.ref_logprobs, rows.sampling_logprobs
+    num_sequences, num_tokens = rows.num_sequences, rows.num_tokens
     n_rows, length = completion_ids.shape
     dtype = logp.dtype
     if not config.use_conflict_weights:

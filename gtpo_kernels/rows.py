@@ -5,14 +5,17 @@ completions' ids and mask, their advantages, the conflict weights (given, or com
 groups), the old and reference log-probs, the whole batch's counts, the initial entropy and the sampling
 temperature. `checked_rows` validates them and returns one frozen `LossRows`; the objective
 (`objective.py`) and the fused chunk walk (`fused_chunks.py`) take it as it is, and only the registered
-operator's boundary (`fused_linear.fused_linear_gtpo`) flattens it into tensors and numbers.
+operator's boundary (`fused_linear.fused_linear_gtpo`) flattens it into tensors and numbers, by name
+(`LossRows.op_inputs`, `OP_PARAMETERS`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import typing
 from dataclasses import dataclass
-from typing import Optional, Tuple, Union
+from typing import Callable, Dict, Mapping, Optional, Tuple, TypeVar, Union
 
 import torch
 
@@ -100,38 +103,123 @@ class LossRows:
             group_size=None,
         )
 
-    def op_args(self) -> tuple:
-        """The rows as a registered operator takes them: flat tensors and numbers, in `from_op_args`'s order
+    def row_keywords(self) -> Dict[str, object]:
+        """The rows as an entry point's keywords (`ROW_KEYWORDS`), beside its three positional row arguments:
+        ``gtpo_loss(logits, rows.ids, rows.valid, rows.advantages, **rows.row_keywords())``."""
+        return {name: getattr(self, name) for name in ROW_KEYWORDS}
+
+    def op_inputs(self) -> Dict[str, object]:
+        """The rows as a registered operator takes them: flat tensors and numbers named as in `OP_PARAMETERS`
         (``group_size`` is not among them: the conflict weights are computed before an operator runs). The
-        temperature is two arguments: a float (1.0 when per completion) and an optional ``[N]`` tensor."""
+        temperature is two: a float (1.0 when per completion) and an optional ``[N]`` tensor."""
         per_row = isinstance(self.temperature, torch.Tensor)
-        return (
-            self.ids,
-            self.valid,
-            self.advantages,
-            self.lambda_,
-            self.n_conflict,
-            self.old_logprobs,
-            self.ref_logprobs,
-            self.sampling_logprobs,
-            self.initial_entropy,
-            1.0 if per_row else self.temperature,
-            self.temperature if per_row else None,
-            self.num_sequences,
-            self.num_tokens,
+        return dict(
+            ids=self.ids,
+            valid=self.valid,
+            advantages=self.advantages,
+            lambda_=self.lambda_,
+            n_conflict=self.n_conflict,
+            old_logprobs=self.old_logprobs,
+            ref_logprobs=self.ref_logprobs,
+            sampling_logprobs=self.sampling_logprobs,
+            initial_entropy=self.initial_entropy,
+            temperature=1.0 if per_row else self.temperature,
+            row_temperature=self.temperature if per_row else None,
+            num_sequences=self.num_sequences,
+            num_tokens=self.num_tokens,
         )
 
     @classmethod
-    def from_op_args(cls, args: tuple) -> LossRows:
-        """The inverse of `op_args`."""
-        ids, valid, advantages, lambda_, n_conflict, old, ref, sampling, initial_entropy, temperature, *rest = args
-        per_row, *counts = rest
-        temperature = temperature if per_row is None else per_row
-        conflict = None if lambda_ is None else (lambda_, n_conflict)
-        return cls(ids, valid, advantages, conflict, old, ref, sampling, initial_entropy, temperature, *counts)
+    def from_op_inputs(cls, inputs: Mapping[str, object]) -> LossRows:
+        """The inverse of `op_inputs` (``inputs`` may hold an operator's other arguments too)."""
+        row_temperature, lambda_ = inputs["row_temperature"], inputs["lambda_"]
+        return cls(
+            ids=inputs["ids"],
+            valid=inputs["valid"],
+            advantages=inputs["advantages"],
+            conflict=None if lambda_ is None else (lambda_, inputs["n_conflict"]),
+            old_logprobs=inputs["old_logprobs"],
+            ref_logprobs=inputs["ref_logprobs"],
+            sampling_logprobs=inputs["sampling_logprobs"],
+            initial_entropy=inputs["initial_entropy"],
+            temperature=inputs["temperature"] if row_temperature is None else row_temperature,
+            num_sequences=inputs["num_sequences"],
+            num_tokens=inputs["num_tokens"],
+        )
+
+
+# The rows' arguments of a registered operator, typed as its schema takes them (`operators.signature_of`): what
+# `LossRows.op_inputs` gives. The counts are 0-d float64 tensors by then (`fused_linear` converts them).
+OP_PARAMETERS = (
+    ("ids", torch.Tensor),
+    ("valid", torch.Tensor),
+    ("advantages", torch.Tensor),
+    ("lambda_", Optional[torch.Tensor]),
+    ("n_conflict", Optional[torch.Tensor]),
+    ("old_logprobs", Optional[torch.Tensor]),
+    ("ref_logprobs", Optional[torch.Tensor]),
+    ("sampling_logprobs", Optional[torch.Tensor]),
+    ("initial_entropy", Optional[float]),
+    ("temperature", float),
+    ("row_temperature", Optional[torch.Tensor]),
+    ("num_sequences", Optional[torch.Tensor]),
+    ("num_tokens", Optional[torch.Tensor]),
+)
+# The fields that do not reach an operator, and why (tests/test_rows.py holds every other field to it).
+NOT_OPERATOR_INPUTS = {
+    "group_size": "the conflict weights are computed from whole groups before an operator runs",
+    "entropy_floor": "computed inside the operator, from the whole call's entropies",
+}
 
 
 _FIELDS = tuple(field.name for field in dataclasses.fields(LossRows))  # read once, outside any compiled code
+
+# The per-row keywords every loss entry point takes, declared once: `LossRows`' fields after the three that are
+# positional arguments (``completion_ids``, ``completion_mask``, ``advantages``), less the one the loss computes.
+# A new per-row input is a new field; `takes_row_keywords` puts it in every entry point's signature.
+_POSITIONAL = ("ids", "valid", "advantages")
+_COMPUTED = ("entropy_floor",)
+ROW_KEYWORDS = tuple(name for name in _FIELDS if name not in _POSITIONAL + _COMPUTED)
+
+Entry = TypeVar("Entry", bound=Callable)
+
+
+def rows_of_call(
+    entry: str, completion_ids, completion_mask, advantages, row_keywords: dict, not_taken: Tuple[str, ...] = ()
+) -> LossRows:
+    """The `LossRows` of a loss call: its three positional row arguments and its ``row_keywords`` (the ``**``
+    of an entry point that `takes_row_keywords`). A keyword that is not a row keyword is refused as Python
+    refuses one, naming the entry point."""
+    for name in row_keywords:
+        if name not in ROW_KEYWORDS or name in not_taken:
+            raise TypeError(f"{entry}() got an unexpected keyword argument {name!r}")
+    return LossRows(completion_ids, completion_mask, advantages, **row_keywords)
+
+
+def takes_row_keywords(not_taken: Tuple[str, ...] = ()) -> Callable[[Entry], Entry]:
+    """Declares that a loss entry point's ``**row_keywords`` are `ROW_KEYWORDS` (less ``not_taken``): its
+    signature, as ``help`` and ``inspect.signature`` show it, lists each one, keyword-only, with its type and
+    default from `LossRows`, in place of the ``**``. The function reads them with `rows_of_call`."""
+    hints = typing.get_type_hints(LossRows)
+    defaults = {field.name: field.default for field in dataclasses.fields(LossRows)}
+    declared = [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=defaults[name], annotation=hints[name])
+        for name in ROW_KEYWORDS
+        if name not in not_taken
+    ]
+
+    def declare(entry: Entry) -> Entry:
+        signature = inspect.signature(entry)
+        own = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        clash = {p.name for p in own} & {p.name for p in declared}
+        if len(own) == len(signature.parameters) or clash:
+            raise TypeError(f"{entry.__name__} must end in **row_keywords and not name a row keyword itself: {clash}")
+        positional = [p for p in own if p.kind is not inspect.Parameter.KEYWORD_ONLY]
+        keyword_only = [p for p in own if p.kind is inspect.Parameter.KEYWORD_ONLY]
+        entry.__signature__ = signature.replace(parameters=positional + declared + keyword_only)
+        return entry
+
+    return declare
 
 
 def checked_rows(

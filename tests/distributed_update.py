@@ -14,6 +14,7 @@ from gtpo_kernels import compute_advantages, conflict_weights
 from trainer.config import TrainConfig
 from trainer.distributed import Distributed, full_parameters, full_state, wrap
 from trainer.optimizer import PolicyOptimizer
+from trainer.rollout import Completions, Rollout
 from trainer.update import PolicyLoss, token_stats, update
 
 
@@ -28,24 +29,22 @@ def fixed_batch(vocab: int, groups: int = 4, group_size: int = 3, prompt_len: in
     rewards = torch.tensor([1.0, 0.0, 0.5] * groups)
     advantages = compute_advantages(rewards, group_size)
     completion_mask = torch.arange(length)[None] < lengths[:, None]
-    return {
-        "prompt_ids": torch.randint(4, vocab, (groups, prompt_len), generator=g),
-        "prompt_mask": prompt_mask,
-        "completion_ids": completion_ids,
-        "completion_mask": completion_mask,
-        "advantages": advantages,
-        "conflict": conflict_weights(completion_ids, completion_mask, advantages, group_size),
-    }
+    prompt_ids = torch.randint(4, vocab, (groups, prompt_len), generator=g)
+    completions = Completions(prompt_ids, prompt_mask, completion_ids, completion_mask, texts=[""] * n)
+    conflict = conflict_weights(completion_ids, completion_mask, advantages, group_size)
+    return Rollout(completions, group_size, advantages, conflict=conflict)
 
 
-def share(batch: dict, rank: int, world: int, group_size: int) -> dict:
-    groups = batch["prompt_ids"].shape[0] // world
+def share(batch: Rollout, rank: int, world: int, group_size: int) -> Rollout:
+    groups = batch.prompts // world
     g0, g1 = rank * groups, (rank + 1) * groups
     rows = slice(g0 * group_size, g1 * group_size)
-    out = {k: batch[k][g0:g1] for k in ("prompt_ids", "prompt_mask")}
-    out.update({k: batch[k][rows] for k in ("completion_ids", "completion_mask", "advantages")})
-    out["conflict"] = tuple(t[rows] for t in batch["conflict"])
-    return out
+    c = batch.completions
+    completions = Completions(
+        c.prompt_ids[g0:g1], c.prompt_mask[g0:g1], c.completion_ids[rows], c.completion_mask[rows], c.texts[rows]
+    )
+    conflict = tuple(t[rows] for t in batch.conflict)
+    return Rollout(completions, group_size, batch.advantages[rows], conflict=conflict)
 
 
 def main(model_dir: str, out_file: str, fsdp: bool) -> None:
@@ -78,17 +77,17 @@ def main(model_dir: str, out_file: str, fsdp: bool) -> None:
 
     optimizer.adamw.register_step_pre_hook(keep_gradients)
     with full_parameters(policy):
-        old_logprobs, _ = token_stats(model, batch, config)
-    result = update(policy, optimizer, batch, loss_config, config, dist, old_logprobs, initial_entropy=5.0)
+        batch.old_logprobs, _ = token_stats(model, batch, config)
+    result = update(policy, optimizer, batch, loss_config, config, dist, initial_entropy=5.0)
     model_state, _ = full_state(policy, None)
     if dist.is_main:
         torch.save(
             {
                 "params": model_state,
                 "gradients": gradients,
-                "grad_norm": result["grad_norm"],
-                "loss": result["loss"],
-                "metrics": result["metrics"].to_dict(),
+                "grad_norm": result.grad_norm,
+                "loss": result.loss,
+                "metrics": result.metrics.to_dict(),
             },
             out_file,
         )

@@ -1,4 +1,5 @@
-"""`python -m gtpo_train.answers`: a saved model's wrong greedy answers, through the trainer's own evaluation."""
+"""`python -m gtpo_train.offline.answers`: a saved model's wrong greedy answers, through the trainer's own
+evaluation."""
 
 import json
 
@@ -8,9 +9,10 @@ import torch
 pytest.importorskip("transformers")
 
 import trainer.evaluation as evaluation  # noqa: E402
-from trainer import answers  # noqa: E402
 from trainer.config import TrainConfig  # noqa: E402
 from trainer.data import arithmetic_rows  # noqa: E402
+from trainer.offline import answers  # noqa: E402
+from trainer.rollout import Completions  # noqa: E402
 
 
 def test_operation_reads_the_first_one_between_numbers():
@@ -37,7 +39,7 @@ def test_wrong_greedy_answers_come_from_the_final_evaluation(tiny_model_dir, tmp
             greedy = f"<reasoning>\n9 - 2 = {value}\n</reasoning>\n<answer>\n{value}\n</answer>"
             texts += [greedy, f"<answer>\n{gold[q]}\n</answer>", "no answer"]  # a right sample, a wrong one
         ids = torch.ones(len(texts), 2, dtype=torch.long)
-        return {"texts": texts, "completion_ids": ids, "completion_mask": ids.bool()}
+        return Completions(ids[:0], ids[:0], ids, ids.bool(), texts)  # no prompt is read
 
     monkeypatch.setattr(evaluation, "generate", fake_generate)
     metrics, wrong = answers.wrong_answers(tiny_model_dir, config)
@@ -89,7 +91,7 @@ def test_the_final_evaluation_writes_each_problems_greedy_answer(tiny_model_dir,
             samples = [f"<answer>\n{gold[q]}\n</answer>"] * right_samples + ["no answer"] * (2 - right_samples)
             texts += [f"<answer>\n{value}\n</answer>", *samples]
         ids = torch.ones(len(texts), 2, dtype=torch.long)
-        return {"texts": texts, "completion_ids": ids, "completion_mask": ids.bool()}
+        return Completions(ids[:0], ids[:0], ids, ids.bool(), texts)  # no prompt is read
 
     monkeypatch.setattr(evaluation, "generate", fake_generate)
     task = load_task(config, train_size=config.prompts_per_step)

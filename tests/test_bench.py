@@ -94,15 +94,13 @@ def test_the_roofline_counts_each_phases_products_by_hand(tiny_model_dir):
     32x100. Two prompts of 10 positions sharing 6 tokens run 6 + 2 x 4 = 14 tokens; 6 completion rows of 5."""
     transformers = pytest.importorskip("transformers")
     from bench import trainer as bench_trainer
+    from trainer.rollout import Completions
 
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert model.config.vocab_size == 100
     prompt_ids = torch.tensor([[5, 6, 7, 8, 9, 10] + [11, 12, 13, 14], [5, 6, 7, 8, 9, 10] + [21, 22, 23, 24]])
-    batch = {
-        "prompt_ids": prompt_ids,
-        "prompt_mask": torch.ones_like(prompt_ids),
-        "completion_ids": torch.ones(6, 5, dtype=torch.long),
-    }
+    ids = torch.ones(6, 5, dtype=torch.long)
+    batch = Completions(prompt_ids, torch.ones_like(prompt_ids), ids, ids.bool(), texts=[""] * 6)
     import gtpo_kernels.hf.prompt_cache as prompt_cache
 
     old = prompt_cache.MIN_SHARED_PREFIX

@@ -1,4 +1,4 @@
-"""`python -m trainer.compare`: variants from each run's config, the collapse rule on hand-made runs, the tables
+"""`python -m trainer.offline.compare`: variants from each run's config, the collapse rule on hand-made runs, the tables
 and the plot; the trainer's ablation flags (`--entropy-coef`, `--no-entropy-filter`, `--no-conflict-weights`)."""
 
 import json
@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from trainer import compare
 from trainer.config import ConfigError, TrainConfig, parse_args
 from trainer.intervals import with_interval
+from trainer.offline import compare
 
 
 def _run(
@@ -183,7 +183,7 @@ def test_ablation_flags_reach_the_loss():
 def test_a_setting_an_older_run_lacks_counts_at_its_default():
     """A run saved before --lora-r existed trained every weight: against a LoRA run the two differ in lora_r (and a
     run that sets a setting to its default does not differ from one that lacks it)."""
-    from trainer.compare import differing_settings
+    from trainer.offline.compare import differing_settings
 
     old, lora, plain = (
         {"seed": 0, "learning_rate": 2e-5},

@@ -126,8 +126,6 @@ def test_opcheck_conflict_weights(backend):
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_opcheck_fused_linear(backend, packed):
-    import json
-
     g = torch.Generator().manual_seed(5)
     hidden = torch.randn(4, 3, 8, generator=g, requires_grad=True)
     weight = torch.randn(11, 8, generator=g, requires_grad=True)
@@ -141,39 +139,38 @@ def test_opcheck_fused_linear(backend, packed):
     # scales the stored gradients in place (outputs 1-3 included). A positive loss keeps them comparable.
     adv = torch.tensor([-1.0, 1.0, -0.5, 0.5])
     lambda_, n_conflict = conflict_weights(ids, mask, adv, 2)
-    config = json.dumps(GTPOConfig().to_dict())
-    torch.library.opcheck(
-        fused_linear.fused_linear_gtpo,
-        (
-            hidden,
-            weight,
-            None,
-            hidden_index,
-            0.5 if packed else 1.0,  # the head's logit scale
-            3.0 if packed else None,  # and soft cap (the packed case)
-            ids,
-            mask,
-            adv,
-            lambda_,
-            n_conflict,
-            None,  # old log-probs
-            None,  # reference log-probs
-            None,  # the sampler's log-probs
-            None,  # initial entropy
-            0.7,  # temperature
-            torch.tensor([0.7, 1.3, 0.9, 1.1]) if packed else None,  # each completion's (the packed case)
-            None,  # num_sequences
-            None,  # num_tokens
-            config,
-            backend,
-            torch.float32,
-            None,  # row lengths
-            None,  # vocabulary group
-            None,  # its shard sizes
-            None,  # the entropy quantile's group
-            [True, True, False],
-        ),
+    inputs = dict(
+        hidden=hidden,
+        weight=weight,
+        bias=None,
+        hidden_index=hidden_index,
+        ids=ids,
+        valid=mask,
+        advantages=adv,
+        lambda_=lambda_,
+        n_conflict=n_conflict,
+        old_logprobs=None,
+        ref_logprobs=None,
+        sampling_logprobs=None,
+        initial_entropy=None,
+        temperature=0.7,
+        row_temperature=torch.tensor([0.7, 1.3, 0.9, 1.1]) if packed else None,  # each completion's (packed case)
+        num_sequences=None,
+        num_tokens=None,
+        logit_scale=0.5 if packed else 1.0,  # the head's logit scale
+        logit_softcap=3.0 if packed else None,  # and soft cap (the packed case)
+        backend=backend,
+        compute_dtype=torch.float32,
+        row_lengths=None,
+        vocab_group=None,
+        shard_sizes=None,
+        entropy_quantile_group=None,
+        need_grads=[True, True, False],
+        **GTPOConfig().to_dict(),
     )
+    operator = fused_linear.fused_linear_gtpo
+    assert set(inputs) == set(operator.input_names)
+    torch.library.opcheck(operator, tuple(inputs[name] for name in operator.input_names))
 
 
 # ---- a compiled training step ----------------------------------------------------------------------

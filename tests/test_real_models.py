@@ -244,14 +244,14 @@ def test_a_soft_capped_head_trains_through_the_fused_loss(tiny_gemma2_dir, tmp_p
     assert head is not None and head.softcap == 2.0
     torch.manual_seed(0)
     task = load_task(config, train_size=16)
-    batch = rollout.generate(model, tokenizer, task, ["1+2?", "3+4?"], 3, config, torch.device("cpu"))
-    batch["advantages"] = torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0, -1.0])
+    completions = rollout.generate(model, tokenizer, task, ["1+2?", "3+4?"], 3, config, torch.device("cpu"))
+    batch = rollout.Rollout(completions, 3, torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0, -1.0]))
     results = []
     for fused in (True, False):
         cfg = tiny_config(tiny_gemma2_dir, tmp_path / "g", algo="grpo", fused_linear=fused)
         model.zero_grad()
         out = update.PolicyLoss(model, head if fused else None)(
-            batch, slice(0, 2), cfg.loss_config(), cfg, old_logprobs=None, initial_entropy=1.0,
+            batch, slice(0, 2), cfg.loss_config(), cfg, initial_entropy=1.0,
             num_sequences=None, num_tokens=None,
         )  # fmt: skip
         out.loss.backward()

@@ -2,14 +2,19 @@
 flat arguments round-trip, and no function of the package threads the inputs one by one any more."""
 
 import ast
+import dataclasses
+import inspect
 from pathlib import Path
 
+import pytest
 import torch
 
 import gtpo_kernels
 from gtpo_kernels import GTPOConfig, conflict_weights, gtpo_loss
+from gtpo_kernels.fused_linear import fused_linear_gtpo_loss
 from gtpo_kernels.loss import loss_of_rows
-from gtpo_kernels.rows import LossRows
+from gtpo_kernels.reference import reference_gtpo_loss, reference_loss_from_token_stats
+from gtpo_kernels.rows import NOT_OPERATOR_INPUTS, OP_PARAMETERS, ROW_KEYWORDS, LossRows
 
 from .helpers import random_batch
 
@@ -53,21 +58,91 @@ def test_a_slice_keeps_the_whole_calls_counts_and_drops_the_group_size():
     assert given.slice([0]).num_sequences == 40 and float(given.slice([0]).num_tokens) == 90.0
 
 
-def test_the_operator_arguments_round_trip():
-    _, rows = rows_of()
-    rows = rows.replace(initial_entropy=0.3, temperature=0.7, num_sequences=12)
-    back = LossRows.from_op_args(rows.op_args())
-    assert all(a is b for a, b in zip(back.op_args(), rows.op_args()))
-    assert back.conflict[0] is rows.conflict[0] and back.conflict[1] is rows.conflict[1]
-    assert LossRows.from_op_args(rows.replace(conflict=None).op_args()).conflict is None
-
-
 def test_gtpo_loss_is_loss_of_rows():
     logits, rows = rows_of(seed=3)
     config = GTPOConfig()
     a = gtpo_loss(logits, rows.ids, rows.valid, rows.advantages, group_size=3, config=config).loss
     b = loss_of_rows(logits, LossRows(rows.ids, rows.valid, rows.advantages, group_size=3), config).loss
     assert torch.equal(a, b)
+
+
+# Every field of LossRows but the three positional arguments and the computed entropy floor, written out here by
+# hand (not read from the code under test): a field added to the bundle must reach every entry point.
+EXPECTED_ROW_KEYWORDS = {
+    "conflict",
+    "old_logprobs",
+    "ref_logprobs",
+    "sampling_logprobs",
+    "initial_entropy",
+    "temperature",
+    "num_sequences",
+    "num_tokens",
+    "group_size",
+}
+ENTRY_POINTS = [gtpo_loss, fused_linear_gtpo_loss, reference_gtpo_loss, reference_loss_from_token_stats]
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS, ids=lambda f: f.__name__)
+def test_every_entry_point_takes_every_row_keyword(entry):
+    """The row keywords are declared once (LossRows' fields) and each entry point's signature lists them all,
+    keyword-only, with the bundle's defaults; the oracle on token statistics takes all but the temperature."""
+    fields = {field.name: field.default for field in dataclasses.fields(LossRows)}
+    assert set(fields) - {"ids", "valid", "advantages", "entropy_floor"} == EXPECTED_ROW_KEYWORDS
+    expected = EXPECTED_ROW_KEYWORDS - ({"temperature"} if entry is reference_loss_from_token_stats else set())
+    parameters = inspect.signature(entry).parameters
+    taken = {name for name in parameters if name in fields} - {"advantages", "valid"}  # positional arguments
+    assert taken == expected
+    for name in expected:
+        assert parameters[name].kind is inspect.Parameter.KEYWORD_ONLY and parameters[name].default == fields[name]
+    assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    assert set(ROW_KEYWORDS) == EXPECTED_ROW_KEYWORDS
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS, ids=lambda f: f.__name__)
+def test_a_misspelt_row_keyword_is_refused_by_name(entry):
+    logits, rows = rows_of()
+    head = torch.randn(logits.shape[-1], 4, dtype=torch.float64)
+    first = (logits[..., :4], head) if entry is fused_linear_gtpo_loss else (logits,)
+    if entry is reference_loss_from_token_stats:
+        first = (logits[..., 0], logits[..., 1])
+    with pytest.raises(TypeError, match=rf"^{entry.__name__}\(\) got an unexpected keyword argument 'old_logprob'$"):
+        entry(*first, rows.ids, rows.valid, rows.advantages, config=GTPOConfig(), old_logprob=rows.old_logprobs)
+    if entry is reference_loss_from_token_stats:
+        with pytest.raises(TypeError, match="unexpected keyword argument 'temperature'"):
+            entry(*first, rows.ids, rows.valid, rows.advantages, config=GTPOConfig(), temperature=0.5)
+
+
+def test_the_operator_arguments_round_trip():
+    _, rows = rows_of()
+    for temperature in (0.7, torch.rand(rows.ids.shape[0]) + 0.5):
+        counts = dict(num_sequences=12, num_tokens=torch.tensor(9.0))
+        rows = rows.replace(initial_entropy=0.3, temperature=temperature, **counts)
+        back = LossRows.from_op_inputs(rows.op_inputs())
+        for name in ROUND_TRIP:
+            assert getattr(back, name) is getattr(rows, name), name
+        assert back.conflict[0] is rows.conflict[0] and back.conflict[1] is rows.conflict[1]
+    assert LossRows.from_op_inputs(rows.replace(conflict=None).op_inputs()).conflict is None
+
+
+# Each field of LossRows reaches the fused operator by name, but these two (written here by hand: a field added to
+# the bundle and not to the operator fails below).
+NOT_AN_OPERATOR_INPUT = {"group_size", "entropy_floor"}
+ROUND_TRIP = EXPECTED_ROW_KEYWORDS - NOT_AN_OPERATOR_INPUT - {"conflict"} | {"ids", "valid", "advantages"}
+
+
+def test_every_field_of_the_bundle_reaches_the_operator():
+    """Every field but group_size and entropy_floor is an argument of the fused operator (the conflict pair as two,
+    the temperature as a float and a per-row tensor), declared by name, and the operator takes no other row input."""
+    from gtpo_kernels.fused_linear import fused_linear_gtpo
+
+    fields = {field.name for field in dataclasses.fields(LossRows)}
+    assert set(NOT_OPERATOR_INPUTS) == NOT_AN_OPERATOR_INPUT
+    _, rows = rows_of()
+    names = set(rows.op_inputs())
+    assert names == {name for name, _ in OP_PARAMETERS}
+    spelled = (fields - NOT_AN_OPERATOR_INPUT - {"conflict"}) | {"lambda_", "n_conflict", "row_temperature"}
+    assert names == spelled
+    assert names <= set(fused_linear_gtpo.input_names)
 
 
 # Functions whose signature is not ours to shorten: the public entry points (their keywords are the users'
@@ -78,8 +153,6 @@ EXEMPT = {
     "gtpo_loss",
     "fused_linear_gtpo_loss",
     "fused_linear_token_logprobs_and_entropy",
-    "reference_gtpo_loss",
-    "reference_loss_from_token_stats",
     "_get_per_token_logps_and_entropies",
 }
 KERNEL_CONTRACT = {"backends/torch_backend.py", "backends/cpu_backend.py", "backends/triton_token_stats.py"}
@@ -95,7 +168,9 @@ def parameter_counts():
             if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name in EXEMPT:
                 continue
             decorators = {ast.unparse(d).split("(")[0] for d in node.decorator_list}
-            if decorators & {"triton.jit", "torch.library.custom_op"} or any(".register_fake" in d for d in decorators):
+            if decorators & {"triton.jit", "torch.library.custom_op", "register_operator"} or any(
+                ".register_fake" in d for d in decorators
+            ):
                 continue
             if relative in KERNEL_CONTRACT and node.name in ("forward", "backward"):
                 continue

@@ -1,6 +1,6 @@
-"""``python -m gtpo_train.study``: a spec's mistakes in one line; a two-seed, two-variant smoke study of the tiny model
-runs every cell as a plain gtpo-train run, skips finished cells, resumes a cell killed after its first checkpoint, and
-reports each variant's paired difference from the baseline, seed by seed."""
+"""``python -m gtpo_train.offline.study``: a spec's mistakes in one line; a two-seed, two-variant smoke study of the
+tiny model runs every cell as a plain gtpo-train run, skips finished cells, resumes a cell killed after its first
+checkpoint, and reports each variant's paired difference from the baseline, seed by seed."""
 
 import json
 import os
@@ -15,8 +15,8 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("yaml")
 
-from trainer import study  # noqa: E402
 from trainer.config import ConfigError  # noqa: E402
+from trainer.offline import study  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -112,7 +112,7 @@ def test_a_smoke_study_runs_resumes_and_reports_paired_differences(tiny_model_di
     # Killed (SIGKILL: no chance to save) once its first cell has a checkpoint and no summary.
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "trainer.study", str(spec_path)], cwd=ROOT, env=env, start_new_session=True
+        [sys.executable, "-m", "trainer.offline.study", str(spec_path)], cwd=ROOT, env=env, start_new_session=True
     )
     first = spec.cells()[0]
     deadline = time.time() + 120
@@ -271,7 +271,7 @@ def test_the_untrained_figures_are_each_runs_first_evaluation(tmp_path):
 def test_a_run_without_train_rows_is_plotted(tmp_path):
     """A --steps 0 run (the untrained model's evaluation) logs one evaluation and no step: its plot is drawn."""
     pytest.importorskip("matplotlib")
-    from trainer.plots import plot_run
+    from trainer.offline.plots import plot_run
 
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"kind": "eval", "step": 0, "accuracy": 0.1, "pass@4": 0.2}))
     assert plot_run(tmp_path / "metrics.jsonl", tmp_path / "run.png", title="untrained") == tmp_path / "run.png"

@@ -114,9 +114,11 @@ def test_a_step_without_signal_is_skipped_without_the_loss_warning(tiny_model_di
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
     config = TrainConfig(model=tiny_model_dir, group_size=3, max_new_tokens=6, algo="grpo")  # no other term
     torch.manual_seed(0)
-    batch = rollout.generate(model, tokenizer, builtin_task(config), ["1+2?", "3+4?"], 3, config, torch.device("cpu"))
-    batch["advantages"] = torch.zeros(6)
-    batch["conflict"] = conflict_weights(batch["completion_ids"], batch["completion_mask"], batch["advantages"], 3)
+    completions = rollout.generate(
+        model, tokenizer, builtin_task(config), ["1+2?", "3+4?"], 3, config, torch.device("cpu")
+    )
+    conflict = conflict_weights(completions.completion_ids, completions.completion_mask, torch.zeros(6), 3)
+    batch = rollout.Rollout(completions, 3, torch.zeros(6), conflict=conflict)
     before = [p.detach().clone() for p in model.parameters()]
     optimizer = PolicyOptimizer(model.parameters(), config, torch.device("cpu"), master=False)
     with warnings.catch_warnings(record=True) as caught:
@@ -128,10 +130,9 @@ def test_a_step_without_signal_is_skipped_without_the_loss_warning(tiny_model_di
             config.loss_config(),
             config,
             Distributed(0, 1, torch.device("cpu")),
-            None,
             1.0,
         )
-    assert not result["stepped"] and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert not result.stepped and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert not [w for w in caught if "no learning signal" in str(w.message)], [str(w.message) for w in caught]
 
 
@@ -148,6 +149,47 @@ def test_the_schedule_moves_on_a_step_without_an_update_without_a_warning():
         update.advance_schedule(scheduler)
     assert not caught, [str(w.message) for w in caught]
     assert scheduler.last_epoch == 2
+
+
+def test_a_rollouts_rows_are_its_prompt_groups_completions():
+    """`Rollout.rows` of prompt groups 1-2 (of 3, G = 2) holds completions 2-5 of every per-completion tensor, by
+    hand: ids, mask, advantages, both conflict tensors, old and reference log-probs; the call's keywords as given."""
+    g = torch.Generator().manual_seed(0)
+    ids, logp = torch.randint(0, 9, (6, 4), generator=g), torch.randn(6, 4, generator=g)
+    mask = torch.rand(6, 4, generator=g) > 0.3
+    completions = rollout.Completions(torch.ones(3, 2, dtype=torch.long), torch.ones(3, 2), ids, mask, ["x"] * 6)
+    batch = rollout.Rollout(
+        completions,
+        2,
+        advantages=torch.arange(6.0),
+        conflict=(torch.arange(24.0).reshape(6, 4), torch.arange(6) * 10),
+        old_logprobs=logp,
+        ref_logprobs=logp + 1,
+    )
+    rows = batch.rows(slice(1, 3), temperature=0.7, num_tokens=5)
+    assert torch.equal(rows.ids, ids[2:6]) and torch.equal(rows.valid, mask[2:6])
+    assert rows.advantages.tolist() == [2.0, 3.0, 4.0, 5.0]
+    assert torch.equal(rows.conflict[0], torch.arange(8.0, 24.0).reshape(4, 4))
+    assert rows.conflict[1].tolist() == [20, 30, 40, 50]
+    assert torch.equal(rows.old_logprobs, logp[2:6]) and torch.equal(rows.ref_logprobs, logp[2:6] + 1)
+    assert (rows.temperature, rows.num_tokens, rows.num_sequences) == (0.7, 5, None)
+    assert batch.rows(slice(0, 1)).sampling_logprobs is None and batch.prompts == 3
+
+
+def test_held_out_totals_add_over_processes_field_by_field():
+    """Two processes' `HeldOutTotals` vectors add up to the fields' sums (numbers and vectors alike), read back by
+    name; a vector of the wrong length is refused instead of read at shifted offsets."""
+    from trainer.evaluation import HeldOutTotals
+
+    a = HeldOutTotals(3, 1, 2, 1, 0, 1.5, torch.tensor([1.0, 0.5]), torch.tensor([3.0, 2.0]), torch.tensor([3.0]))
+    b = HeldOutTotals(2, 2, 2, 0, 1, 0.5, torch.tensor([0.0, 1.0]), torch.tensor([2.0, 2.0]), torch.tensor([1.0]))
+    both = HeldOutTotals.from_sums(a.to_sums() + b.to_sums(), per_reward=2, applies=2, greedy_rates=1)
+    assert [float(both.problems), float(both.greedy_right), float(both.pass_at_k), float(both.maj_at_k)] == [5, 3, 4, 1]
+    assert (float(both.not_binary), float(both.reward)) == (1, 2.0)
+    assert both.per_reward.tolist() == [1.0, 1.5] and both.applies.tolist() == [5.0, 4.0]
+    assert both.greedy_rates.tolist() == [4.0]
+    with pytest.raises(ValueError, match="HeldOutTotals: 11 sums for fields of 10"):
+        HeldOutTotals.from_sums(a.to_sums(), per_reward=2, applies=2, greedy_rates=0)
 
 
 def test_fused_and_logits_losses_agree(tiny_model_dir, tmp_path):
@@ -173,18 +215,19 @@ def test_loss_is_on_the_sampling_distribution(tiny_model_dir, fused_linear):
         model=tiny_model_dir, temperature=0.5, group_size=3, max_new_tokens=6, fused_linear=fused_linear
     )
     torch.manual_seed(0)
-    batch = rollout.generate(model, tokenizer, builtin_task(config), ["1+2?", "3+4?"], 3, config, torch.device("cpu"))
+    completions = rollout.generate(
+        model, tokenizer, builtin_task(config), ["1+2?", "3+4?"], 3, config, torch.device("cpu")
+    )
     advantages = torch.tensor([1.0, -0.5, -0.5, 0.7, 0.0, -0.7])
     loss_config = GTPOConfig(preset="paper")
 
-    batch["advantages"] = advantages
-    batch["conflict"] = conflict_weights(batch["completion_ids"], batch["completion_mask"], advantages, 3)
+    conflict = conflict_weights(completions.completion_ids, completions.completion_mask, advantages, 3)
+    batch = rollout.Rollout(completions, 3, advantages, conflict=conflict)
     out = update.PolicyLoss(model)(
         batch,
         slice(0, 2),
         loss_config,
         config,
-        old_logprobs=None,
         initial_entropy=1.0,
         num_sequences=None,
         num_tokens=None,
@@ -194,12 +237,12 @@ def test_loss_is_on_the_sampling_distribution(tiny_model_dir, fused_linear):
     model.zero_grad()
 
     with torch.no_grad():
-        logits = update.completion_logits(model, batch, slice(0, 2), 3).double()
+        logits = update.completion_logits(model, completions, slice(0, 2), 3).double()
     logits.requires_grad_()
     ref = reference_gtpo_loss(
         logits / 0.5,
-        batch["completion_ids"],
-        batch["completion_mask"],
+        completions.completion_ids,
+        completions.completion_mask,
         advantages.double(),
         group_size=3,
         config=loss_config,
@@ -207,15 +250,15 @@ def test_loss_is_on_the_sampling_distribution(tiny_model_dir, fused_linear):
     )
     ref.loss.backward()
     # The parameter gradient through the model, from the oracle's gradient w.r.t. the logits.
-    update.completion_logits(model, batch, slice(0, 2), 3).backward(logits.grad.float())
+    update.completion_logits(model, completions, slice(0, 2), 3).backward(logits.grad.float())
     want_grad = model.model.layers[0].mlp.up_proj.weight.grad
     assert out.loss.item() == pytest.approx(ref.loss.item(), rel=1e-5, abs=1e-7)
     torch.testing.assert_close(got_grad, want_grad.to(got_grad.dtype), rtol=1e-4, atol=1e-7)
     # ... and not the loss at T = 1.
     plain = reference_gtpo_loss(
         logits.detach(),
-        batch["completion_ids"],
-        batch["completion_mask"],
+        completions.completion_ids,
+        completions.completion_mask,
         advantages.double(),
         group_size=3,
         config=loss_config,
@@ -660,7 +703,7 @@ def test_default_model_trains_two_steps(tmp_path):
 
 
 def test_compare_runs_table(tmp_path):
-    from trainer.compare import load, table
+    from trainer.offline.compare import load, table
 
     for algo, seed, after in (("gtpo", 0, 0.5), ("gtpo", 1, 0.6), ("grpo", 0, 0.4)):
         d = tmp_path / f"{algo}{seed}"
@@ -687,13 +730,13 @@ def test_answer_in_block_reaches_rewards_and_evaluation(monkeypatch, in_block):
 
     def fake_generate(model, tokenizer, task, questions, n, config, device, **kwargs):
         rows = len(questions) * n
-        return {
-            "prompt_ids": torch.ones(len(questions), 2, dtype=torch.long),
-            "prompt_mask": torch.ones(len(questions), 2, dtype=torch.long),
-            "completion_ids": torch.arange(rows * 3).reshape(rows, 3) % 5 + 1,
-            "completion_mask": torch.ones(rows, 3, dtype=torch.bool),
-            "texts": texts[:rows],
-        }
+        return rollout.Completions(
+            prompt_ids=torch.ones(len(questions), 2, dtype=torch.long),
+            prompt_mask=torch.ones(len(questions), 2, dtype=torch.long),
+            completion_ids=torch.arange(rows * 3).reshape(rows, 3) % 5 + 1,
+            completion_mask=torch.ones(rows, 3, dtype=torch.bool),
+            texts=texts[:rows],
+        )
 
     from trainer import evaluation
 
@@ -714,7 +757,7 @@ def test_answer_in_block_reaches_rewards_and_evaluation(monkeypatch, in_block):
     texts[:] = ["7", "<reasoning>x</reasoning>\n<answer>\n7\n</answer>", "8"]
     cpu = torch.device("cpu")
     batch = rollout.rollout(torch.nn.Linear(1, 1), None, task, rows, config, config.loss_config(), cpu)
-    assert batch["scores"][:, 0].tolist() == ([0.0, 1.0, 0.0] if in_block else [1.0, 1.0, 0.0])
+    assert batch.scores[:, 0].tolist() == ([0.0, 1.0, 0.0] if in_block else [1.0, 1.0, 0.0])
     # Evaluation: the greedy answer first, then 3 samples; in the block only a wrong 8 is ever answered.
     texts[:] = ["7", "<answer>\n8\n</answer>", "7", "7"]
     metrics = evaluation.evaluate(torch.nn.Linear(1, 1), None, task, config, Distributed(0, 1, cpu), seed=0)

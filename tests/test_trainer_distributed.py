@@ -135,16 +135,16 @@ def test_a_step_without_signal_leaves_weights_and_optimiser_alone(tiny_model_dir
     batch = fixed_batch(model.config.vocab_size)
     # A first step with signal, so that the optimiser has momentum to lose.
     signal_config = TrainConfig(model=tiny_model_dir, group_size=3, prompts_per_step=4)
-    first = update_module.update(policy, optimizer, batch, signal_config.loss_config(), signal_config, dist, None, 5.0)
-    assert first["stepped"]
+    first = update_module.update(policy, optimizer, batch, signal_config.loss_config(), signal_config, dist, 5.0)
+    assert first.stepped
     params = {k: v.clone() for k, v in model.state_dict().items()}
     moments = {k: v.clone() for k, v in optimizer.adamw.state_dict()["state"][0].items()}
-    result = update_module.update(policy, optimizer, batch, config.loss_config(), config, dist, None, None)
-    assert not result["stepped"] and float(result["metrics"].filtered_fraction) == 1.0
-    assert float(result["metrics"].signal_fraction) == 0.0
+    result = update_module.update(policy, optimizer, batch, config.loss_config(), config, dist, None)
+    assert not result.stepped and float(result.metrics.filtered_fraction) == 1.0
+    assert float(result.metrics.signal_fraction) == 0.0
     assert all(torch.equal(v, params[k]) for k, v in model.state_dict().items())
     assert all(torch.equal(v, moments[k]) for k, v in optimizer.adamw.state_dict()["state"][0].items())
-    assert "entropy filter" in update_module.no_signal_cause(result["metrics"], config.loss_config())
+    assert "entropy filter" in update_module.no_signal_cause(result.metrics, config.loss_config())
 
 
 def test_a_training_step_builds_no_vocabulary_sized_logits(tmp_path):
@@ -166,13 +166,11 @@ def test_a_training_step_builds_no_vocabulary_sized_logits(tmp_path):
     batch = fixed_batch(vocab)
     policy = update_module.PolicyLoss(model)
     optimizer = PolicyOptimizer(policy.parameters(), TrainConfig(learning_rate=1e-3), torch.device("cpu"), master=False)
-    n, length = batch["completion_ids"].shape
+    n, length = batch.completions.completion_ids.shape
     full_logits = n * length * vocab * 4
     with PeakTensorMemory() as memory:
-        old_logprobs, _ = update_module.token_stats(model, batch, train_config)
-        update_module.update(
-            policy, optimizer, batch, train_config.loss_config(), train_config, Distributed(), old_logprobs, 5.0
-        )
+        batch.old_logprobs, _ = update_module.token_stats(model, batch, train_config)
+        update_module.update(policy, optimizer, batch, train_config.loss_config(), train_config, Distributed(), 5.0)
     print(
         f"V = {vocab}: full float32 logits {full_logits / 2**20:.1f} MiB; largest tensor of the step "
         f"{memory.largest / 2**20:.1f} MiB, peak of tensors alive {memory.peak / 2**20:.1f} MiB"
@@ -192,12 +190,12 @@ def test_gradient_checkpointing_with_shared_prompts(tiny_model_dir):
         if checkpointing:
             (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
         model.train()
-        hidden, weight, _ = update_module.completion_hidden_states(model, batch, slice(0, 4), 3)
-        (hidden.square() * batch["completion_mask"][..., None]).sum().backward()
+        hidden, weight, _ = update_module.completion_hidden_states(model, batch.completions, slice(0, 4), 3)
+        (hidden.square() * batch.completions.completion_mask[..., None]).sum().backward()
         results.append(
             (hidden.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
         )
-    valid = batch["completion_mask"]  # after a completion's end the two paths' positions differ (both unused)
+    valid = batch.completions.completion_mask  # after a completion's end the two paths' positions differ (both unused)
     torch.testing.assert_close(results[1][0][valid], results[0][0][valid], rtol=1e-5, atol=1e-5)
     assert results[1][1].keys() == results[0][1].keys() and len(results[0][1]) > 10
     for name, grad in results[0][1].items():  # summed in another order (the prompt G times, or once)

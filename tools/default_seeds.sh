@@ -22,4 +22,4 @@ for seed in 0 1 2 3 4; do
   grep -m1 '^precision: ' "$run.log" > "$kept/precision.txt" || true
   sed -n '/^held-out metric/,$p' "$run.log" > "$kept/end-of-run.txt"
 done
-python -m gtpo_train.compare "$OUT"/8x4-*-s? --out "$OUT/compare"
+python -m gtpo_train.offline.compare "$OUT"/8x4-*-s? --out "$OUT/compare"

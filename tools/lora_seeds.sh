@@ -18,5 +18,5 @@ for seed in 0 1 2 3 4; do
   cp "$run"/{config.json,metrics.jsonl,summary.json,training.png} "$OUT/8x4-fp32-lora16-s$seed/"
   sed -n '/^held-out metric/,$p' "$run.log" > "$OUT/8x4-fp32-lora16-s$seed/end-of-run.txt"
 done
-python -m gtpo_train.compare "$OUT"/8x4-fp32-lora16-s? results/trainer-cpu/default-2026-12-04/8x4-fp32-s? \
+python -m gtpo_train.offline.compare "$OUT"/8x4-fp32-lora16-s? results/trainer-cpu/default-2026-12-04/8x4-fp32-s? \
   --out "$OUT/compare"

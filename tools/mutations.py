@@ -150,8 +150,8 @@ MUTANTS: Tuple[Mutant, ...] = (
     Mutant(
         "evaluation: accuracy reported for a reward that is not 0/1",
         "trainer/evaluation.py",
-        "        sums[4] += bool((~values.isnan() & (values != 0) & (values != 1)).any())",
-        "        sums[4] += 0",
+        "        totals.not_binary += bool((~values.isnan() & (values != 0) & (values != 1)).any())",
+        "        totals.not_binary += 0",
         ("tests/test_tasks.py::test_a_conversational_jsonl_trains_with_a_reward_file",),
         "accuracy, pass@k and maj@k only where the accuracy reward is 0 or 1",
     ),
@@ -165,7 +165,7 @@ MUTANTS: Tuple[Mutant, ...] = (
     ),
     Mutant(
         "structure: a function grown past 80 lines",
-        "trainer/study.py",
+        "trainer/offline/study.py",
         "def mean(values: Sequence[float]) -> float:\n",
         "def mean(values: Sequence[float]) -> float:\n" + "    values = list(values)\n" * 80,
         ("tests/test_structure.py::test_no_function_grows_past_80_lines",),
@@ -221,7 +221,7 @@ MUTANTS: Tuple[Mutant, ...] = (
     ),
     Mutant(
         "structure: a trainer module imports the script",
-        "trainer/answers.py",
+        "trainer/offline/answers.py",
         "from .distributed import Distributed\n",
         "from .distributed import Distributed\nfrom .train import main as _script  # noqa: F401\n",
         ("tests/test_structure.py::test_the_trainer_reads_in_short_functions_and_nothing_imports_the_script",),
@@ -274,7 +274,7 @@ MUTANTS: Tuple[Mutant, ...] = (
     ),
     Mutant(
         "compare: older summaries' problem count not read from config.json",
-        "trainer/compare.py",
+        "trainer/offline/compare.py",
         'summary.setdefault("eval_problems", (config or {}).get("eval_size"))',
         'summary.setdefault("eval_problems", None)',
         ("tests/test_compare.py::test_each_seeds_final_figure_comes_with_its_interval",),
@@ -282,7 +282,7 @@ MUTANTS: Tuple[Mutant, ...] = (
     ),
     Mutant(
         "compare: the held-out panel's pass@k and maj@k prefixes not expanded",
-        "trainer/compare.py",
+        "trainer/offline/compare.py",
         "sorted(f for f in found if f.startswith(key))",
         "[key]",
         ("tests/test_compare.py::test_the_held_out_panel_draws_pass_and_maj_at_each_k",),
@@ -381,8 +381,8 @@ MUTANTS: Tuple[Mutant, ...] = (
     ),
     Mutant(
         "beta: the reference log-probs never reach the loss",
-        "trainer/update.py",
-        "            ref_logprobs=None if ref_logprobs is None else ref_logprobs[rows],",
+        "trainer/rollout.py",
+        "            ref_logprobs=pick(self.ref_logprobs),",
         "            ref_logprobs=None,",
         ("tests/test_real_models.py::test_beta_logs_the_kl_to_the_starting_policy",),
         "--beta hands the reference log-probs to the loss's KL term, which the metrics log",
@@ -398,8 +398,8 @@ MUTANTS: Tuple[Mutant, ...] = (
     Mutant(
         "heads: the fused loss ignores a soft-capped head",
         "trainer/update.py",
-        "hidden, weight, ids, mask, advantages, lm_head_bias=bias, **head_arguments(self.head), **common",
-        "hidden, weight, ids, mask, advantages, lm_head_bias=bias, **common",
+        "                **head_arguments(self.head),\n",
+        "",
         ("tests/test_real_models.py::test_a_soft_capped_head_trains_through_the_fused_loss",),
         "a Gemma-2-style head's soft cap reaches the fused loss: the loss and gradients of the model's own logits",
     ),
@@ -588,7 +588,7 @@ MUTANTS: Tuple[Mutant, ...] = (
     # ---------------------------------------------------------------- issue 58's study runner
     Mutant(
         "study: finished cells run again",
-        "trainer/study.py",
+        "trainer/offline/study.py",
         '        if (self.folder / "summary.json").exists():\n            return "finished"',
         '        if False:\n            return "finished"',
         ("tests/test_study.py::test_a_smoke_study_runs_resumes_and_reports_paired_differences",),
@@ -596,7 +596,7 @@ MUTANTS: Tuple[Mutant, ...] = (
     ),
     Mutant(
         "study: an interrupted cell started afresh",
-        "trainer/study.py",
+        "trainer/offline/study.py",
         '        resume = ["--resume"] if self.state == "interrupted" else []',
         "        resume = []",
         ("tests/test_study.py::test_a_smoke_study_runs_resumes_and_reports_paired_differences",),
@@ -604,7 +604,7 @@ MUTANTS: Tuple[Mutant, ...] = (
     ),
     Mutant(
         "study: the paired difference taken the other way round",
-        "trainer/study.py",
+        "trainer/offline/study.py",
         "[final_metrics(o)[metric] - final_metrics(b)[metric] for b, o in pairs]",
         "[final_metrics(b)[metric] - final_metrics(o)[metric] for b, o in pairs]",
         ("tests/test_study.py::test_the_report_pairs_each_seed_with_the_baseline",),
@@ -612,7 +612,7 @@ MUTANTS: Tuple[Mutant, ...] = (
     ),
     Mutant(
         "study: the bootstrap resamples one value",
-        "trainer/study.py",
+        "trainer/offline/study.py",
         "sum(rng.choice(values) for _ in range(n))",
         "sum(values[0] for _ in range(n))",
         ("tests/test_study.py::test_the_bootstrap_interval_holds_the_mean_and_narrows_with_agreement",),
@@ -629,7 +629,7 @@ MUTANTS: Tuple[Mutant, ...] = (
     ),
     Mutant(
         "study: the verdict read from the bootstrap",
-        "trainer/study.py",
+        "trainer/offline/study.py",
         "        return t_interval(self.differences)",
         "        return bootstrap_interval(self.differences)",
         ("tests/test_study.py::test_the_bootstrap_interval_holds_the_mean_and_narrows_with_agreement",),
@@ -637,7 +637,7 @@ MUTANTS: Tuple[Mutant, ...] = (
     ),
     Mutant(
         "study: a reference variant paired",
-        "trainer/study.py",
+        "trainer/offline/study.py",
         "        if mine.reference or variant == self.baseline:",
         "        if variant == self.baseline:",
         ("tests/test_study.py::test_variants_run_their_own_seeds_and_tasks_and_pair_with_their_partner",),
@@ -645,7 +645,7 @@ MUTANTS: Tuple[Mutant, ...] = (
     ),
     Mutant(
         "study: a variant's own seeds ignored",
-        "trainer/study.py",
+        "trainer/offline/study.py",
         "        return self.variants[variant].seeds or self.seeds",
         "        return self.seeds",
         ("tests/test_study.py::test_variants_run_their_own_seeds_and_tasks_and_pair_with_their_partner",),
@@ -653,7 +653,7 @@ MUTANTS: Tuple[Mutant, ...] = (
     ),
     Mutant(
         "study: a variant's own tasks ignored",
-        "trainer/study.py",
+        "trainer/offline/study.py",
         "        return self.variants[variant].tasks or tuple(self.tasks)",
         "        return tuple(self.tasks)",
         ("tests/test_study.py::test_variants_run_their_own_seeds_and_tasks_and_pair_with_their_partner",),
@@ -661,7 +661,7 @@ MUTANTS: Tuple[Mutant, ...] = (
     ),
     Mutant(
         "study: against ignored",
-        "trainer/study.py",
+        "trainer/offline/study.py",
         "        return mine.against or self.baseline",
         "        return self.baseline",
         ("tests/test_study.py::test_variants_run_their_own_seeds_and_tasks_and_pair_with_their_partner",),
@@ -669,7 +669,7 @@ MUTANTS: Tuple[Mutant, ...] = (
     ),
     Mutant(
         "study: a cell's recorded flags not compared",
-        "trainer/study.py",
+        "trainer/offline/study.py",
         "            if recorded is not None and recorded != list(cell.flags):",
         "            if False:",
         ("tests/test_study.py::test_a_cell_run_with_other_flags_is_refused_before_anything_runs",),
@@ -677,7 +677,7 @@ MUTANTS: Tuple[Mutant, ...] = (
     ),
     Mutant(
         "study: the untrained figures not a run's first evaluation",
-        "trainer/study.py",
+        "trainer/offline/study.py",
         '            run["evals"].insert(0, {**untrained, "step": 0})',
         "            pass",
         ("tests/test_study.py::test_the_untrained_figures_are_each_runs_first_evaluation",),
@@ -685,7 +685,7 @@ MUTANTS: Tuple[Mutant, ...] = (
     ),
     Mutant(
         "study: models kept with keep_models false",
-        "trainer/study.py",
+        "trainer/offline/study.py",
         '    if status == 0 and not keep_models and cell.state == "finished":',
         "    if False:",
         ("tests/test_study.py::test_a_smoke_study_runs_resumes_and_reports_paired_differences",),
@@ -725,7 +725,7 @@ MUTANTS: Tuple[Mutant, ...] = (
     ),
     Mutant(
         "plots: a run without train rows fails",
-        "trainer/plots.py",
+        "trainer/offline/plots.py",
         "    first = train[0] if train else {}",
         "    first = train[0]",
         ("tests/test_study.py::test_a_run_without_train_rows_is_plotted",),
@@ -789,7 +789,7 @@ MUTANTS: Tuple[Mutant, ...] = (
     ),
     Mutant(
         "study: the answers' spread counted by the first answer",
-        "trainer/study.py",
+        "trainer/offline/study.py",
         "        top, n = Counter(answers).most_common(1)[0]",
         "        top, n = answers[0], Counter(answers)[answers[-1]]",
         ("tests/test_study.py::test_the_untrained_figures_are_each_runs_first_evaluation",),
@@ -797,7 +797,7 @@ MUTANTS: Tuple[Mutant, ...] = (
     ),
     Mutant(
         "study: a run with one answer for every problem not counted as collapsed",
-        "trainer/study.py",
+        "trainer/offline/study.py",
         "        return self.share >= ONE_ANSWER",
         "        return self.share > ONE_ANSWER",
         ("tests/test_study.py::test_a_run_answering_one_thing_to_every_problem_has_collapsed",),
@@ -805,7 +805,7 @@ MUTANTS: Tuple[Mutant, ...] = (
     ),
     Mutant(
         "study: answers compared in file order, not problem by problem",
-        "trainer/study.py",
+        "trainer/offline/study.py",
         '    return [str(row["answer"]) for row in sorted(rows, key=lambda row: row["problem"])]',
         '    return [str(row["answer"]) for row in rows]',
         ("tests/test_study.py::test_paired_cells_are_compared_answer_by_answer",),
@@ -813,7 +813,7 @@ MUTANTS: Tuple[Mutant, ...] = (
     ),
     Mutant(
         "study: the final entropy over every step",
-        "trainer/study.py",
+        "trainer/offline/study.py",
         '    last = [t["entropy"] for t in run["train"][-3:]]',
         '    last = [t["entropy"] for t in run["train"]]',
         ("tests/test_study.py::test_the_final_train_entropy_is_paired_too",),
@@ -821,7 +821,7 @@ MUTANTS: Tuple[Mutant, ...] = (
     ),
     Mutant(
         "study: a verdict from two seeds",
-        "trainer/study.py",
+        "trainer/offline/study.py",
         "MIN_SEEDS_FOR_VERDICT = 3",
         "MIN_SEEDS_FOR_VERDICT = 2",
         ("tests/test_study.py::test_the_bootstrap_interval_holds_the_mean_and_narrows_with_agreement",),
@@ -829,7 +829,7 @@ MUTANTS: Tuple[Mutant, ...] = (
     ),
     Mutant(
         "compare: an empty panel kept",
-        "trainer/compare.py",
+        "trainer/offline/compare.py",
         "    return [c if drawable(c) else FALLBACK.get(c[0], c) for c in CURVES]",
         "    return list(CURVES)",
         ("tests/test_compare.py::test_a_task_without_a_held_out_format_rate_shows_the_rollouts_accuracy_instead",),
@@ -837,7 +837,7 @@ MUTANTS: Tuple[Mutant, ...] = (
     ),
     Mutant(
         "compare: a setting an older run lacks left out of the comparison",
-        "trainer/compare.py",
+        "trainer/offline/compare.py",
         "    known = [with_defaults(c) for c in configs if c]",
         "    known = [c for c in configs if c]",
         ("tests/test_compare.py::test_a_setting_an_older_run_lacks_counts_at_its_default",),
@@ -845,7 +845,7 @@ MUTANTS: Tuple[Mutant, ...] = (
     ),
     Mutant(
         "compare: runs at another precision or learning rate pooled with the seeds",
-        "trainer/compare.py",
+        "trainer/offline/compare.py",
         "    settings = differing_settings([config for _, config in found])",
         "    settings = []",
         ("tests/test_compare.py::test_runs_that_differ_in_more_than_their_seed_are_not_one_variant",),
@@ -853,7 +853,7 @@ MUTANTS: Tuple[Mutant, ...] = (
     ),
     Mutant(
         "compare: runs split by their folder and evaluation cadence",
-        "trainer/compare.py",
+        "trainer/offline/compare.py",
         "set.intersection(*(set(c) for c in known)) - NOT_A_VARIANT - LOSS_SETTINGS",
         "set.intersection(*(set(c) for c in known)) - LOSS_SETTINGS",
         ("tests/test_compare.py::test_runs_that_differ_in_more_than_their_seed_are_not_one_variant",),
@@ -861,7 +861,7 @@ MUTANTS: Tuple[Mutant, ...] = (
     ),
     Mutant(
         "compare: one run's gain called larger than its spread",
-        "trainer/compare.py",
+        "trainer/offline/compare.py",
         'if len(runs) > 1 else "- (one seed)"',
         'if len(runs) > 0 else "- (one seed)"',
         ("tests/test_compare.py::test_tables_and_plot",),
@@ -894,7 +894,7 @@ MUTANTS: Tuple[Mutant, ...] = (
     ),
     Mutant(
         "answers: the training problems instead of the held-out ones",
-        "trainer/answers.py",
+        "trainer/offline/answers.py",
         "    task = load_task(config, train_size=config.prompts_per_step)\n",
         "    task = load_task(config, train_size=config.prompts_per_step)\n"
         "    task.held_out = task.train.select(range(len(task.held_out)))\n",
@@ -1289,8 +1289,8 @@ MUTANTS: Tuple[Mutant, ...] = (
     Mutant(
         "fused backward: zero gradients materialised for the unused outputs",
         "gtpo_kernels/fused_linear.py",
-        "    ctx.set_materialize_grads(False)\n    ctx.save_for_backward(output[1], output[2], output[3])",
-        "    ctx.save_for_backward(output[1], output[2], output[3])",
+        "    ctx.set_materialize_grads(False)\n",
+        "",
         ("tests/test_fused_linear.py::test_backward_hands_on_the_stored_gradients_without_a_copy",),
         "the backward makes no d_weight- or d_hidden-sized storage",
     ),
@@ -1474,6 +1474,94 @@ MUTANTS: Tuple[Mutant, ...] = (
         "from __future__ import annotations\n\nfrom typing import List, Optional, Tuple\n",
         ("tests/test_structure.py::test_modules_that_register_operators_keep_their_annotations_as_objects",),
         "torch 2.4-2.6's custom_op cannot read string annotations: the package would not import there",
+    ),
+    Mutant(
+        "row keywords: one field of LossRows left out of the entry points' declared keywords",
+        "gtpo_kernels/rows.py",
+        '_COMPUTED = ("entropy_floor",)',
+        '_COMPUTED = ("entropy_floor", "num_tokens")',
+        ("tests/test_rows.py", "-k", "every_entry_point_takes_every_row_keyword"),
+        "every loss entry point (and the oracle) takes every per-row input LossRows declares, as a keyword",
+    ),
+    Mutant(
+        "row keywords: a misspelt keyword handed to LossRows unchecked",
+        "gtpo_kernels/rows.py",
+        "        if name not in ROW_KEYWORDS or name in not_taken:\n",
+        "        if name in not_taken:\n",
+        ("tests/test_rows.py", "-k", "misspelt_row_keyword"),
+        "a keyword no entry point takes is refused as Python refuses one, naming the entry point the user called",
+    ),
+    Mutant(
+        "operators: token_stats' backward counts its None gradients",
+        "gtpo_kernels/custom_ops.py",
+        "    return gradients_for(token_stats, logits=grad)",
+        "    return (grad,) + (None,) * 9",
+        ("tests/test_structure.py::test_no_operator_is_read_by_index",),
+        "around a registered operator, inputs, outputs and gradients are named, never counted by position",
+    ),
+    Mutant(
+        "operators: the fused operator's setup reads its inputs by index",
+        "gtpo_kernels/fused_linear.py",
+        "    ctx.needed = [need and (i != 2 or given.bias is not None) for i, need in enumerate(given.need_grads)]",
+        "    ctx.needed = [need and (i != 2 or inputs[2] is not None) for i, need in enumerate(inputs[-1])]",
+        ("tests/test_structure.py::test_no_operator_is_read_by_index",),
+        "the operator's setup reads need_grads and bias by name (an argument added anywhere would shift inputs[-1])",
+    ),
+    Mutant(
+        "row inputs: a field of LossRows left out of the operator's declared arguments",
+        "gtpo_kernels/rows.py",
+        '    ("sampling_logprobs", Optional[torch.Tensor]),\n',
+        "",
+        ("tests/test_rows.py::test_every_field_of_the_bundle_reaches_the_operator",),
+        "every per-row input but group_size and entropy_floor is an argument of the fused operator, by name",
+    ),
+    Mutant(
+        "row inputs: a LossRows field dropped on the way into the operator",
+        "gtpo_kernels/rows.py",
+        '            initial_entropy=inputs["initial_entropy"],\n',
+        "",
+        ("tests/test_rows.py::test_the_operator_arguments_round_trip",),
+        "the rows come out of the operator's arguments as they went in, field by field",
+    ),
+    Mutant(
+        "rollout: a micro-batch's rows counted in prompts instead of completions",
+        "trainer/rollout.py",
+        "        return slice(groups.start * self.group_size, groups.stop * self.group_size)",
+        "        return slice(groups.start, groups.stop * self.group_size)",
+        ("tests/test_trainer.py::test_a_rollouts_rows_are_its_prompt_groups_completions",),
+        "prompt groups g0..g1 of a rollout are completions g0*G..g1*G, every per-completion tensor sliced alike",
+    ),
+    Mutant(
+        "rollout: the reference log-probs left out of a micro-batch's rows",
+        "trainer/rollout.py",
+        "            ref_logprobs=pick(self.ref_logprobs),\n",
+        "",
+        ("tests/test_trainer.py::test_a_rollouts_rows_are_its_prompt_groups_completions",),
+        "the --beta reference log-probs reach the loss's rows (without them the KL term is silently gone)",
+    ),
+    Mutant(
+        "totals: summed vectors read back at offsets that ignore a field's length",
+        "trainer/totals.py",
+        "            at += 1 if n is None else n\n",
+        "            at += 1\n",
+        ("tests/test_trainer.py::test_held_out_totals_add_over_processes_field_by_field",),
+        "each field of a process-summed vector is read at its own offset (a vector field shifts the ones after it)",
+    ),
+    Mutant(
+        "offline tools: the training loop imports the study's comparison",
+        "trainer/train.py",
+        "from .offline.plots import plot_run\n",
+        "from .offline.compare import load  # noqa: F401\nfrom .offline.plots import plot_run\n",
+        ("tests/test_structure.py::test_the_training_loop_does_not_import_the_offline_tools",),
+        "the loop's modules import nothing of trainer/offline/ but the figure train.py draws at a run's end",
+    ),
+    Mutant(
+        "offline tools: a study's cells run the offline subpackage instead of the trainer",
+        "trainer/offline/study.py",
+        '        module = (__package__ or "trainer.offline").rpartition(".")[0]',
+        '        module = __package__ or "trainer"',
+        ("tests/test_study.py::test_a_smoke_study_runs_resumes_and_reports_paired_differences",),
+        "each cell is a plain run of the trainer (gtpo_train, or trainer in a checkout), wherever the study lives",
     ),
     Mutant(
         "torch internals: eager_autograd without the dispatcher guard",

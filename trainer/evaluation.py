@@ -10,6 +10,7 @@ The shares have 95 % intervals (`intervals.metric_intervals`); the reward means 
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -23,6 +24,7 @@ from .scoring import RewardError, stop_together
 from .seeding import step_seed
 from .stopping import Interrupted, StopRequests
 from .task import Task
+from .totals import Totals
 
 
 def decode(model, tokenizer, task: Task, rows: dict, config: TrainConfig, dist: Distributed, on_token) -> list:
@@ -43,59 +45,78 @@ def decode(model, tokenizer, task: Task, rows: dict, config: TrainConfig, dist: 
         )
     scores = score_completions(task, rows, out, k + 1)
     return [
-        (out["texts"][i * (k + 1) : (i + 1) * (k + 1)], scores[i * (k + 1) : (i + 1) * (k + 1)])
+        (out.texts[i * (k + 1) : (i + 1) * (k + 1)], scores[i * (k + 1) : (i + 1) * (k + 1)])
         for i in range(len(rows[task.prompt_column]))
     ]
 
 
-def tally(task: Task, decoded: list, k: int) -> torch.Tensor:
-    """The sums `evaluate` adds over batches and processes, in `_layout`'s order."""
+@dataclass
+class HeldOutTotals(Totals):
+    """The sums `evaluate` adds over batches and processes (`Totals`), each over the held-out problems."""
+
+    problems: float = 0.0
+    greedy_right: float = 0.0  # the greedy completion scored 1 on the accuracy reward
+    pass_at_k: float = 0.0  # some sample scored 1
+    maj_at_k: float = 0.0  # the samples' most common answer scored 1
+    not_binary: float = 0.0  # problems on which some accuracy reward was neither 0 nor 1 (then no accuracy)
+    reward: float = 0.0  # the greedy completion's weighted reward
+    per_reward: Optional[torch.Tensor] = None  # [R] each reward's greedy values where it applies
+    applies: Optional[torch.Tensor] = None  # [R] how many greedy completions each reward applies to
+    greedy_rates: Optional[torch.Tensor] = None  # [Q] greedy completions passing each of the task's rate checks
+
+    @classmethod
+    def zeros(cls, task: Task) -> HeldOutTotals:
+        rewards, rates = len(task.rewards), len(task.greedy_rates)
+        zeros = lambda n: torch.zeros(n, dtype=torch.float64)  # noqa: E731
+        return cls(per_reward=zeros(rewards), applies=zeros(rewards), greedy_rates=zeros(rates))
+
+    @classmethod
+    def read(cls, task: Task, sums: torch.Tensor) -> HeldOutTotals:
+        rewards, rates = len(task.rewards), len(task.greedy_rates)
+        return cls.from_sums(sums, per_reward=rewards, applies=rewards, greedy_rates=rates)
+
+
+def tally(task: Task, decoded: list, k: int) -> HeldOutTotals:
+    """The held-out sums of ``decoded`` (`decode`'s problems)."""
     acc = task.reward_names.index(task.accuracy_reward)
-    rewards = len(task.rewards)
-    sums = torch.zeros(_size(task), dtype=torch.float64)
+    totals = HeldOutTotals.zeros(task)
     weights = torch.tensor(task.weights, dtype=torch.float32)
     for texts, scores in decoded:
         right = scores[:, acc] == 1
-        sums[0] += 1
-        sums[1] += right[0]
+        totals.problems += 1
+        totals.greedy_right += bool(right[0])
         values = scores[:, acc]  # NaN (the reward does not apply): not right, and no reason to doubt it is 0/1
-        sums[4] += bool((~values.isnan() & (values != 0) & (values != 1)).any())
+        totals.not_binary += bool((~values.isnan() & (values != 0) & (values != 1)).any())
         if k:
-            sums[2] += bool(right[1:].any())
+            totals.pass_at_k += bool(right[1:].any())
             keys = [task.answer_key(t) for t in texts[1:]]
             votes = Counter(key for key in keys if key is not None)
             if votes:
-                sums[3] += bool(right[1 + keys.index(votes.most_common(1)[0][0])])
+                totals.maj_at_k += bool(right[1 + keys.index(votes.most_common(1)[0][0])])
         greedy = scores[0]
-        sums[5] += float((greedy * weights).nansum())
+        totals.reward += float((greedy * weights).nansum())
         applies = ~greedy.isnan()
-        sums[6 : 6 + rewards] += torch.where(applies, greedy, 0).double()
-        sums[6 + rewards : 6 + 2 * rewards] += applies.double()
+        totals.per_reward += torch.where(applies, greedy, 0).double()
+        totals.applies += applies.double()
         for j, rate in enumerate(task.greedy_rates.values()):
-            sums[6 + 2 * rewards + j] += bool(rate(texts[0]))
-    return sums
+            totals.greedy_rates[j] += bool(rate(texts[0]))
+    return totals
 
 
-def _size(task: Task) -> int:
-    # rows, greedy right, pass@k, maj@k, non-binary rows, weighted reward, reward sums, reward counts, greedy rates
-    return 6 + 2 * len(task.rewards) + len(task.greedy_rates)
-
-
-def metrics(task: Task, sums: torch.Tensor, k: int) -> dict:
-    """The held-out figures from `tally`'s sums, over all processes."""
-    n, rewards = float(sums[0]), len(task.rewards)
+def metrics(task: Task, totals: HeldOutTotals, k: int) -> dict:
+    """The held-out figures from the sums over all processes."""
+    n = float(totals.problems)
     result = {}
-    if not sums[4]:  # the accuracy reward was 0 or 1 on every completion
-        result["accuracy"] = float(sums[1]) / n
-    for j, name in enumerate(task.greedy_rates):
-        result[name] = float(sums[6 + 2 * rewards + j]) / n
-    if not sums[4] and k:
-        result[f"pass@{k}"] = float(sums[2]) / n
-        result[f"maj@{k}"] = float(sums[3]) / n
-    result["reward"] = float(sums[5]) / n
-    for j, name in enumerate(task.reward_names):
-        count = float(sums[6 + rewards + j])
-        result[f"rewards/{name}"] = float(sums[6 + j]) / count if count else float("nan")
+    if not totals.not_binary:  # the accuracy reward was 0 or 1 on every completion
+        result["accuracy"] = float(totals.greedy_right) / n
+    for name, passed in zip(task.greedy_rates, totals.greedy_rates.tolist()):
+        result[name] = passed / n
+    if not totals.not_binary and k:
+        result[f"pass@{k}"] = float(totals.pass_at_k) / n
+        result[f"maj@{k}"] = float(totals.maj_at_k) / n
+    result["reward"] = float(totals.reward) / n
+    for name, value, count in zip(task.reward_names, totals.per_reward.tolist(), totals.applies.tolist()):
+        result[f"rewards/{name}"] = value / count if count else float("nan")
     return result
 
 
@@ -117,7 +138,7 @@ def evaluate(
     model.eval()
     torch.manual_seed(step_seed(config.seed, "eval", seed, dist.rank))
     mine = task.held_out.select(range(dist.rank, len(task.held_out), dist.world))
-    sums = torch.zeros(_size(task), dtype=torch.float64)
+    sums = HeldOutTotals.zeros(task).to_sums()
     acc = task.reward_names.index(task.accuracy_reward)
     # Progress on stderr, in a terminal only: rows done, and the token the current batch is at.
     bar = tqdm(total=len(mine), desc=desc, unit="problem", leave=False, disable=None if dist.is_main else True)
@@ -152,11 +173,11 @@ def evaluate(
                         "samples_right": int((scores[1:, acc] == 1).sum()),
                     }
                 )
-        sums += tally(task, decoded, config.eval_k)
+        sums += tally(task, decoded, config.eval_k).to_sums()
         bar.update(len(decoded))
     bar.close()
     model.train()
     stop_together(dist, failed)
     if dist.any(stopped):
         return None
-    return metrics(task, dist.all_sum(sums.to(dist.device)).cpu(), config.eval_k)
+    return metrics(task, HeldOutTotals.read(task, dist.all_sum(sums.to(dist.device)).cpu()), config.eval_k)

@@ -37,16 +37,17 @@ from .distributed import Distributed, full_parameters, full_state, load_optimize
 from .intervals import metric_intervals
 from .metrics_log import MetricsLog
 from .model import check_model_source
+from .offline.plots import plot_run
 from .optimizer import check_master_weights
-from .plots import plot_run
 from .precision import autocast
 from .report import print_summary, save_final, summarise
-from .rollout import compiles_decode, rollout
+from .rollout import Rollout, compiles_decode, rollout
 from .scoring import RewardError, stop_together
 from .seeding import step_seed
 from .session import Session, check_process_shares, load_session, step_rows
 from .stopping import Interrupted, Stopped, StopReason
 from .task import load_task
+from .totals import Totals
 from .tracking import Trackers, check_trackers
 from .update import advance_schedule, no_signal_cause, token_stats, update
 
@@ -241,37 +242,27 @@ def train_step(session: Session, state: RunState, step: int) -> dict:
             failed = exc
     stop_together(dist, failed)
     t1 = time.time()
-    old_logprobs, ref_logprobs = rollout_logprobs(session, state, batch)
+    batch.old_logprobs, batch.ref_logprobs = rollout_logprobs(session, state, batch)
     t2 = time.time()
     stepped, losses, grad_norms = 0, [], []
     for iteration in range(config.num_iterations):
         if iteration == 1:
             stop.paused = True  # the first update is applied: finish the step, so the checkpoint stays exact
-        result = update(
-            policy,
-            session.optimizer,
-            batch,
-            loss_config,
-            config,
-            dist,
-            old_logprobs,
-            state.initial_entropy,
-            ref_logprobs,
-        )
+        result = update(policy, session.optimizer, batch, loss_config, config, dist, state.initial_entropy)
         advance_schedule(session.scheduler)
-        stepped += result["stepped"]
-        losses.append(result["loss"])
-        grad_norms.append(result["grad_norm"])
+        stepped += result.stepped
+        losses.append(result.loss)
+        grad_norms.append(result.grad_norm)
     t3 = time.time()
     stop.paused = False
     state.no_signal_streak = 0 if stepped else state.no_signal_streak + 1
     if state.no_signal_streak == NO_SIGNAL_WARNING_AFTER and dist.is_main:
         tqdm.write(
             f"warning: {NO_SIGNAL_WARNING_AFTER} steps in a row without any learning signal, so the weights "
-            f"did not move: {no_signal_cause(result['metrics'], loss_config)}",
+            f"did not move: {no_signal_cause(result.metrics, loss_config)}",
             file=sys.stderr,
         )
-    metrics = result["metrics"].to_dict()
+    metrics = result.metrics.to_dict()
     return {
         "kind": "train",
         "step": step + 1,
@@ -290,7 +281,7 @@ def train_step(session: Session, state: RunState, step: int) -> dict:
     }
 
 
-def rollout_logprobs(session: Session, state: RunState, batch: dict):
+def rollout_logprobs(session: Session, state: RunState, batch: Rollout):
     """``(old_logprobs, ref_logprobs)`` of the rollout, each None where the step needs none: the sampling policy's
     (with ``--num-iterations`` above 1; on the first step its mean entropy, over all processes, becomes ``state``'s
     initial entropy) and the starting policy's (``--beta``: the KL term's reference)."""
@@ -300,7 +291,7 @@ def rollout_logprobs(session: Session, state: RunState, batch: dict):
         with full_parameters(policy), autocast(config, dist.device):
             logp, entropy = token_stats(model, batch, config, session.head)
         if state.initial_entropy is None:  # the policy's entropy before any update, over all processes
-            mask = batch["completion_mask"]
+            mask = batch.completions.completion_mask
             sums = dist.all_sum(torch.stack([(entropy * mask).sum().double(), mask.sum().double()]))
             state.initial_entropy = float(sums[0] / sums[1].clamp(min=1))
         old_logprobs = logp if config.num_iterations > 1 else None
@@ -311,9 +302,8 @@ def rollout_logprobs(session: Session, state: RunState, batch: dict):
 
 
 @dataclass
-class RolloutTotals:
-    """A rollout's sums and counts, added over processes as one float64 vector (`to_sums`, `from_sums`): each field
-    is a sum, so the fields of several processes' totals add up to the whole batch's."""
+class RolloutTotals(Totals):
+    """A rollout's sums and counts, added over processes as one vector (`Totals`)."""
 
     reward: torch.Tensor  # the summed total reward
     solved: torch.Tensor  # completions scoring 1 on the accuracy reward
@@ -323,37 +313,26 @@ class RolloutTotals:
     per_reward: torch.Tensor  # [R] each reward function's summed values where it applies
     applies: torch.Tensor  # [R] how many completions each reward function applies to
 
-    SCALARS = ("reward", "solved", "not_binary", "tokens", "completions")
 
-    def to_sums(self) -> torch.Tensor:
-        scalars = torch.stack([getattr(self, name).double().reshape(()).cpu() for name in self.SCALARS])
-        return torch.cat([scalars, self.per_reward.double().cpu(), self.applies.double().cpu()])
-
-    @classmethod
-    def from_sums(cls, sums: torch.Tensor, rewards: int) -> RolloutTotals:
-        scalars = dict(zip(cls.SCALARS, sums[: len(cls.SCALARS)].unbind()))
-        per_reward = sums[len(cls.SCALARS) :]
-        return cls(**scalars, per_reward=per_reward[:rewards], applies=per_reward[rewards:])
-
-
-def reward_figures(session: Session, batch: dict) -> dict:
+def reward_figures(session: Session, batch: Rollout) -> dict:
     """The step's rollout figures over all processes: the mean reward, each reward function's mean over the
     completions it applies to (``rewards/NAME``), the share scoring 1 on the accuracy reward (where its values are
     0 or 1) and the mean completion length."""
     task, dist = session.task, session.dist
-    scores = batch["scores"].double()
+    scores = batch.scores.double()
     applies = ~scores.isnan()
     acc = scores[:, task.reward_names.index(task.accuracy_reward)]
     mine = RolloutTotals(
-        reward=batch["rewards"].double().sum(),
+        reward=batch.rewards.double().sum(),
         solved=(acc == 1).sum(),
         not_binary=~((acc == 0) | (acc == 1) | acc.isnan()).all(),
-        tokens=batch["completion_mask"].sum(),
+        tokens=batch.completions.completion_mask.sum(),
         completions=torch.tensor(len(scores)),
         per_reward=torch.where(applies, scores, 0).sum(0),
         applies=applies.sum(0),
     )
-    totals = RolloutTotals.from_sums(dist.all_sum(mine.to_sums().to(dist.device)).cpu(), len(task.rewards))
+    sums, rewards = dist.all_sum(mine.to_sums().to(dist.device)).cpu(), len(task.rewards)
+    totals = RolloutTotals.from_sums(sums, per_reward=rewards, applies=rewards)
     n = float(totals.completions)
     figures = {"reward": float(totals.reward) / n}
     for name, value, count in zip(task.reward_names, totals.per_reward.tolist(), totals.applies.tolist()):

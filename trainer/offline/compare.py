@@ -1,4 +1,4 @@
-"""Compare finished runs: ``python -m gtpo_train.compare runs/gtpo-seed* runs/grpo-seed* [--out results/]``.
+"""Compare finished runs: ``python -m gtpo_train.offline.compare runs/gtpo-seed* runs/grpo-seed* [--out results/]``.
 
 Runs are grouped by variant: the algorithm, the loss preset and the loss overrides of their ``config.json``
 (``--entropy-coef``, ``--no-entropy-filter``, ``--no-conflict-weights``, ``--entropy-threshold``), and any other
@@ -27,7 +27,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from .intervals import is_share, with_interval
+from ..intervals import is_share, with_interval
 
 LN2 = math.log(2.0)
 # A run collapsed when any of these holds (stated in the table's heading; fixed before the study's final runs):
@@ -75,7 +75,7 @@ def differing_settings(configs: List[Optional[dict]]) -> List[str]:
 def with_defaults(config: dict) -> dict:
     """``config`` with each setting it lacks at the trainer's default: a run saved before a setting existed ran as
     its default does (a LoRA run against older full-training runs differs in ``lora_r``, not only in its rate)."""
-    from .config import TrainConfig
+    from ..config import TrainConfig
 
     defaults = {}
     for f in dataclasses.fields(TrainConfig):
@@ -300,7 +300,9 @@ def plot(by_variant: Dict[str, List[dict]], path: Path) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(
-        prog="python -m gtpo_train.compare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m gtpo_train.offline.compare",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("runs", nargs="+", help="run folders (each with summary.json, metrics.jsonl, config.json)")
     p.add_argument("--out", default="results", help="where comparison.md and comparison.png go")
