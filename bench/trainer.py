@@ -19,6 +19,10 @@ update* the loss's forward and backward over the batch and the optimiser step (w
 loss (``hidden @ lm_head``, statistics, objective and its gradients, all in its forward) and the rest (the decoder's
 backward, clipping, AdamW).
 Tokens per second count the completions' tokens (up to and including each EOS).
+
+``--against PATH`` also runs another checkout's step (its code, this harness), after this one's; with
+``--against-first`` before it. One run in each order is a before/after comparison that a drifting clock
+favours neither way.
 """
 
 from __future__ import annotations
@@ -317,13 +321,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--name", default=None, help="the table's file name (default trainer-cpu-PRECISION)")
     p.add_argument("--against", metavar="PATH", help="also run the step of another checkout (e.g. the last commit's)")
+    p.add_argument(
+        "--against-first",
+        action="store_true",
+        help="run --against's checkout before this one (a second run in this order evens out a drifting clock)",
+    )
     p.add_argument("--no-trl", action="store_true", help="leave TRL's GRPOTrainer out (it needs the [trl] extra)")
     p.add_argument("--no-roofline", dest="roofline", action="store_false", help="no bare-product rates")
     return p
 
 
 # Options of this bench that an older checkout's parser may not know: not passed to --against's run.
-OWN_OPTIONS = {"--against": 1, "--no-trl": 0, "--no-roofline": 0, "--name": 1}
+OWN_OPTIONS = {"--against": 1, "--against-first": 0, "--no-trl": 0, "--no-roofline": 0, "--name": 1}
 
 
 def argv_for_older(argv: list) -> list:
@@ -368,8 +377,8 @@ def table(results: dict, args) -> list:
             f"| {split(last)} | {tokens:.0f} | {tokens / last['sampling']:.0f} | {tokens / last['update']:.0f} | "
             f"{last['reward']:.2f} |"
         )
-    first, *others = results
-    for other in others:
+    first = "gtpo-train"  # this checkout's, whichever ran first: the ratios are its step over each other's
+    for other in [name for name in results if name != first]:
         ratio = results[first][-1]["step"] / results[other][-1]["step"]
         lines.append("")
         lines.append(
@@ -427,8 +436,15 @@ def main(argv=None) -> None:
     args.argv = argv
     if args.steps < 1:
         raise SystemExit("--steps must be at least 1")
-    results = {"gtpo-train": measure("ours", args)}
-    if args.against:
+    if args.against_first and not args.against:
+        raise SystemExit("--against-first needs --against PATH")
+    results = {}
+    if args.against and args.against_first:
+        results[f"gtpo-train at {Path(args.against).name}"] = measure(
+            "ours", args, root=Path(args.against).resolve(), argv=argv_for_older(argv)
+        )
+    results["gtpo-train"] = measure("ours", args)
+    if args.against and not args.against_first:
         results[f"gtpo-train at {Path(args.against).name}"] = measure(
             "ours", args, root=Path(args.against).resolve(), argv=argv_for_older(argv)
         )

@@ -148,3 +148,17 @@ def test_trainer_benchmark_harness(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(common, "RESULTS", tmp_path)
     text = common.write_markdown("trainer-t", lines).read_text()
     assert text.startswith("# trainer-t\n") and "- cpu_bf16_units: " in text and text.endswith(lines[-1] + "\n")
+
+
+def test_the_trainer_tables_ratio_is_this_checkouts_step_whichever_ran_first():
+    """`--against-first` runs the other checkout first: the ratio still divides this checkout's step by the
+    other's, and the option is not passed to an older checkout's parser."""
+    from bench import trainer as bench_trainer
+
+    args = bench_trainer.parser().parse_args(["--against", "/x", "--against-first", "--steps", "1"])
+    step = {"sampling": 1.0, "scoring": 0.0, "update": 1.0, "completion_tokens": 10.0, "reward": 0.5}
+    results = {"gtpo-train at old": [dict(step, step=4.0)], "gtpo-train": [dict(step, step=3.0)]}
+    text = "\n".join(bench_trainer.table(results, args))
+    assert "gtpo-train's step / gtpo-train at old's: **0.75**" in text
+    kept = bench_trainer.argv_for_older(["--against", "/x", "--against-first", "--steps", "1"])
+    assert kept == ["--steps", "1"]

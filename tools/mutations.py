@@ -273,6 +273,22 @@ MUTANTS: Tuple[Mutant, ...] = (
         "the bench's in-process worker leaves gtpo-train's functions as it found them",
     ),
     Mutant(
+        "bench trainer: the ratio's numerator the checkout that ran first",
+        "bench/trainer.py",
+        '    first = "gtpo-train"  # this checkout',
+        "    first = next(iter(results))  # this checkout",
+        ("tests/test_bench.py::test_the_trainer_tables_ratio_is_this_checkouts_step_whichever_ran_first",),
+        "with --against-first the ratio is still this checkout's step over the other's",
+    ),
+    Mutant(
+        "bench trainer: --against-first passed to an older checkout's parser",
+        "bench/trainer.py",
+        '"--against-first": 0, ',
+        "",
+        ("tests/test_bench.py::test_the_trainer_tables_ratio_is_this_checkouts_step_whichever_ran_first",),
+        "an older checkout's parser never sees this bench's newer options",
+    ),
+    Mutant(
         "compare: older summaries' problem count not read from config.json",
         "trainer/offline/compare.py",
         'summary.setdefault("eval_problems", (config or {}).get("eval_size"))',
