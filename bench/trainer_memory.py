@@ -112,8 +112,8 @@ def one(model: str, setting: str) -> dict:
             with reference_weights(session.model, session.reference) as reference:
                 batch.ref_logprobs, _ = token_stats(reference, batch, config, session.head)
         initial_entropy = float(entropy.mean())
-        policy, optimizer, loss_config = session.policy, session.optimizer, session.loss_config
-        result = update(policy, optimizer, batch, loss_config, config, dist, initial_entropy)
+        policy, optimizer = session.policy, session.optimizer
+        result = update(policy, optimizer, batch, config, dist, initial_entropy)
     return {
         "model": model,
         "setting": setting,

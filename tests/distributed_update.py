@@ -62,7 +62,6 @@ def main(model_dir: str, out_file: str, fsdp: bool) -> None:
         grad_accum_steps=2 // dist.world if dist.world <= 2 else 1,
         fsdp=fsdp,
     )
-    loss_config = config.loss_config()
     batch = share(fixed_batch(model.config.vocab_size), dist.rank, dist.world, config.group_size)
     policy = wrap(PolicyLoss(model), model.get_decoder().layers, dist, fsdp)
     # The trainer's optimiser at a training-sized rate (Adam's normalisation turns the rounding of gradient
@@ -78,7 +77,7 @@ def main(model_dir: str, out_file: str, fsdp: bool) -> None:
     optimizer.adamw.register_step_pre_hook(keep_gradients)
     with full_parameters(policy):
         batch.old_logprobs, _ = token_stats(model, batch, config)
-    result = update(policy, optimizer, batch, loss_config, config, dist, initial_entropy=5.0)
+    result = update(policy, optimizer, batch, config, dist, initial_entropy=5.0)
     model_state, _ = full_state(policy, None)
     if dist.is_main:
         torch.save(

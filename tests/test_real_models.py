@@ -251,7 +251,7 @@ def test_a_soft_capped_head_trains_through_the_fused_loss(tiny_gemma2_dir, tmp_p
         cfg = tiny_config(tiny_gemma2_dir, tmp_path / "g", algo="grpo", fused_linear=fused)
         model.zero_grad()
         out = update.PolicyLoss(model, head if fused else None)(
-            batch, slice(0, 2), cfg.loss_config(), cfg, initial_entropy=1.0,
+            batch, slice(0, 2), cfg, initial_entropy=1.0,
             num_sequences=None, num_tokens=None,
         )  # fmt: skip
         out.loss.backward()

@@ -127,7 +127,6 @@ def test_a_step_without_signal_is_skipped_without_the_loss_warning(tiny_model_di
             update.PolicyLoss(model),
             optimizer,
             batch,
-            config.loss_config(),
             config,
             Distributed(0, 1, torch.device("cpu")),
             1.0,
@@ -206,27 +205,33 @@ def test_fused_and_logits_losses_agree(tiny_model_dir, tmp_path):
 def test_loss_is_on_the_sampling_distribution(tiny_model_dir, fused_linear):
     """Completions sampled at temperature T are scored under softmax(logits / T): the trainer's loss
     and gradient equal the float64 reference on the model's logits divided by T."""
-    from gtpo_kernels import GTPOConfig, conflict_weights
+    from gtpo_kernels import conflict_weights
     from gtpo_kernels.reference import reference_gtpo_loss
 
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    # sum, not the preset's sequence_mean: the loss must be the one this config asks for, read from it.
     config = TrainConfig(
-        model=tiny_model_dir, temperature=0.5, group_size=3, max_new_tokens=6, fused_linear=fused_linear
+        model=tiny_model_dir,
+        temperature=0.5,
+        group_size=3,
+        max_new_tokens=6,
+        fused_linear=fused_linear,
+        loss_reduction="sum",
     )
     torch.manual_seed(0)
     completions = rollout.generate(
         model, tokenizer, builtin_task(config), ["1+2?", "3+4?"], 3, config, torch.device("cpu")
     )
     advantages = torch.tensor([1.0, -0.5, -0.5, 0.7, 0.0, -0.7])
-    loss_config = GTPOConfig(preset="paper")
+    loss_config = config.loss_config()
+    assert (loss_config.preset, loss_config.loss_reduction) == ("paper", "sum")
 
     conflict = conflict_weights(completions.completion_ids, completions.completion_mask, advantages, 3)
     batch = rollout.Rollout(completions, 3, advantages, conflict=conflict)
     out = update.PolicyLoss(model)(
         batch,
         slice(0, 2),
-        loss_config,
         config,
         initial_entropy=1.0,
         num_sequences=None,
@@ -756,13 +761,42 @@ def test_answer_in_block_reaches_rewards_and_evaluation(monkeypatch, in_block):
     rows = task.held_out.to_dict()
     texts[:] = ["7", "<reasoning>x</reasoning>\n<answer>\n7\n</answer>", "8"]
     cpu = torch.device("cpu")
-    batch = rollout.rollout(torch.nn.Linear(1, 1), None, task, rows, config, config.loss_config(), cpu)
+    batch = rollout.rollout(torch.nn.Linear(1, 1), None, task, rows, config, cpu)
     assert batch.scores[:, 0].tolist() == ([0.0, 1.0, 0.0] if in_block else [1.0, 1.0, 0.0])
     # Evaluation: the greedy answer first, then 3 samples; in the block only a wrong 8 is ever answered.
     texts[:] = ["7", "<answer>\n8\n</answer>", "7", "7"]
     metrics = evaluation.evaluate(torch.nn.Linear(1, 1), None, task, config, Distributed(0, 1, cpu), seed=0)
     expected = 0.0 if in_block else 1.0
     assert (metrics["accuracy"], metrics["pass@3"], metrics["maj@3"]) == (expected, expected, expected)
+
+
+@pytest.mark.parametrize("algo", ["gtpo", "grpo"])
+def test_the_rollouts_advantages_and_conflicts_follow_the_runs_one_config(monkeypatch, algo):
+    """A rollout reads its loss settings from the run's config (no second config beside it): GTPO's preset
+    centres each group's rewards and weights conflicts; GRPO's also divides by the group's std and weighs none."""
+    texts = ["<reasoning>x</reasoning>\n<answer>\n7\n</answer>", "7", "8"]
+
+    def fake_generate(model, tokenizer, task, questions, n, config, device, **kwargs):
+        rows = len(questions) * n
+        return rollout.Completions(
+            prompt_ids=torch.ones(len(questions), 2, dtype=torch.long),
+            prompt_mask=torch.ones(len(questions), 2, dtype=torch.long),
+            completion_ids=torch.tensor([[1, 2, 3], [1, 2, 4], [5, 6, 7]]),
+            completion_mask=torch.ones(rows, 3, dtype=torch.bool),
+            texts=texts[:rows],
+        )
+
+    monkeypatch.setattr(rollout, "generate", fake_generate)
+    config = TrainConfig(algo=algo, group_size=3, prompts_per_step=1, precision="fp32")
+    task = builtin_task(config)
+    rows = {"prompt": ["3 + 4?"], "answer": ["7"]}
+    batch = rollout.rollout(torch.nn.Linear(1, 1), None, task, rows, config, torch.device("cpu"))
+    rewards = batch.rewards.double()
+    assert len(set(rewards.tolist())) > 1 and abs(rewards.std().item() - 1) > 0.1  # scaling by the std shows
+    centred = rewards - rewards.mean()
+    want = centred / (rewards.std() + 1e-4) if algo == "grpo" else centred
+    torch.testing.assert_close(batch.advantages.double(), want, rtol=1e-6, atol=1e-6)
+    assert (batch.conflict is None) == (algo == "grpo")
 
 
 def write_test_checkpoint(out_dir, step, state=None, limit=0):

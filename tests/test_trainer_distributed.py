@@ -135,11 +135,11 @@ def test_a_step_without_signal_leaves_weights_and_optimiser_alone(tiny_model_dir
     batch = fixed_batch(model.config.vocab_size)
     # A first step with signal, so that the optimiser has momentum to lose.
     signal_config = TrainConfig(model=tiny_model_dir, group_size=3, prompts_per_step=4)
-    first = update_module.update(policy, optimizer, batch, signal_config.loss_config(), signal_config, dist, 5.0)
+    first = update_module.update(policy, optimizer, batch, signal_config, dist, 5.0)
     assert first.stepped
     params = {k: v.clone() for k, v in model.state_dict().items()}
     moments = {k: v.clone() for k, v in optimizer.adamw.state_dict()["state"][0].items()}
-    result = update_module.update(policy, optimizer, batch, config.loss_config(), config, dist, None)
+    result = update_module.update(policy, optimizer, batch, config, dist, None)
     assert not result.stepped and float(result.metrics.filtered_fraction) == 1.0
     assert float(result.metrics.signal_fraction) == 0.0
     assert all(torch.equal(v, params[k]) for k, v in model.state_dict().items())
@@ -170,7 +170,7 @@ def test_a_training_step_builds_no_vocabulary_sized_logits(tmp_path):
     full_logits = n * length * vocab * 4
     with PeakTensorMemory() as memory:
         batch.old_logprobs, _ = update_module.token_stats(model, batch, train_config)
-        update_module.update(policy, optimizer, batch, train_config.loss_config(), train_config, Distributed(), 5.0)
+        update_module.update(policy, optimizer, batch, train_config, Distributed(), 5.0)
     print(
         f"V = {vocab}: full float32 logits {full_logits / 2**20:.1f} MiB; largest tensor of the step "
         f"{memory.largest / 2**20:.1f} MiB, peak of tensors alive {memory.peak / 2**20:.1f} MiB"

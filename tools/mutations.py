@@ -273,6 +273,22 @@ MUTANTS: Tuple[Mutant, ...] = (
         "the bench's in-process worker leaves gtpo-train's functions as it found them",
     ),
     Mutant(
+        "one config: the policy's loss the default GTPOConfig, not the run's",
+        "trainer/update.py",
+        "keywords = dict(config=config.loss_config(), **rows.row_keywords())",
+        "keywords = dict(config=type(config.loss_config())(), **rows.row_keywords())",
+        ("tests/test_trainer.py::test_loss_is_on_the_sampling_distribution",),
+        "each micro-batch's loss is the one the run's config asks for (here sum, not the preset's sequence_mean)",
+    ),
+    Mutant(
+        "one config: the rollout's advantages not scaled as the run's loss asks",
+        "trainer/rollout.py",
+        "normalize_std=loss_config.normalize_advantages_by_std)",
+        "normalize_std=True)",
+        ("tests/test_trainer.py::test_the_rollouts_advantages_and_conflicts_follow_the_runs_one_config",),
+        "the rollout's advantages are scaled as the run's loss asks (GTPO's presets centre; GRPO's divide by the std)",
+    ),
+    Mutant(
         "bench trainer: the ratio's numerator the checkout that ran first",
         "bench/trainer.py",
         '    first = "gtpo-train"  # this checkout',

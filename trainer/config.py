@@ -273,8 +273,10 @@ class TrainConfig:
     def loss_preset(self) -> str:
         return self.preset or ("paper" if self.algo == "gtpo" else "grpo")
 
-    def loss_config(self, max_completion_length: Optional[int] = None):
-        """The `GTPOConfig` of this run's loss."""
+    def loss_config(self):
+        """The `GTPOConfig` of this run's loss: read from this config wherever the loss is needed (the rollout's
+        advantages and conflict weights, every micro-batch's loss), so a step carries one config, not two. The
+        sampler's cap ``max_new_tokens`` is the loss's ``max_completion_length`` (``dr_grpo`` divides by it)."""
         from gtpo_kernels import GTPOConfig
 
         overrides = {}
@@ -293,7 +295,7 @@ class TrainConfig:
         # warn_no_signal off: the trainer skips a step without signal itself, and says so after a few in a row.
         return GTPOConfig(
             preset=self.loss_preset,
-            max_completion_length=max_completion_length,
+            max_completion_length=self.max_new_tokens,
             ratio_function=self.ratio_function,
             importance_sampling_level=self.importance_sampling_level,
             entropy_bonus=float(self.entropy_bonus),

@@ -8,7 +8,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from gtpo_kernels import GTPOConfig, compute_advantages, conflict_weights
+from gtpo_kernels import compute_advantages, conflict_weights
 from gtpo_kernels.rows import LossRows
 
 from .config import TrainConfig
@@ -160,7 +160,6 @@ def rollout(
     task: Task,
     rows: Dict[str, List],
     config: TrainConfig,
-    loss_config: GTPOConfig,
     device,
     on_token=None,
 ) -> Rollout:
@@ -172,6 +171,7 @@ def rollout(
     )
     scores = score_completions(task, rows, completions, config.group_size)
     rewards = combine(scores, task.weights).to(device)
+    loss_config = config.loss_config()
     advantages = compute_advantages(rewards, config.group_size, normalize_std=loss_config.normalize_advantages_by_std)
     conflict = None
     if loss_config.use_conflict_weights:

@@ -164,7 +164,7 @@ def load_session(config: TrainConfig, dist: Distributed, task: Task, resume_from
     total_updates = config.steps * config.num_iterations
     return Session(
         config=config,
-        loss_config=config.loss_config(max_completion_length=config.max_new_tokens),
+        loss_config=config.loss_config(),
         dist=dist,
         model=model,
         tokenizer=tokenizer,

@@ -233,7 +233,6 @@ def train_step(session: Session, state: RunState, step: int) -> dict:
                 session.task,
                 step_rows(session.task.train, step, config, dist),
                 config,
-                loss_config,
                 dist.device,
                 # one process stops within a token of a request (our decoding step runs no layer hooks)
                 on_token=(lambda t: stop.check()) if dist.world == 1 else None,
@@ -248,7 +247,7 @@ def train_step(session: Session, state: RunState, step: int) -> dict:
     for iteration in range(config.num_iterations):
         if iteration == 1:
             stop.paused = True  # the first update is applied: finish the step, so the checkpoint stays exact
-        result = update(policy, session.optimizer, batch, loss_config, config, dist, state.initial_entropy)
+        result = update(policy, session.optimizer, batch, config, dist, state.initial_entropy)
         advance_schedule(session.scheduler)
         stepped += result.stepped
         losses.append(result.loss)

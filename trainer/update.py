@@ -65,11 +65,11 @@ class PolicyLoss(nn.Module):
         self.model = model
         self.head = head  # the head's logit scale or soft cap (Gemma 2, Cohere, Granite), applied by the fused loss
 
-    def forward(self, rollout: Rollout, groups: slice, loss_config: GTPOConfig, config: TrainConfig, **call):
+    def forward(self, rollout: Rollout, groups: slice, config: TrainConfig, **call):
         """``call``: the row keywords that are neither the rollout's nor the sampling temperature (`Rollout.rows`):
         the initial entropy and the whole batch's counts."""
         rows, g = rollout.rows(groups, temperature=config.temperature, **call), rollout.group_size
-        keywords = dict(config=loss_config, **rows.row_keywords())
+        keywords = dict(config=config.loss_config(), **rows.row_keywords())
         if config.fused_linear:  # never builds the [n, L, V] logits
             hidden, weight, bias = completion_hidden_states(self.model, rollout.completions, groups, g)
             return fused_linear_gtpo_loss(
@@ -125,7 +125,6 @@ def update(
     policy: nn.Module,
     optimizer: PolicyOptimizer,
     rollout: Rollout,
-    loss_config: GTPOConfig,
     config: TrainConfig,
     dist: Distributed,
     initial_entropy: Optional[float],
@@ -149,7 +148,6 @@ def update(
                 out = policy(
                     rollout,
                     groups,
-                    loss_config,
                     config,
                     initial_entropy=initial_entropy,
                     num_sequences=num_sequences,
