@@ -222,8 +222,8 @@ MUTANTS: Tuple[Mutant, ...] = (
     Mutant(
         "structure: a trainer module imports the script",
         "trainer/offline/answers.py",
-        "from .distributed import Distributed\n",
-        "from .distributed import Distributed\nfrom .train import main as _script  # noqa: F401\n",
+        "from ..distributed import Distributed\n",
+        "from ..distributed import Distributed\nfrom ..train import main as _script  # noqa: F401\n",
         ("tests/test_structure.py::test_the_trainer_reads_in_short_functions_and_nothing_imports_the_script",),
         "no module imports trainer/train.py",
     ),
