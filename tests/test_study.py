@@ -82,6 +82,54 @@ def test_a_spec_mistake_is_one_line_naming_it(tmp_path, change, message):
         study.StudySpec.read(path)
 
 
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            {"tasks": {"letters": ["--dataset", "no/such/train.jsonl"]}},
+            "cell letters/grpo: dataset 'no/such/train.jsonl': no such file or folder",
+        ),
+        (
+            {"variants": {"grpo": ["--algo", "grpo"], "gtpo": ["--algo", "gtpo", "--temperature", "-1"]}},
+            "cell arithmetic/gtpo: gtpo-train: error: --temperature must be a positive number",
+        ),
+        ({"common": ["--reward", "no_such_module:fn"]}, "cell arithmetic/grpo: --reward 'no_such_module:fn'"),
+    ],
+)
+def test_a_cell_that_would_stop_in_its_first_second_stops_the_study_before_any_runs(
+    tmp_path, monkeypatch, capsys, change, message
+):
+    """A dataset that is not there, a bad value or a reward that cannot be imported would stop every cell at once:
+    the study says so in one line naming the cell, and runs nothing (no cell folder, no log)."""
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out"
+    spec = write_spec(tmp_path / "spec.json", "m", out, **change)
+    with pytest.raises(SystemExit) as stopped:
+        study.main([str(spec)])
+    assert stopped.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_a_failed_cell_is_listed_with_the_last_line_of_its_log(tmp_path, monkeypatch, capsys):
+    """After the report, each failed cell with its exit status, its log and that log's last line (the trainer's
+    one-line error), so that a user need not open 28 logs to see why."""
+    spec = write_spec(tmp_path / "spec.json", "m", tmp_path / "out")
+
+    def run_study(spec, jobs):
+        cell = spec.cells()[0]
+        cell.folder.parent.mkdir(parents=True)
+        cell.folder.with_suffix(".log").write_text("loading\ngtpo-train: error: the reward raised on row 3\n")
+        return [(cell, 2)]
+
+    monkeypatch.setattr(study, "run_study", run_study)
+    with pytest.raises(SystemExit) as stopped:
+        study.main([str(spec)])
+    assert stopped.value.code == 1
+    err = capsys.readouterr().err
+    assert "(exit 2; its log: " in err and err.rstrip().endswith("): gtpo-train: error: the reward raised on row 3")
+
+
 def test_a_smoke_study_runs_resumes_and_reports_paired_differences(tiny_model_dir, tmp_path):
     out = tmp_path / "study"
     variants = {

@@ -29,6 +29,8 @@ ones. The report (`report`) is written when every cell has finished, or alone wi
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import math
 import os
@@ -322,6 +324,34 @@ def estimate_minutes(cell: Cell, cells: Sequence[Cell]) -> Optional[float]:
         if minutes:
             return sum(minutes) / len(minutes)
     return None
+
+
+def check_cells(spec: StudySpec) -> None:
+    """Every unfinished cell's flags as ``gtpo-train`` reads them, and its task as the trainer loads it (data,
+    prompts, rewards: every check that needs no model), once per distinct set of flags. A mistake that would stop
+    every cell in its first second is one `ConfigError` naming a cell before any cell runs. A spec's paths are
+    read from the folder the study runs in, as its cells read them."""
+    from ..config import parse_args
+    from ..task import load_task
+
+    seen = set()
+    for cell in spec.cells():
+        if cell.state == "finished" or tuple(cell.flags) in seen:
+            continue
+        seen.add(tuple(cell.flags))
+        name = f"{cell.task}/{cell.variant}"
+        said = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(said):
+                config = parse_args(cell.flags)
+        except SystemExit:  # gtpo-train's own one-line error
+            raise ConfigError(f"cell {name}: {said.getvalue().strip()}") from None
+        try:
+            load_task(config, train_size=config.prompts_per_step)
+        except ConfigError as exc:
+            raise ConfigError(
+                f"cell {name}: {exc} (a spec's paths are read from the folder the study runs in, {Path.cwd()})"
+            ) from None
 
 
 def dry_run(spec: StudySpec, jobs: int) -> List[str]:
@@ -744,6 +774,8 @@ def main(argv=None) -> None:
     try:
         spec = StudySpec.read(Path(args.spec))
         spec.check_shared_cells()
+        if not args.report_only:
+            check_cells(spec)
     except ConfigError as exc:
         p.error(str(exc))
     if args.dry_run:
@@ -756,7 +788,10 @@ def main(argv=None) -> None:
     print(f"report: {spec.report_path} ({(time.time() - started) / 60:.1f} min)")
     if failed:
         for cell, status in failed:
-            print(f"failed: {cell.folder} (exit {status}; its log: {cell.folder.with_suffix('.log')})", file=sys.stderr)
+            log = cell.folder.with_suffix(".log")
+            last = log.read_text(errors="replace").strip().splitlines()[-1:] if log.exists() else []
+            said = f": {last[0]}" if last else ""
+            print(f"failed: {cell.folder} (exit {status}; its log: {log}){said}", file=sys.stderr)
         raise SystemExit(1)
 
 
