@@ -11,7 +11,6 @@ from typing import Any, Dict, Optional
 import torch
 from torch import nn
 
-from gtpo_kernels import GTPOConfig
 from gtpo_kernels.fused_chunks import LogitTransform
 from gtpo_kernels.hf import head_logit_transform
 from gtpo_kernels.hf.model_config import unwrap
@@ -22,12 +21,13 @@ from .config import ConfigError, TrainConfig
 from .distributed import Distributed, full_parameters, full_state, wrap
 from .evaluation import evaluate
 from .metrics_log import MetricsLog
-from .model import load_model_and_tokenizer, use_grouped_query_attention_on_cpu
-from .optimizer import PolicyOptimizer
+from .model import check_model_source, load_model_and_tokenizer, use_grouped_query_attention_on_cpu
+from .optimizer import PolicyOptimizer, check_master_weights
 from .precision import choose_together
 from .report import save_model
 from .stopping import StopRequests
 from .task import Task
+from .tracking import check_trackers
 from .update import PolicyLoss
 
 
@@ -39,6 +39,16 @@ def warmup_cosine(warmup: int, total: int):
         return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
     return factor
+
+
+def check_before_loading(config: TrainConfig, world: int) -> None:
+    """What can be told wrong of a run on ``world`` processes before any file of it is read: the split of its
+    prompts over processes and micro-batches, the model's source, the trackers, the master weights. `train.start`
+    runs it first (then the task, `task.load_task`); a study runs both for each of its cells before any runs."""
+    check_process_shares(config, world)
+    check_model_source(config.model)
+    check_trackers(config.report_to)
+    check_master_weights(config, world)
 
 
 def check_process_shares(config: TrainConfig, world: int) -> None:
@@ -69,12 +79,12 @@ def step_rows(train_set, step: int, config: TrainConfig, dist: Distributed) -> D
 
 @dataclass
 class Session:
-    """What every step of a run works with, fixed once the run is loaded: the trainer's and the loss's settings,
-    the processes, the model (a ``PeftModel`` under LoRA), its loss as a (wrapped) module and its optimiser, the
-    frozen reference of ``--beta`` if it needs a copy, the task, the stop requests."""
+    """What every step of a run works with, fixed once the run is loaded: the run's settings (the loss's among
+    them, `TrainConfig.loss_config`), the processes, the model (a ``PeftModel`` under LoRA), its loss as a
+    (wrapped) module and its optimiser, the frozen reference of ``--beta`` if it needs a copy, the task, the stop
+    requests."""
 
     config: TrainConfig
-    loss_config: GTPOConfig
     dist: Distributed
     model: nn.Module
     tokenizer: Any
@@ -164,7 +174,6 @@ def load_session(config: TrainConfig, dist: Distributed, task: Task, resume_from
     total_updates = config.steps * config.num_iterations
     return Session(
         config=config,
-        loss_config=config.loss_config(),
         dist=dist,
         model=model,
         tokenizer=tokenizer,

@@ -36,19 +36,17 @@ from .decode import Decoder
 from .distributed import Distributed, full_parameters, full_state, load_optimizer_state
 from .intervals import metric_intervals
 from .metrics_log import MetricsLog
-from .model import check_model_source
 from .offline.plots import plot_run
-from .optimizer import check_master_weights
 from .precision import autocast
 from .report import print_summary, save_final, summarise
 from .rollout import Rollout, compiles_decode, rollout
 from .scoring import RewardError, stop_together
 from .seeding import step_seed
-from .session import Session, check_process_shares, load_session, step_rows
+from .session import Session, check_before_loading, load_session, step_rows
 from .stopping import Interrupted, Stopped, StopReason
 from .task import load_task
 from .totals import Totals
-from .tracking import Trackers, check_trackers
+from .tracking import Trackers
 from .update import advance_schedule, no_signal_cause, token_stats, update
 
 # Steps in a row without any learning signal before the run warns (it keeps going).
@@ -97,10 +95,7 @@ def start(config: TrainConfig, dist: Distributed) -> Tuple[Session, MetricsLog, 
     """Everything before the first step. What can be checked without the model is checked first, before anything
     is loaded or written: a bad setting, dataset or reward costs a second and leaves no empty output folder."""
     out_dir = Path(config.output_dir)
-    check_process_shares(config, dist.world)
-    check_model_source(config.model)
-    check_trackers(config.report_to)
-    check_master_weights(config, dist.world)
+    check_before_loading(config, dist.world)
     folder, saved = None, None
     if config.resume:  # the newest checkpoint, and its state file readable, before anything loads
         folder = latest_checkpoint(out_dir)
@@ -219,7 +214,7 @@ def train_step(session: Session, state: RunState, step: int) -> dict:
     """Rollout, old log-probs, num_iterations updates; returns the step's log row and advances ``state``'s
     initial entropy and no-signal streak. A stop request may cut it short (`Interrupted`) until its first
     optimiser step; after that the step completes."""
-    config, loss_config, dist, stop = session.config, session.loss_config, session.dist, session.stop
+    config, dist, stop = session.config, session.dist, session.stop
     model, policy = session.model, session.policy
     t0 = time.time()
     # Every random draw of this step comes from (seed, step, rank): a replayed step draws the same.
@@ -258,7 +253,7 @@ def train_step(session: Session, state: RunState, step: int) -> dict:
     if state.no_signal_streak == NO_SIGNAL_WARNING_AFTER and dist.is_main:
         tqdm.write(
             f"warning: {NO_SIGNAL_WARNING_AFTER} steps in a row without any learning signal, so the weights "
-            f"did not move: {no_signal_cause(result.metrics, loss_config)}",
+            f"did not move: {no_signal_cause(result.metrics, config.loss_config())}",
             file=sys.stderr,
         )
     metrics = result.metrics.to_dict()
