@@ -94,16 +94,21 @@ def test_a_spec_mistake_is_one_line_naming_it(tmp_path, change, message):
             "cell arithmetic/gtpo: gtpo-train: error: --temperature must be a positive number",
         ),
         ({"common": ["--reward", "no_such_module:fn"]}, "cell arithmetic/grpo: --reward 'no_such_module:fn'"),
+        (
+            {"common": ["--model", "spec.json"]},
+            "cell arithmetic/grpo: could not load model 'spec.json': not a folder with a config.json",
+        ),
     ],
 )
 def test_a_cell_that_would_stop_in_its_first_second_stops_the_study_before_any_runs(
-    tmp_path, monkeypatch, capsys, change, message
+    tiny_model_dir, tmp_path, monkeypatch, capsys, change, message
 ):
-    """A dataset that is not there, a bad value or a reward that cannot be imported would stop every cell at once:
-    the study says so in one line naming the cell, and runs nothing (no cell folder, no log)."""
+    """A dataset that is not there, a bad value, a reward that cannot be imported or a model that is not one would
+    stop every cell at once: the study says so in one line naming the cell, and runs nothing (no cell folder, no
+    log)."""
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "out"
-    spec = write_spec(tmp_path / "spec.json", "m", out, **change)
+    spec = write_spec(tmp_path / "spec.json", tiny_model_dir, out, **change)
     with pytest.raises(SystemExit) as stopped:
         study.main([str(spec)])
     assert stopped.value.code == 2
@@ -111,10 +116,10 @@ def test_a_cell_that_would_stop_in_its_first_second_stops_the_study_before_any_r
     assert not out.exists()
 
 
-def test_a_failed_cell_is_listed_with_the_last_line_of_its_log(tmp_path, monkeypatch, capsys):
+def test_a_failed_cell_is_listed_with_the_last_line_of_its_log(tiny_model_dir, tmp_path, monkeypatch, capsys):
     """After the report, each failed cell with its exit status, its log and that log's last line (the trainer's
     one-line error), so that a user need not open 28 logs to see why."""
-    spec = write_spec(tmp_path / "spec.json", "m", tmp_path / "out")
+    spec = write_spec(tmp_path / "spec.json", tiny_model_dir, tmp_path / "out")
 
     def run_study(spec, jobs):
         cell = spec.cells()[0]

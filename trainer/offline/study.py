@@ -327,11 +327,13 @@ def estimate_minutes(cell: Cell, cells: Sequence[Cell]) -> Optional[float]:
 
 
 def check_cells(spec: StudySpec) -> None:
-    """Every unfinished cell's flags as ``gtpo-train`` reads them, and its task as the trainer loads it (data,
-    prompts, rewards: every check that needs no model), once per distinct set of flags. A mistake that would stop
+    """Every unfinished cell's flags as ``gtpo-train`` reads them, then the trainer's own checks before it loads
+    anything (`session.check_before_loading`: prompts over processes, the model's source, trackers) and its task
+    as the trainer loads it (data, prompts, rewards), once per distinct set of flags. A mistake that would stop
     every cell in its first second is one `ConfigError` naming a cell before any cell runs. A spec's paths are
     read from the folder the study runs in, as its cells read them."""
     from ..config import parse_args
+    from ..session import check_before_loading
     from ..task import load_task
 
     seen = set()
@@ -347,6 +349,7 @@ def check_cells(spec: StudySpec) -> None:
         except SystemExit:  # gtpo-train's own one-line error
             raise ConfigError(f"cell {name}: {said.getvalue().strip()}") from None
         try:
+            check_before_loading(config, world=1)  # a cell is one process
             load_task(config, train_size=config.prompts_per_step)
         except ConfigError as exc:
             raise ConfigError(
