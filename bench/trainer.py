@@ -438,16 +438,14 @@ def main(argv=None) -> None:
         raise SystemExit("--steps must be at least 1")
     if args.against_first and not args.against:
         raise SystemExit("--against-first needs --against PATH")
-    results = {}
-    if args.against and args.against_first:
-        results[f"gtpo-train at {Path(args.against).name}"] = measure(
-            "ours", args, root=Path(args.against).resolve(), argv=argv_for_older(argv)
-        )
-    results["gtpo-train"] = measure("ours", args)
-    if args.against and not args.against_first:
-        results[f"gtpo-train at {Path(args.against).name}"] = measure(
-            "ours", args, root=Path(args.against).resolve(), argv=argv_for_older(argv)
-        )
+    runs = [("gtpo-train", lambda: measure("ours", args))]
+    if args.against:
+        other = Path(args.against)
+        older = argv_for_older(argv)
+        runs.append((f"gtpo-train at {other.name}", lambda: measure("ours", args, root=other.resolve(), argv=older)))
+        if args.against_first:
+            runs.reverse()
+    results = {name: run() for name, run in runs}
     if not args.no_trl:
         results["TRL GRPOTrainer"] = measure("trl_steps", args)
     lines = table(results, args) + roofline(results["gtpo-train"])

@@ -2,6 +2,7 @@
 not rot between GPU sessions. Timings here mean nothing; the structure of the output does."""
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -162,3 +163,27 @@ def test_the_trainer_tables_ratio_is_this_checkouts_step_whichever_ran_first():
     assert "gtpo-train's step / gtpo-train at old's: **0.75**" in text
     kept = bench_trainer.argv_for_older(["--against", "/x", "--against-first", "--steps", "1"])
     assert kept == ["--steps", "1"]
+
+
+@pytest.mark.parametrize("first", [False, True])
+def test_against_first_runs_the_other_checkout_first(tmp_path, monkeypatch, first):
+    """`--against PATH` measures this checkout, then PATH's; `--against-first` the other way round. Each run gets its
+    own root and arguments (the older one without this bench's own options)."""
+    from bench import trainer as bench_trainer
+
+    calls = []
+    step = {"step": 2.0, "sampling": 1.0, "scoring": 0.0, "update": 1.0, "completion_tokens": 10.0, "reward": 0.5}
+
+    def measure(which, args, root=bench_trainer.ROOT, argv=None):
+        calls.append((Path(root).name, argv))
+        return [dict(step, work={}, bare_gflops={})]
+
+    monkeypatch.setattr(bench_trainer, "measure", measure)
+    monkeypatch.setattr(bench_trainer, "roofline", lambda steps: [])
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    other = tmp_path / "old"
+    argv = ["--against", str(other), "--no-trl", "--steps", "1"] + (["--against-first"] if first else [])
+    bench_trainer.main(argv)
+    ours = (bench_trainer.ROOT.name, None)
+    theirs = ("old", ["--steps", "1"])
+    assert calls == ([theirs, ours] if first else [ours, theirs])

@@ -723,15 +723,9 @@ def test_compare_runs_table(tmp_path):
     assert "| grpo | 0 | accuracy | 0.400 | 0.400 | +0.000 | +0.000 | 0.000 | - (one seed) |" in text
 
 
-@pytest.mark.parametrize("in_block", [True, False])
-def test_answer_in_block_reaches_rewards_and_evaluation(monkeypatch, in_block):
-    """--no-answer-in-block is read by the rollout's correctness reward and by every held-out metric (the
-    completions are fixed, so no model is needed: bare right numbers count only with the setting off)."""
-    from datasets import Dataset
-
-    from trainer.distributed import Distributed
-
-    texts = []
+def generating(texts: list):
+    """A stand-in for `rollout.generate` that runs no model: each call's completions are the first of ``texts``
+    (read at the call, so a test may change the list between calls), three tokens each after a two-token prompt."""
 
     def fake_generate(model, tokenizer, task, questions, n, config, device, **kwargs):
         rows = len(questions) * n
@@ -742,6 +736,20 @@ def test_answer_in_block_reaches_rewards_and_evaluation(monkeypatch, in_block):
             completion_mask=torch.ones(rows, 3, dtype=torch.bool),
             texts=texts[:rows],
         )
+
+    return fake_generate
+
+
+@pytest.mark.parametrize("in_block", [True, False])
+def test_answer_in_block_reaches_rewards_and_evaluation(monkeypatch, in_block):
+    """--no-answer-in-block is read by the rollout's correctness reward and by every held-out metric (the
+    completions are fixed, so no model is needed: bare right numbers count only with the setting off)."""
+    from datasets import Dataset
+
+    from trainer.distributed import Distributed
+
+    texts = []
+    fake_generate = generating(texts)
 
     from trainer import evaluation
 
@@ -775,18 +783,7 @@ def test_the_rollouts_advantages_and_conflicts_follow_the_runs_one_config(monkey
     """A rollout reads its loss settings from the run's config (no second config beside it): GTPO's preset
     centres each group's rewards and weights conflicts; GRPO's also divides by the group's std and weighs none."""
     texts = ["<reasoning>x</reasoning>\n<answer>\n7\n</answer>", "7", "8"]
-
-    def fake_generate(model, tokenizer, task, questions, n, config, device, **kwargs):
-        rows = len(questions) * n
-        return rollout.Completions(
-            prompt_ids=torch.ones(len(questions), 2, dtype=torch.long),
-            prompt_mask=torch.ones(len(questions), 2, dtype=torch.long),
-            completion_ids=torch.tensor([[1, 2, 3], [1, 2, 4], [5, 6, 7]]),
-            completion_mask=torch.ones(rows, 3, dtype=torch.bool),
-            texts=texts[:rows],
-        )
-
-    monkeypatch.setattr(rollout, "generate", fake_generate)
+    monkeypatch.setattr(rollout, "generate", generating(texts))
     config = TrainConfig(algo=algo, group_size=3, prompts_per_step=1, precision="fp32")
     task = builtin_task(config)
     rows = {"prompt": ["3 + 4?"], "answer": ["7"]}

@@ -297,6 +297,14 @@ MUTANTS: Tuple[Mutant, ...] = (
         "a mistake that would stop every cell in its first second stops the study first, naming a cell",
     ),
     Mutant(
+        "study: the trainer's checks before loading not run for the cells",
+        "trainer/offline/study.py",
+        "            check_before_loading(config, world=1)  # a cell is one process",
+        "            pass",
+        ("tests/test_study.py", "-k", "first_second"),
+        "a cell whose --model is not a model stops the study before any cell runs, as gtpo-train would at start",
+    ),
+    Mutant(
         "study: a cell's task not loaded before any runs",
         "trainer/offline/study.py",
         "            load_task(config, train_size=config.prompts_per_step)",
@@ -319,6 +327,14 @@ MUTANTS: Tuple[Mutant, ...] = (
         "    first = next(iter(results))  # this checkout",
         ("tests/test_bench.py::test_the_trainer_tables_ratio_is_this_checkouts_step_whichever_ran_first",),
         "with --against-first the ratio is still this checkout's step over the other's",
+    ),
+    Mutant(
+        "bench trainer: --against-first ignored (this checkout always first)",
+        "bench/trainer.py",
+        "        if args.against_first:\n            runs.reverse()",
+        "        pass",
+        ("tests/test_bench.py", "-k", "against_first_runs"),
+        "--against-first measures the other checkout before this one",
     ),
     Mutant(
         "bench trainer: --against-first passed to an older checkout's parser",
