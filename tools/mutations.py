@@ -657,6 +657,23 @@ MUTANTS: Tuple[Mutant, ...] = (
         ("tests/test_bench.py::test_the_roofline_counts_each_phases_products_by_hand",),
         "the roofline's work is each phase's products, counted by hand on the tiny model",
     ),
+    # ---------------------------------------------------------------- issue 64: the bf16 step at the CPU's limit
+    Mutant(
+        "allocator: large blocks still get mappings of their own, unmapped on free",
+        "trainer/allocator.py",
+        "mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) and ",
+        "",
+        ("tests/test_allocator.py::test_freed_blocks_stay_in_the_process",),
+        "freed 8 MiB blocks stay in the process for the next step",
+    ),
+    Mutant(
+        "allocator: the session does not apply the settings",
+        "trainer/session.py",
+        "        keep_freed_memory()  #",
+        "        pass  #",
+        ("tests/test_allocator.py::test_a_cpu_session_sets_the_allocator",),
+        "a CPU training process keeps its freed activations",
+    ),
     # ---------------------------------------------------------------- issue 58's study runner
     Mutant(
         "study: finished cells run again",

@@ -16,6 +16,7 @@ from gtpo_kernels.hf import head_logit_transform
 from gtpo_kernels.hf.model_config import unwrap
 
 from .adapters import add_lora, frozen_reference
+from .allocator import keep_freed_memory
 from .checkpoint import RunState, write_checkpoint
 from .config import ConfigError, TrainConfig
 from .distributed import Distributed, full_parameters, full_state, wrap
@@ -137,6 +138,8 @@ def load_session(config: TrainConfig, dist: Distributed, task: Task, resume_from
     for the processes, the optimiser and the schedule: what a run's steps work with (``python -m bench trainer``
     times steps of it). The optimiser's and schedule's state are the caller's to load."""
     torch.manual_seed(config.seed)
+    if dist.device.type == "cpu":
+        keep_freed_memory()  # a step's activations are reused, not faulted in again (trainer/allocator.py)
     dtype = torch.bfloat16 if config.model_dtype == "bf16" else torch.float32
     lora = bool(config.lora_r)
     model, tokenizer = load_model_and_tokenizer(

@@ -1,0 +1,74 @@
+"""The trainer's host allocator settings (trainer/allocator.py): freed activations stay in the process.
+
+Each case runs in a fresh interpreter, since mallopt changes the whole process for good."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+# Allocates and touches 24 blocks of 8 MiB (the sizes of a step's activations: each above glibc's default 128 KiB
+# mmap threshold, below its 32 MiB maximum), frees them, and prints how many MiB of them the process still holds.
+FREED_AND_KEPT = textwrap.dedent(
+    """
+    import ctypes, os, sys
+    sys.path.insert(0, {root!r})
+    if {keep}:
+        from trainer.allocator import keep_freed_memory
+        reason = keep_freed_memory()
+        assert reason is None, reason
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    page = os.sysconf("SC_PAGE_SIZE")
+    def resident_mib():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * page / 2**20
+    before = resident_mib()
+    blocks = [libc.malloc(8 * 2**20) for _ in range(24)]
+    for b in blocks:
+        ctypes.memset(b, 1, 8 * 2**20)
+    for b in reversed(blocks):
+        libc.free(b)
+    print(resident_mib() - before)
+    """
+)
+
+
+def kept_mib(keep: bool) -> float:
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    out = subprocess.run(
+        [sys.executable, "-c", FREED_AND_KEPT.format(root=root, keep=keep)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return float(out.stdout.strip())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt and /proc: Linux only")
+def test_freed_blocks_stay_in_the_process():
+    # glibc's defaults give the 192 MiB back on free (each block its own mapping); the trainer's settings keep it
+    # for the next step's allocations.
+    assert kept_mib(keep=False) < 32
+    assert kept_mib(keep=True) > 160
+
+
+def test_a_cpu_session_sets_the_allocator(tiny_model_dir, tmp_path, monkeypatch):
+    """load_session is where a training process starts on the CPU: the settings are applied there."""
+    pytest.importorskip("transformers")
+    import trainer.session as session
+    from trainer.config import TrainConfig
+    from trainer.distributed import Distributed
+    from trainer.task import load_task
+
+    called = []
+    monkeypatch.setattr(session, "keep_freed_memory", lambda: called.append(True))
+    config = TrainConfig(model=str(tiny_model_dir), output_dir=str(tmp_path), precision="fp32", eval_size=4)
+    session.load_session(config, Distributed.start("cpu"), load_task(config, train_size=16))
+    assert called == [True]

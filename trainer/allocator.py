@@ -1,0 +1,40 @@
+"""The host allocator's settings for a training process on a CPU.
+
+A step frees about a gigabyte of activations at the end of each backward and allocates it again in the next forward.
+glibc's malloc hands freed memory at the top of its heap back to the kernel once more than its trim threshold is free
+there, and serves large blocks from mappings of their own, unmapped on free; either way the next step's allocations
+fault every page in again, zeroed by the kernel, and the update's decoder forward took about twice as long inside a
+step as the same forward run twice in a row (`python -m bench trainer`; bench/results/step-issue64/). Keeping freed
+memory in the process removes that: the resident set stays at the step's peak, which it reaches anyway.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+from typing import Optional
+
+# mallopt's parameter numbers (glibc's malloc.h).
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+# glibc's largest mmap threshold on a 64-bit machine (DEFAULT_MMAP_THRESHOLD_MAX): blocks below it come from the heap.
+MMAP_THRESHOLD_MAX = 32 * 2**20
+# Free memory at the heap's top is kept up to this much: the largest value mallopt's int takes, 2 GiB, above a
+# default step's activations.
+TRIM_THRESHOLD = 2**31 - 1
+
+
+def keep_freed_memory() -> Optional[str]:
+    """Tells glibc's malloc to keep freed memory for the process's next allocations (free memory at the heap's top
+    trimmed only past 2 GiB, blocks below 32 MiB from the heap); returns why it could not, or None. Not glibc (musl,
+    macOS): nothing is changed."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError, TypeError):
+        return f"no glibc mallopt in {name!r}"
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    if not (mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)):
+        return "mallopt refused the settings"
+    return None
