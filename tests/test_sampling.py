@@ -92,7 +92,8 @@ def tiny_family_model(kind):
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("prefix", [0, 24], ids=["own-prompts", "shared-prefix"])
-def test_decode_step_logits_equal_the_whole_sequence_forward(kind, prefix):
+@pytest.mark.parametrize("reads", ["written", "whole-buffer"])
+def test_decode_step_logits_equal_the_whole_sequence_forward(kind, prefix, reads):
     model = tiny_family_model(kind)
     assert decoder_issue(model) is None
     ids, mask = prefixed_prompts(97)
@@ -108,13 +109,83 @@ def test_decode_step_logits_equal_the_whole_sequence_forward(kind, prefix):
         positions = lengths.repeat_interleave(n, 0)
         rows_ids, rows_mask = ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
         for t in range(steps):
-            got = decoder(kv, new[:, t], positions + t, torch.tensor([attention.shape[1] - prefix + t]))
+            index = attention.shape[1] - prefix + t
+            used = index + 1 if reads == "written" else 0  # the positions written so far, or the whole buffer
+            got = decoder(kv, new[:, t], positions + t, torch.tensor([index]), used)
             whole = torch.cat([rows_ids, new[:, : t + 1]], 1)
             whole_mask = torch.cat([rows_mask, torch.ones_like(new[:, : t + 1])], 1)
             expected = model(
                 input_ids=whole, attention_mask=whole_mask, position_ids=(whole_mask.cumsum(1) - 1).clamp(min=0)
             ).logits[:, -1]
             assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+def test_under_autocast_the_cache_is_held_in_its_dtype_and_the_logits_stay_the_models():
+    """A float32 model under bf16 autocast: the cache holds bf16 (what the attention products run in, so no step
+    casts the whole cache), and the decoding step's logits stay within bf16's rounding of the float32 forward's."""
+    model = tiny_family_model("llama")
+    ids, mask = prefixed_prompts(97)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out, cache, attention, lengths = prompt_pass(model, ids, mask, logits_to_keep=1, share_prefix=True)
+        kv = KVCache.from_prompts(cache, attention, 2, 3, 24)
+        token = torch.randint(4, 97, (ids.shape[0] * 2,), generator=torch.Generator().manual_seed(3))
+        positions = lengths.repeat_interleave(2, 0)
+        index = attention.shape[1] - 24
+        got = Decoder(model)(kv, token, positions, torch.tensor([index]), index + 1).float()
+    assert {t.dtype for t in kv.keys + kv.values + kv.prefix_keys + kv.prefix_values} == {torch.bfloat16}
+    with torch.no_grad():
+        whole = torch.cat([ids.repeat_interleave(2, 0), token[:, None]], 1)
+        whole_mask = torch.cat([mask.repeat_interleave(2, 0), torch.ones_like(token[:, None])], 1)
+        expected = model(
+            input_ids=whole, attention_mask=whole_mask, position_ids=(whole_mask.cumsum(1) - 1).clamp(min=0)
+        ).logits[:, -1]
+    assert (got - expected).abs().max() <= 2e-2 * expected.abs().max()
+
+
+@pytest.mark.parametrize("greedy_first", [False, True], ids=["sampled", "greedy-first"])
+def test_rows_that_end_leave_the_batch_and_the_rows_that_go_on_take_the_same_tokens(greedy_first, monkeypatch):
+    """With several EOS ids the rows end at different steps; each one that ends leaves the decoding batch (the
+    cache keeps the others, moved up), and every row takes the tokens it takes when all decode to the end, and those
+    of transformers' own cache (sampled rows, and an evaluation's greedy first row of each prompt)."""
+    model = tiny_family_model("qwen3")
+    ids, mask = prefixed_prompts(97)
+    batches = []
+    keep = KVCache.keep
+
+    def counted_keep(self, rows, used):
+        batches.append(rows.numel())
+        keep(self, rows, used)
+
+    monkeypatch.setattr(KVCache, "keep", counted_keep)
+    runs = {}
+    for name, options in {
+        "compacted": {},
+        "every row to the end": {"compact": False},
+        "transformers' cache": {"own_cache": False},
+    }.items():
+        torch.manual_seed(5)
+        runs[name] = sample(
+            model,
+            ids,
+            mask,
+            4,
+            16,
+            temperature=1.5,
+            greedy_first=greedy_first,
+            eos_token_id=[3, 11, 17, 22, 29, 41, 53, 67, 79],
+            pad_token_id=0,
+            with_lengths=True,
+            **options,
+        )
+        if name == "compacted":
+            assert len(batches) >= 2 and batches == sorted(batches, reverse=True) and batches[-1] < 8, batches
+            batches.clear()
+    assert batches == []  # the other two decode every row to the end
+    tokens, lengths = runs["compacted"]
+    assert lengths.min() < lengths.max() <= tokens.shape[1]  # rows ended at different steps
+    for name in ("every row to the end", "transformers' cache"):
+        assert torch.equal(runs[name][0], tokens), name
+        assert torch.equal(runs[name][1], lengths), name
 
 
 def test_models_our_decoder_does_not_take_decode_through_transformers():

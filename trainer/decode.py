@@ -72,7 +72,8 @@ class KVCache:
     ``prefix_keys, prefix_values``: per layer ``[kv_heads, c, head_dim]``, the ``c`` tokens every prompt starts with
     (a system turn, worked examples), held once for all rows (``c = 0``: none); ``keys, values``: per layer
     ``[R, kv_heads, capacity, head_dim]``, each row's own prompt tokens and those written since; ``valid [R,
-    capacity]``: which of a row's positions it attends to (not its left padding, nor the room still empty)."""
+    capacity]``: which of a row's positions it attends to (not its left padding, nor the room still empty). Held in
+    the dtype the attention products run in (autocast's, where it is on), so a step casts only its new token's."""
 
     prefix_keys: List[torch.Tensor]
     prefix_values: List[torch.Tensor]
@@ -91,10 +92,15 @@ class KVCache:
         rows, with room for ``extra`` more positions."""
         batch, length = attention.shape
         own = length - prefix
+        device = attention.device.type
+        # Under autocast the attention products run in its dtype whatever the cache holds: a float32 cache (what a
+        # float32 model's rotary embedding leaves) would be cast whole at every layer of every step.
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         prefix_keys, prefix_values, keys, values = [], [], [], []
         for layer in cache.layers:
             for source, shared, into in ((layer.keys, prefix_keys, keys), (layer.values, prefix_values, values)):
                 _, heads, _, dim = source.shape
+                source = source.to(dtype or source.dtype)
                 if prefix:
                     shared.append(source[0, :, :prefix].clone())
                 buffer = source.new_zeros(batch, n, heads, own + extra, dim)
@@ -103,6 +109,17 @@ class KVCache:
         valid = torch.zeros(batch * n, own + extra, dtype=torch.bool, device=attention.device)
         valid[:, :own] = attention[:, prefix:].bool().repeat_interleave(n, 0)
         return cls(prefix_keys, prefix_values, keys, values, valid)
+
+    def keep(self, rows: torch.Tensor, used: int) -> None:
+        """Only the rows ``rows`` (ascending indices of the current ones) from now on, in that order: each kept row's
+        first ``used`` positions move up to its new index within the same buffers (nothing allocated, the room not
+        yet written not copied), and the buffers' first ``len(rows)`` rows become the cache."""
+        kept = rows.numel()
+        for buffers in (self.keys, self.values):
+            for i, buffer in enumerate(buffers):
+                buffer[:kept, :, :used] = buffer[rows, :, :used]  # the right side is gathered first: no overlap
+                buffers[i] = buffer[:kept]
+        self.valid = self.valid[rows]
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -115,15 +132,15 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 def attend(q: torch.Tensor, cache: KVCache, layer: int, bias: torch.Tensor, scale: float) -> torch.Tensor:
     """``[R * kv_heads, group, dim]`` attention outputs of the queries ``q [R * kv_heads, group, dim]`` (a key/value
     head's ``group`` query heads in the query-length dimension, so each key/value head is read once, with no
-    copies) over the shared prefix and each row's own positions, one softmax over both. ``bias [R * kv_heads,
-    group, capacity]``: 0 where a row attends, -inf elsewhere. Written as batched products: at one query a row
+    copies) over the shared prefix and each row's first ``used`` own positions, one softmax over both. ``bias [R *
+    kv_heads, group, used]``: 0 where a row attends, -inf elsewhere. Written as batched products: at one query a row
     they beat the CPU's fused attention kernel, and the prefix's keys are read once for every row."""
-    keys, values = cache.keys[layer], cache.values[layer]
-    rows, kv_heads, capacity, dim = keys.shape
+    used = bias.shape[-1]
+    rows, kv_heads, _, dim = cache.keys[layer].shape
+    # [R * kv_heads, used, dim] views of the positions written so far (the room still empty is not read)
+    keys, values = (c[layer][:, :, :used].flatten(0, 1) for c in (cache.keys, cache.values))
     group = q.shape[1]
-    scores = torch.baddbmm(
-        bias.to(q.dtype), q, keys.view(-1, capacity, dim).transpose(1, 2).to(q.dtype), alpha=scale
-    )  # [R * kv_heads, group, capacity]
+    scores = torch.baddbmm(bias.to(q.dtype), q, keys.transpose(1, 2).to(q.dtype), alpha=scale)  # [R*kv, group, used]
     c = cache.prefix
     if c:
         by_head = q.view(rows, kv_heads, group, dim).transpose(0, 1).reshape(kv_heads, rows * group, dim)
@@ -131,7 +148,7 @@ def attend(q: torch.Tensor, cache: KVCache, layer: int, bias: torch.Tensor, scal
         shared = shared.view(kv_heads, rows, group, c).transpose(0, 1).reshape(-1, group, c)
         scores = torch.cat([shared, scores], dim=-1)
     probs = scores.softmax(-1)
-    out = torch.bmm(probs[..., c:], values.view(-1, capacity, dim).to(q.dtype))
+    out = torch.bmm(probs[..., c:], values.to(q.dtype))
     if c:
         shared = probs[..., :c].reshape(rows, kv_heads, group, c).transpose(0, 1).reshape(kv_heads, rows * group, c)
         shared = torch.bmm(shared, cache.prefix_values[layer].to(q.dtype))
@@ -139,17 +156,24 @@ def attend(q: torch.Tensor, cache: KVCache, layer: int, bias: torch.Tensor, scal
     return out
 
 
-def decode_step(modules, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, index: torch.Tensor):
+def decode_step(
+    modules, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, index: torch.Tensor, used: int = 0
+):
     """``[R, V]`` logits of the token after ``tokens [R]`` (at ``positions [R, 1]``), whose keys and values are
-    written at position ``index [1]`` of each row's own buffer in ``cache`` (and marked valid there)."""
+    written at position ``index [1]`` of each row's own buffer in ``cache`` (and marked valid there). Attention reads
+    each row's first ``used`` positions (``index + 1``, the ones written so far; 0: the whole buffer, the same shapes
+    at every step, for a compiled step)."""
     decoder, head = modules
     rows = tokens.shape[0]
     cache.valid.index_fill_(1, index, True)
-    kv_heads, capacity = cache.keys[0].shape[1], cache.keys[0].shape[2]
+    kv_heads = cache.keys[0].shape[1]
+    capacity = used or cache.keys[0].shape[2]
     first = decoder.layers[0].self_attn
     group = first.q_proj.out_features // (kv_heads * first.head_dim)
     x = decoder.embed_tokens(tokens[:, None])  # [R, 1, H]
-    bias = torch.zeros(cache.valid.shape, dtype=x.dtype, device=x.device).masked_fill(~cache.valid, float("-inf"))
+    kv_dtype = cache.keys[0].dtype  # the attention products' dtype (`KVCache`): q and the mask are made to match
+    valid = cache.valid[:, :capacity]
+    bias = torch.zeros(valid.shape, dtype=kv_dtype, device=x.device).masked_fill(~valid, float("-inf"))
     bias = bias[:, None, None].expand(rows, kv_heads, group, capacity).reshape(rows * kv_heads, group, capacity)
     cos, sin = decoder.rotary_emb(x, positions)
     cos, sin = cos[:, None], sin[:, None]  # [R, 1, 1, dim]
@@ -162,7 +186,7 @@ def decode_step(modules, cache: KVCache, tokens: torch.Tensor, positions: torch.
         v = attn.v_proj(h).view(rows, 1, -1, dim).transpose(1, 2)
         if getattr(attn, "q_norm", None) is not None:  # Qwen3: RMSNorm per head before the rotation
             q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        q, k = rotate(q, cos, sin).to(kv_dtype), rotate(k, cos, sin)
         cache.keys[i].index_copy_(2, index, k.to(cache.keys[i].dtype))
         cache.values[i].index_copy_(2, index, v.to(cache.values[i].dtype))
         out = attend(q.reshape(rows * kv_heads, group, dim), cache, i, bias, attn.scaling)
@@ -208,8 +232,15 @@ class Decoder:
         warnings.warn(f"the compiled decoding step failed ({self.compile_issue}); decoding eagerly", stacklevel=3)
         self._compiled = None
 
-    def __call__(self, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, index: torch.Tensor):
-        """`decode_step` of this model."""
+    @property
+    def static_shapes(self) -> bool:
+        """Whether every step must have the same shapes (a compiled step): the whole cache read, no rows leaving."""
+        return self._compiled is not None
+
+    def __call__(
+        self, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor, index: torch.Tensor, used: int = 0
+    ):
+        """`decode_step` of this model (a compiled one reads the whole cache, whatever ``used`` says)."""
         if self._compiled is not None:
             shape = (tokens.shape[0], cache.keys[0].shape[2], cache.prefix)
             started = time.perf_counter()
@@ -222,4 +253,4 @@ class Decoder:
                 if shape not in self._shapes:
                     self._shapes.add(shape)
                     self.compile_seconds += time.perf_counter() - started
-        return decode_step(self.modules, cache, tokens, positions, index)
+        return decode_step(self.modules, cache, tokens, positions, index, used)

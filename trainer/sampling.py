@@ -16,7 +16,8 @@ sampled beyond float rounding (their measurements: ``python -m bench sampler``, 
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -52,10 +53,11 @@ def cut_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: 
 DRAW_BLOCK = 1024
 
 
-def draw_tokens(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def draw_tokens(logits: torch.Tensor, temperature: float = 1.0, uniform: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``[R]`` token ids, row ``r`` drawn from ``softmax(logits[r] / temperature)`` (``logits: [R, V]``).
 
-    One uniform number per row (the global torch generator) is looked up in the row's cumulative
+    One uniform number per row (``uniform [R, 1]`` float64 in [0, 1); if not given, drawn from the global torch
+    generator) is looked up in the row's cumulative
     distribution, summed in float64 so that no token's share is off by more than about 1e-12. The lookup
     goes in two levels: the cumulative sum of the `DRAW_BLOCK`-entry blocks' sums finds the block, then the
     cumulative sum within that block finds the token (a float64 cumulative sum over the whole vocabulary
@@ -71,7 +73,9 @@ def draw_tokens(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     block_sums = probs.sum(-1, dtype=torch.float64)  # [R, blocks]
     block_cdf = block_sums.cumsum(-1)
     total = block_cdf[:, -1:]
-    u = torch.rand(total.shape, dtype=torch.float64, device=logits.device) * total
+    if uniform is None:
+        uniform = torch.rand(total.shape, dtype=torch.float64, device=logits.device)
+    u = uniform * total
     # u < total in exact arithmetic; rounding may give u == total, which no block's sum exceeds.
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
     block = torch.searchsorted(block_cdf, u, right=True)  # [R, 1]: the first block whose sum exceeds u
@@ -84,19 +88,38 @@ def draw_tokens(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     return (block * DRAW_BLOCK + entry).squeeze(1)
 
 
-def draw_cut(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+def draw_cut(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    min_p: float,
+    uniform: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """`draw_tokens` from the tempered logits ``[R, V]`` after the cuts of `cut_logits` (none: the plain draw)."""
     if top_k > 0 or top_p < 1.0 or min_p > 0.0:
-        return draw_tokens(cut_logits(logits.float() / temperature, top_k, top_p, min_p))
-    return draw_tokens(logits, temperature)
+        return draw_tokens(cut_logits(logits.float() / temperature, top_k, top_p, min_p), uniform=uniform)
+    return draw_tokens(logits, temperature, uniform)
+
+
+@dataclass
+class Decoding:
+    """What decodes after a prompt pass: ``first [B * n, V]``, each row's first logits; ``next(tokens [A], step) ->
+    [A, V]``, the logits after the ``A`` rows still decoding took ``tokens`` as their token ``step``; ``keep(rows
+    [A'], step)``, before that call, where rows can leave the batch (``None``: every row decodes to the end): only
+    the rows ``rows`` (ascending indices of the ``A``) decode from then on."""
+
+    first: torch.Tensor
+    next: Callable[[torch.Tensor, int], torch.Tensor]
+    keep: Optional[Callable[[torch.Tensor, int], None]] = None
 
 
 def start_decoding(
     model, prompt_ids, prompt_mask, n: int, max_new_tokens: int, own_cache: bool, compile: bool, share_prefix: bool
-) -> Tuple[torch.Tensor, Callable[[torch.Tensor, int], torch.Tensor]]:
-    """The prompt pass of `sample` and what decodes after it: ``(logits [B * n, V] of each row's first token,
-    decode(tokens [B * n], step) -> the next logits)``, through our step on our cache (`decode.Decoder`) where it takes
-    the model, else through the model's forward on transformers' cache."""
+) -> Decoding:
+    """The prompt pass of `sample` and what decodes after it, through our step on our cache (`decode.Decoder`,
+    where finished rows leave the batch unless the step is compiled) where it takes the model, else through the
+    model's forward on transformers' cache (every row to the end)."""
     model = unwrap(model)  # a PeftModel's forward does not take the cache argument by its current name
     out, cache, attention, positions = prompt_pass(
         model, prompt_ids, prompt_mask, logits_to_keep=1, share_prefix=share_prefix
@@ -109,11 +132,17 @@ def start_decoding(
         kv = KVCache.from_prompts(cache, attention, n, max_new_tokens, prefix)
         start = attention.shape[1] - prefix  # where each row's own buffer takes the next token
 
+        rows = [positions]  # [A, 1]: the positions of the rows still decoding
+
         def decode(tokens: torch.Tensor, step: int) -> torch.Tensor:
             index = torch.tensor([start + step], device=tokens.device)
-            return decoder(kv, tokens, positions + step, index)
+            return decoder(kv, tokens, rows[0] + step, index, used=start + step + 1)
 
-        return logits, decode
+        def keep(kept: torch.Tensor, step: int) -> None:
+            kv.keep(kept, used=start + step)  # the prompts' positions and tokens 0 .. step - 1 are written
+            rows[0] = rows[0][kept]
+
+        return Decoding(logits, decode, None if decoder.static_shapes else keep)
     cache.batch_repeat_interleave(n)
     cache_kw = cache_kwarg(model)
     attention = attention.repeat_interleave(n, 0)
@@ -130,7 +159,7 @@ def start_decoding(
         )
         return out.logits[:, -1]
 
-    return logits, decode_through_the_model
+    return Decoding(logits, decode_through_the_model)
 
 
 @torch.no_grad()
@@ -155,6 +184,7 @@ def sample(
     compile: bool = False,
     share_prefix: bool = True,
     with_lengths: bool = False,
+    compact: bool = True,
 ):
     """``[B * n, T]`` completion ids (``T <= max_new_tokens``; after a row's end, ``pad_token_id``), the ``n``
     completions of prompt ``b`` in rows ``b * n .. b * n + n - 1``; with ``with_lengths``, also ``[B * n]`` lengths:
@@ -166,8 +196,11 @@ def sample(
     ``eos_token_id`` (one or several) or where ``stops(tokens [R, t], open [R])`` says (`StopStrings`). ``on_token(t)``
     follows progress; ``share_prefix=False`` runs every prompt whole, ``own_cache=False`` decodes through the model's
     forward with transformers' cache (as do models `decode.decoder_issue` names); ``compile`` compiles our step.
+    On our cache a row that ended leaves the decoding batch (``compact=False``: every row decodes to the last one's
+    end); the rows that go on draw the same numbers either way, so they take the same tokens.
     """
-    logits, decode = start_decoding(model, prompt_ids, prompt_mask, n, max_new_tokens, own_cache, compile, share_prefix)
+    decoding = start_decoding(model, prompt_ids, prompt_mask, n, max_new_tokens, own_cache, compile, share_prefix)
+    logits = decoding.first
     rows = logits.shape[0]
     device = prompt_ids.device
     eos = torch.as_tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=device)
@@ -175,14 +208,18 @@ def sample(
     lengths = torch.full((rows,), max_new_tokens, dtype=torch.long, device=device)
     tokens = []
     first_rows = (torch.arange(rows, device=device) % n == 0) if greedy_first else None
+    alive = torch.arange(rows, device=device)  # the rows in the decoding batch (those of `logits`)
+    padding = torch.full((rows,), pad_token_id, dtype=torch.long, device=device)
     for step in range(max_new_tokens):
         if greedy:
-            next_token = logits.argmax(dim=-1)
+            drawn = logits.argmax(dim=-1)
         else:
-            next_token = draw_cut(logits, temperature, top_k, top_p, min_p)
+            # One number per row of the whole batch, as if none had left: a row draws the same one either way.
+            uniform = torch.rand((rows, 1), dtype=torch.float64, device=device)[alive]
+            drawn = draw_cut(logits, temperature, top_k, top_p, min_p, uniform)
             if first_rows is not None:
-                next_token = torch.where(first_rows, logits.argmax(dim=-1), next_token)
-        next_token = torch.where(finished, torch.full_like(next_token, pad_token_id), next_token)
+                drawn = torch.where(first_rows[alive], logits.argmax(dim=-1), drawn)
+        next_token = torch.where(finished, padding, padding.index_copy(0, alive, drawn))
         tokens.append(next_token)
         if on_token is not None:
             on_token(step + 1)
@@ -193,7 +230,11 @@ def sample(
         finished |= ended
         if bool(finished.all()) or step == max_new_tokens - 1:
             break
-        logits = decode(next_token, step)
+        going_on = ~finished[alive]
+        if compact and decoding.keep is not None and not bool(going_on.all()):
+            decoding.keep(going_on.nonzero().flatten(), step)
+            alive = alive[going_on]
+        logits = decoding.next(next_token[alive], step)
     completion = torch.stack(tokens, dim=1)
     return (completion, lengths.clamp(max=completion.shape[1])) if with_lengths else completion
 
