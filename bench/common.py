@@ -351,8 +351,8 @@ def write_markdown(name: str, lines: List[str]) -> Path:
     env = "\n".join(f"- {k}: {v}" for k, v in environment(torch.device("cpu")).items())
     text = f"# {name}\n\n{env}\n\n" + "\n".join(lines) + "\n"
     print(text)
-    RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.md"
+    path.parent.mkdir(parents=True, exist_ok=True)  # a name may hold a folder: a study's tables kept together
     path.write_text(text)
     print(f"written: {path}")
     return path

@@ -64,6 +64,28 @@ def _timed(owner, name: str, totals: dict, key: str, results: Optional[list] = N
     return lambda: setattr(owner, name, inner)
 
 
+def forwards_left_out(owner, name: str, totals: dict):
+    """Wraps ``owner.name`` (the old and reference log-probs) so that the decoder forwards it runs are not added to
+    ``totals["decoder_forward"]`` (the update's): they are its own phase. Returns what undoes it."""
+    inner = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        before = totals.get("decoder_forward", 0.0)
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            totals["decoder_forward"] = before
+
+    setattr(owner, name, wrapper)
+    return lambda: setattr(owner, name, inner)
+
+
+def log_prob_passes(config, step: int) -> int:
+    """How many forward passes `trainer.train.rollout_logprobs` runs at ``step`` (from 0): the sampling policy's (its
+    entropy on the first step, its log-probs with ``--num-iterations`` above 1) and the reference's (``--beta``)."""
+    return int(step == 0 or config.num_iterations > 1) + int(bool(config.beta))
+
+
 def run_config(args):
     """The `TrainConfig` both trainers' work is read from: ``gtpo-train``'s defaults with the bench's sizes, so
     TRL gets the same chat, rewards, temperature, learning rate and problems whatever those defaults become."""
@@ -74,6 +96,7 @@ def run_config(args):
         group_size=args.group_size,
         max_new_tokens=args.max_new_tokens,
         precision=args.precision,
+        model_dtype=getattr(args, "model_dtype", TrainConfig.model_dtype),
         steps=args.steps,
         seed=args.seed,
         device="cpu",
@@ -94,20 +117,25 @@ def task_and_process(config):
 def ours(args) -> list:
     """``gtpo-train``'s steps, as its run takes them (`trainer.train.train_step`), each step's parts and, for the
     roofline, the work of each phase and the bare matrix products' rate on its shapes (`phase_work`, `bare_rates`)."""
-    from trainer import rollout, train, update
+    from trainer import rollout, sampling, train, update
     from trainer.checkpoint import RunState
+    from trainer.precision import uses_bf16
     from trainer.session import load_session
 
     config = run_config(args)
     task, dist = task_and_process(config)
     session = load_session(config, dist, task)
     state, steps, totals, batches = RunState(), [], {}, []
-    # The rollout's sampling (the rest of it scores them); in the update, the decoder's forward (to the hidden
-    # states) and the fused loss (its forward computes the gradients too; its backward hands them on).
+    # The rollout's sampling (the rest of it scores them), its prompt pass; in the update, the decoder's forward (to
+    # the hidden states), the fused loss (its forward computes the gradients too; its backward hands them on) and
+    # AdamW (with the gradients' clipping).
     undoes = [
         _timed(rollout, "generate", totals, "sampling", batches),
+        _timed(sampling, "prompt_pass", totals, "prompt_pass"),
         _timed(update, "completion_hidden_states", totals, "decoder_forward"),
         _timed(update, "fused_linear_gtpo_loss", totals, "loss"),
+        _timed(session.optimizer, "clip_and_step", totals, "optimizer"),
+        forwards_left_out(train, "rollout_logprobs", totals),
     ]
     try:
         for step in range(args.steps):
@@ -121,71 +149,103 @@ def ours(args) -> list:
                     "update": row["time_old_logprobs"] + row["time_update"],
                     "decoder_forward": totals["decoder_forward"],
                     "loss": totals["loss"],
+                    "prompt_pass": totals["prompt_pass"],
+                    "old_logprobs": row["time_old_logprobs"],
+                    "optimizer": totals.get("optimizer", 0.0),  # no step without a learning signal
                     "completion_tokens": row["completion_length"] * args.prompts * args.group_size,
                     "reward": row["reward"],
-                    "work": phase_work(session.model, batches[-1]),
+                    "work": phase_work(session.model, batches[-1], log_prob_passes(config, step)),
                 }
             )
     finally:
         for undo in undoes:
             undo()
     if getattr(args, "roofline", False):
-        from trainer.precision import autocast
-
-        with autocast(config, dist.device):
-            rates = bare_rates(session.model, batches[-1])
+        rates = bare_rates(session.model, batches[-1], uses_bf16(config, dist.device))
         for step in steps:
             step["bare_gflops"] = rates
     return steps
 
 
 def model_sizes(model) -> dict:
-    """The decoder layers' matrix shapes ``[(in, out), ...]`` (every Linear but the head) and the head's."""
-    from gtpo_kernels.hf.model_config import linear_head, unwrap
+    """The decoder layers' matrix shapes ``[(in, out), ...]`` (every Linear but the head), the head's, and attention's
+    sizes: ``layers`` (how many), ``query_width`` (query heads x head size)."""
+    from gtpo_kernels.hf.model_config import linear_head, text_config, unwrap
 
     base = unwrap(model)
     head = linear_head(base)
-    layers = [
-        (m.in_features, m.out_features) for m in base.modules() if isinstance(m, torch.nn.Linear) and m is not head
-    ]
-    return {"layers": layers, "head": (head.in_features, head.out_features)}
+    config = text_config(base)
+    linears = [m for m in base.modules() if isinstance(m, torch.nn.Linear) and m is not head]
+    shapes = [(m.in_features, m.out_features) for m in linears]
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return {
+        "shapes": shapes,
+        "head": (head.in_features, head.out_features),
+        "layers": config.num_hidden_layers,
+        "query_width": config.num_attention_heads * head_dim,
+    }
 
 
-def phase_work(model, batch) -> dict:
+# Each phase of a step, as the roofline names it, in the order a step runs them.
+PHASES = {
+    "prompt_pass": "sampling: prompt pass",
+    "decode": "sampling: decoding",
+    "old_logprobs": "old / reference log-probs",
+    "decoder_forward": "update: decoder forward",
+    "loss": "update: fused loss (forward + gradients)",
+    "backward": "update: decoder backward + clip",
+    "optimizer": "update: AdamW",
+}
+
+
+def phase_work(model, batch, log_prob_passes: int = 0) -> dict:
     """GFLOP of each phase's matrix products for ``batch`` (a rollout's `trainer.rollout.Completions`), attention's
-    products left out: the prompt pass runs the shared prefix once and each prompt's own tokens once (the padded
-    width), decoding one token per row and step; the update's decoder forward the same prompts plus every completion
-    position, its backward twice that; the fused loss the head's product forward and both of its gradients."""
+    included (``4 x query width`` a query-key pair a layer: the scores and the weighted values, every pair a query
+    attends to, padding included, none it does not): the prompt pass runs the shared prefix once and each prompt's
+    own tokens once (the padded width), then the head on each prompt's last; decoding runs every row's tokens but its
+    last (the first comes from the prompt pass), each through every layer and the head, attending to its prompt and
+    the tokens before it; the update's decoder forward the same prompts plus every completion position, its backward
+    twice that; the fused loss the head's product forward and both of its gradients; the old/reference log-probs a
+    decoder forward and the head for each of ``log_prob_passes``. ``optimizer_gb``: what AdamW reads
+    and writes (float32 weights, gradients and both moments: 28 bytes a weight)."""
     from gtpo_kernels.hf import prefix_run_once
 
     sizes = model_sizes(model)
-    layer_params = sum(i * o for i, o in sizes["layers"])
+    layer_params = sum(i * o for i, o in sizes["shapes"])
     hidden, vocab = sizes["head"]
+    pair = 4 * sizes["query_width"] * sizes["layers"]  # FLOPs of one query-key pair through every layer
     prompts, width = batch.prompt_ids.shape
     rows, length = batch.completion_ids.shape
     prefix = prefix_run_once(model, batch.prompt_ids, batch.prompt_mask)
-    prompt_tokens = prefix + prompts * (width - prefix)
-    decode_tokens = rows * (length - 1)  # the first token comes from the prompt pass
-    forward = 2 * layer_params * (prompt_tokens + rows * length)
+    own = width - prefix
+    prompt_tokens = prefix + prompts * own
+    prompt_pairs = prefix * (prefix + 1) // 2 + prompts * (own * prefix + own * (own + 1) // 2)
+    lengths = batch.completion_mask.sum(1).tolist()
+    decode_tokens = sum(max(n - 1, 0) for n in lengths)
+    decode_pairs = sum(width + t for n in lengths for t in range(1, n))  # token t attends to the prompt and t more
+    update_pairs = prompt_pairs + rows * sum(width + t + 1 for t in range(length))
+    forward = 2 * layer_params * (prompt_tokens + rows * length) + pair * update_pairs
     return {
-        "sampling": (
-            2 * layer_params * (prompt_tokens + decode_tokens) + 2 * hidden * vocab * (prompts + decode_tokens)
-        )
-        / 1e9,
+        "prompt_pass": (2 * layer_params * prompt_tokens + pair * prompt_pairs + 2 * hidden * vocab * prompts) / 1e9,
+        "decode": (2 * (layer_params + hidden * vocab) * decode_tokens + pair * decode_pairs) / 1e9,
+        "old_logprobs": log_prob_passes * (forward + 2 * hidden * vocab * rows * length) / 1e9,
         "decoder_forward": forward / 1e9,
         "loss": 6 * hidden * vocab * rows * length / 1e9,
         "backward": 2 * forward / 1e9,
+        "optimizer_gb": 28 * sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e9,
         "prompt_tokens": prompt_tokens,
         "shared_prefix": prefix,
+        "decode_tokens": decode_tokens,
         "update_tokens": prompt_tokens + rows * length,
     }
 
 
-def bare_rate(shapes, rows: int, repeats: int = 3) -> float:
-    """GFLOP/s of plain ``F.linear`` products of ``rows`` rows through each ``(in, out)`` of ``shapes`` in turn (the
-    best of ``repeats``, after a warm-up), in the caller's autocast."""
-    weights = [torch.randn(o, i) for i, o in shapes]
-    inputs = {i: torch.randn(rows, i) for i, _ in shapes}
+def bare_rate(shapes, rows: int, dtype: torch.dtype, repeats: int = 3) -> float:
+    """GFLOP/s of plain ``F.linear`` products of ``rows`` rows through each ``(in, out)`` of ``shapes`` in turn,
+    weights and inputs in ``dtype`` (no autocast: the rate the machine reaches in that precision), the best of
+    ``repeats`` after a warm-up."""
+    weights = [torch.randn(o, i).to(dtype) for i, o in shapes]
+    inputs = {i: torch.randn(rows, i).to(dtype) for i, _ in shapes}
     flops = sum(2 * rows * i * o for i, o in shapes)
     best = float("inf")
     for attempt in range(repeats + 1):
@@ -197,19 +257,39 @@ def bare_rate(shapes, rows: int, repeats: int = 3) -> float:
     return flops / best / 1e9
 
 
-def bare_rates(model, batch) -> dict:
-    """The bare products' GFLOP/s on each phase's shapes: decoding (one row a token: the batch's rows through every
-    layer and the head), the update's decoder (its tokens through every layer once), the head (the completions)."""
+def bare_bandwidth(gigabytes: float = 1.0, repeats: int = 3) -> float:
+    """GB/s of a float32 ``a + b -> out`` over ``gigabytes`` read and written (AdamW's kind of work), best of
+    ``repeats``."""
+    n = int(gigabytes * 1e9 / 12)
+    a, b, out = torch.randn(n), torch.randn(n), torch.empty(n)
+    best = float("inf")
+    for attempt in range(repeats + 1):
+        started = time.perf_counter()
+        torch.add(a, b, out=out)
+        if attempt:
+            best = min(best, time.perf_counter() - started)
+    return 12 * n / best / 1e9
+
+
+def bare_rates(model, batch, bf16: bool) -> dict:
+    """The bare products' GFLOP/s on each phase's shapes in the step's precision (bf16 weights and inputs where the
+    step runs bf16 autocast): the prompt pass (its tokens through every layer), decoding (the batch's rows through
+    every layer and the head), the update's decoder (its tokens through every layer once; its backward and the old
+    log-probs the same), the head (the completions); AdamW's GB/s beside a plain float32 sum's."""
+    dtype = torch.bfloat16 if bf16 else torch.float32
     sizes = model_sizes(model)
     work = phase_work(model, batch)
     rows, length = batch.completion_ids.shape
     update_rows = min(work["update_tokens"], 4096)  # as many rows as the update runs (capped: a rate, not a step)
-    decoder = bare_rate(sizes["layers"], update_rows)
+    decoder = bare_rate(sizes["shapes"], update_rows, dtype)
     return {
-        "sampling": bare_rate(sizes["layers"] + [sizes["head"]], rows),
+        "prompt_pass": bare_rate(sizes["shapes"], min(work["prompt_tokens"], 4096), dtype),
+        "decode": bare_rate(sizes["shapes"] + [sizes["head"]], rows, dtype),
+        "old_logprobs": decoder,
         "decoder_forward": decoder,
-        "loss": bare_rate([sizes["head"]], rows * length),
+        "loss": bare_rate([sizes["head"]], rows * length, dtype),
         "backward": decoder,
+        "optimizer": bare_bandwidth(),
     }
 
 
@@ -311,7 +391,15 @@ def parser() -> argparse.ArgumentParser:
     from trainer.config import TrainConfig
 
     p = argparse.ArgumentParser(prog="python -m bench trainer", description=__doc__.splitlines()[0])
-    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument(
+        "--precision",
+        default="fp32",
+        choices=["fp32", "bf16", "auto"],
+        help="auto: gtpo-train's choice on this CPU (trainer/precision.py), made once here for every trainer",
+    )
+    p.add_argument(
+        "--model-dtype", default=TrainConfig.model_dtype, help="gtpo-train's --model-dtype (TRL's model: float32)"
+    )
     p.add_argument("--steps", type=int, default=2, help="steps per trainer; the table reports the last")
     p.add_argument("--prompts", type=int, default=TrainConfig.prompts_per_step, help="prompts per step (gtpo-train's)")
     p.add_argument("--group-size", type=int, default=TrainConfig.group_size, help="completions per prompt")
@@ -332,7 +420,20 @@ def parser() -> argparse.ArgumentParser:
 
 
 # Options of this bench that an older checkout's parser may not know: not passed to --against's run.
-OWN_OPTIONS = {"--against": 1, "--against-first": 0, "--no-trl": 0, "--no-roofline": 0, "--name": 1}
+OWN_OPTIONS = {"--model-dtype": 1, "--against": 1, "--against-first": 0, "--no-trl": 0, "--no-roofline": 0, "--name": 1}
+
+
+def without_option(argv: list, option: str) -> list:
+    """``argv`` without ``option`` and its value (``--option value`` or ``--option=value``)."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == option:
+            skip = True
+        elif not arg.startswith(option + "="):
+            kept.append(arg)
+    return kept
 
 
 def argv_for_older(argv: list) -> list:
@@ -396,37 +497,49 @@ def table(results: dict, args) -> list:
     return lines
 
 
-def roofline(steps: list) -> list:
-    """The last step's phases against the bare products of their shapes, measured in the same run."""
+def phase_times(step: dict) -> dict:
+    """Seconds of each of `PHASES` in one of ``gtpo-train``'s steps (the decoder's backward: what the update's
+    other parts leave, the gradients' clipping in it)."""
+    times = {
+        "prompt_pass": step["prompt_pass"],
+        "decode": step["sampling"] - step["prompt_pass"],
+        "old_logprobs": step["old_logprobs"],
+        "decoder_forward": step["decoder_forward"],
+        "loss": step["loss"],
+        "optimizer": step["optimizer"],
+    }
+    times["backward"] = step["update"] - sum(times[k] for k in ("old_logprobs", "decoder_forward", "loss", "optimizer"))
+    return times
+
+
+def roofline(steps: list, precision: str = "fp32") -> list:
+    """The last step's phases against the bare products of their shapes, in the step's precision, measured in the
+    same run."""
     last = steps[-1]
     if "bare_gflops" not in last:
         return []
-    work, bare = last["work"], last["bare_gflops"]
-    backward = last["update"] - last["decoder_forward"] - last["loss"]  # with clipping and AdamW
-    times = {"sampling": last["sampling"], "decoder_forward": last["decoder_forward"], "loss": last["loss"]}
-    times["backward"] = backward
+    work, bare, times = last["work"], last["bare_gflops"], phase_times(last)
     lines = [
         "",
-        f"Roofline of gtpo-train's step {len(steps)}: each phase's matrix products (attention's left out) against "
-        "plain `F.linear` products of the same shapes, timed in the same process (the reachable rate). "
-        f"Prompt tokens run once per batch: {work['prompt_tokens']} (a shared prefix of {work['shared_prefix']} "
-        f"tokens, then each prompt's own); the update's decoder runs {work['update_tokens']} tokens.",
+        f"Roofline of gtpo-train's step {len(steps)} ({precision}): each phase's matrix products, attention's "
+        "included, against plain `F.linear` products of the same shapes with weights and inputs in that precision, "
+        "timed in the same process (the reachable rate). Prompt tokens run once per batch: "
+        f"{work['prompt_tokens']} (a shared prefix of {work['shared_prefix']} tokens, then each prompt's own); "
+        f"decoding runs {work['decode_tokens']} tokens; the update's decoder runs {work['update_tokens']} tokens. "
+        "AdamW: GB/s of the 28 bytes it reads and "
+        "writes a weight, against a plain float32 sum's.",
         "",
-        "| phase | s | GFLOP | GFLOP/s | bare products GFLOP/s | share of bare |",
+        "| phase | s | GFLOP (AdamW: GB) | GFLOP/s (AdamW: GB/s) | bare, same shapes and precision | share of bare |",
         "|---|---|---|---|---|---|",
     ]
-    names = {
-        "sampling": "sampling (prompt pass + decoding)",
-        "decoder_forward": "update: decoder forward",
-        "loss": "update: fused loss (forward + gradients)",
-        "backward": "update: decoder backward + clip + AdamW",
-    }
-    for phase, name in names.items():
-        rate = work[phase] / times[phase]
-        lines.append(
-            f"| {name} | {times[phase]:.2f} | {work[phase]:.1f} | {rate:.0f} | {bare[phase]:.0f} | "
-            f"{rate / bare[phase]:.0%} |"
-        )
+    for phase, name in PHASES.items():
+        amount = work["optimizer_gb"] if phase == "optimizer" else work[phase]
+        if not amount or times[phase] <= 0:
+            lines.append(f"| {name} | {times[phase]:.2f} | - | - | - | not run in this step |")
+            continue
+        rate = amount / times[phase]
+        share = rate / bare[phase]
+        lines.append(f"| {name} | {times[phase]:.2f} | {amount:.1f} | {rate:.0f} | {bare[phase]:.0f} | {share:.0%} |")
     return lines
 
 
@@ -438,6 +551,14 @@ def main(argv=None) -> None:
         raise SystemExit("--steps must be at least 1")
     if args.against_first and not args.against:
         raise SystemExit("--against-first needs --against PATH")
+    if args.precision == "auto":  # one choice for every trainer and checkout, so that they run the same precision
+        from trainer.precision import measure_cpu
+
+        choice = measure_cpu()
+        print(f"--precision auto took {choice.name}: {choice.reason}", flush=True)
+        args.precision = choice.name
+        argv = without_option(argv, "--precision") + ["--precision", choice.name]
+        args.argv = argv
     runs = [("gtpo-train", lambda: measure("ours", args))]
     if args.against:
         other = Path(args.against)
@@ -448,7 +569,7 @@ def main(argv=None) -> None:
     results = {name: run() for name, run in runs}
     if not args.no_trl:
         results["TRL GRPOTrainer"] = measure("trl_steps", args)
-    lines = table(results, args) + roofline(results["gtpo-train"])
+    lines = table(results, args) + roofline(results["gtpo-train"], args.precision)
     common.write_markdown(args.name or f"trainer-cpu-{args.precision}", lines)
 
 

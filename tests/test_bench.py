@@ -92,7 +92,11 @@ def test_gpu_summary_says_plainly_whether_the_cuda_tests_were_green(tmp_path):
 def test_the_roofline_counts_each_phases_products_by_hand(tiny_model_dir):
     """The tiny Llama (hidden 32, MLP 64, 2 layers, 4 heads of 8, 2 key/value heads, vocabulary 100): per layer
     q 32x32, k 32x16, v 32x16, o 32x32, gate, up 32x64, down 64x32 = 9216 weights, 18432 for both layers; head
-    32x100. Two prompts of 10 positions sharing 6 tokens run 6 + 2 x 4 = 14 tokens; 6 completion rows of 5."""
+    32x100; a query-key pair costs 4 x 32 FLOPs a layer, 256 for both. Two prompts of 10 positions sharing 6 tokens
+    run 6 + 2 x 4 = 14 tokens; the prefix's 6 attend to 21 pairs, each prompt's own 4 to 4 x 6 + 10. Completion rows
+    of 5, 3 and 1 tokens (three more rows of 5): decoding runs 4 + 2 + 0 tokens a row of each kind, a row's token t
+    attending to the 10 prompt positions and t more; the update runs all 6 rows x 5 positions, position t attending
+    to 11 + t."""
     transformers = pytest.importorskip("transformers")
     from bench import trainer as bench_trainer
     from trainer.rollout import Completions
@@ -101,21 +105,32 @@ def test_the_roofline_counts_each_phases_products_by_hand(tiny_model_dir):
     assert model.config.vocab_size == 100
     prompt_ids = torch.tensor([[5, 6, 7, 8, 9, 10] + [11, 12, 13, 14], [5, 6, 7, 8, 9, 10] + [21, 22, 23, 24]])
     ids = torch.ones(6, 5, dtype=torch.long)
-    batch = Completions(prompt_ids, torch.ones_like(prompt_ids), ids, ids.bool(), texts=[""] * 6)
+    mask = torch.arange(5) < torch.tensor([[5], [3], [1], [5], [5], [5]])
+    batch = Completions(prompt_ids, torch.ones_like(prompt_ids), ids, mask, texts=[""] * 6)
     import gtpo_kernels.hf.prompt_cache as prompt_cache
 
     old = prompt_cache.MIN_SHARED_PREFIX
     prompt_cache.MIN_SHARED_PREFIX = 2  # the tiny prompts' prefix counts as shared
     try:
         work = bench_trainer.phase_work(model, batch)
+        with_old = bench_trainer.phase_work(model, batch, log_prob_passes=2)
     finally:
         prompt_cache.MIN_SHARED_PREFIX = old
     assert (work["shared_prefix"], work["prompt_tokens"], work["update_tokens"]) == (6, 14, 14 + 30)
-    layers, head = 18432, 3200
-    assert work["sampling"] == pytest.approx((2 * layers * (14 + 6 * 4) + 2 * head * (2 + 6 * 4)) / 1e9)
-    assert work["decoder_forward"] == pytest.approx(2 * layers * 44 / 1e9)
-    assert work["backward"] == pytest.approx(4 * layers * 44 / 1e9)
+    assert work["decode_tokens"] == 4 * 4 + 2 + 0
+    layers, head, pair = 18432, 3200, 256
+    prompt_pairs = 21 + 2 * (4 * 6 + 10)
+    decode_pairs = 4 * (11 + 12 + 13 + 14) + (11 + 12)
+    update_pairs = prompt_pairs + 6 * (11 + 12 + 13 + 14 + 15)
+    assert work["prompt_pass"] == pytest.approx((2 * layers * 14 + pair * prompt_pairs + 2 * head * 2) / 1e9)
+    assert work["decode"] == pytest.approx((2 * (layers + head) * 18 + pair * decode_pairs) / 1e9)
+    forward = 2 * layers * 44 + pair * update_pairs
+    assert work["decoder_forward"] == pytest.approx(forward / 1e9)
+    assert work["backward"] == pytest.approx(2 * forward / 1e9)
     assert work["loss"] == pytest.approx(6 * head * 30 / 1e9)
+    assert work["old_logprobs"] == 0 and with_old["old_logprobs"] == pytest.approx(2 * (forward + 2 * head * 30) / 1e9)
+    weights = sum(p.numel() for p in model.parameters())
+    assert work["optimizer_gb"] == pytest.approx(28 * weights / 1e9)
 
 
 def test_trainer_benchmark_harness(tiny_model_dir, tmp_path, monkeypatch):
@@ -142,10 +157,16 @@ def test_trainer_benchmark_harness(tiny_model_dir, tmp_path, monkeypatch):
     ratio = results["gtpo-train"][0]["step"] / results["TRL GRPOTrainer"][0]["step"]
     assert f"gtpo-train's step / TRL GRPOTrainer's: **{ratio:.2f}**" in "\n".join(lines)
     # The roofline: every phase's rate beside the bare products of its shapes, measured in the same process.
-    assert set(ours["bare_gflops"]) == {"sampling", "decoder_forward", "loss", "backward"}
+    assert set(ours["bare_gflops"]) == set(bench_trainer.PHASES)
     assert all(rate > 0 for rate in ours["bare_gflops"].values())
+    times = bench_trainer.phase_times(ours)
+    assert all(t >= 0 for t in times.values()) and sum(times.values()) <= ours["sampling"] + ours["update"] + 1e-6
     shown = bench_trainer.roofline(results["gtpo-train"])
-    assert len([line for line in shown if line.startswith("| update") or line.startswith("| sampling")]) == 4
+    rows = {line.split(" | ")[0][2:]: line for line in shown if line.startswith("| ") and "---" not in line}
+    assert set(bench_trainer.PHASES.values()) <= set(rows)
+    assert "not run" not in rows["old / reference log-probs"]  # the first step's entropy of the sampling policy
+    without = bench_trainer.roofline([dict(ours, old_logprobs=0.0, work=dict(ours["work"], old_logprobs=0))])
+    assert any(line.startswith("| old / reference log-probs |") and "not run" in line for line in without)
     monkeypatch.setattr(common, "RESULTS", tmp_path)
     text = common.write_markdown("trainer-t", lines).read_text()
     assert text.startswith("# trainer-t\n") and "- cpu_bf16_units: " in text and text.endswith(lines[-1] + "\n")
@@ -179,7 +200,7 @@ def test_against_first_runs_the_other_checkout_first(tmp_path, monkeypatch, firs
         return [dict(step, work={}, bare_gflops={})]
 
     monkeypatch.setattr(bench_trainer, "measure", measure)
-    monkeypatch.setattr(bench_trainer, "roofline", lambda steps: [])
+    monkeypatch.setattr(bench_trainer, "roofline", lambda steps, precision="fp32": [])
     monkeypatch.setattr(common, "RESULTS", tmp_path)
     other = tmp_path / "old"
     argv = ["--against", str(other), "--no-trl", "--steps", "1"] + (["--against-first"] if first else [])
