@@ -45,7 +45,9 @@ def test_wrong_greedy_answers_come_from_the_final_evaluation(tiny_model_dir, tmp
     metrics, wrong = answers.wrong_answers(tiny_model_dir, config)
     assert {q for q, _, _ in wrong} == wrong_questions
     assert all(g == gold[q] and f"<answer>\n{int(g) + 1}\n</answer>" in text for q, g, text in wrong)
-    assert metrics == {
+    one_answer = {"distinct_answers", "top_answer_share", "mean_completion_tokens"}  # their own test is below
+    assert one_answer <= set(metrics) and metrics["mean_completion_tokens"] == 2.0  # every completion: 2 tokens
+    assert {k: v for k, v in metrics.items() if k not in one_answer} == {
         "accuracy": 0.5,
         "format_rate": 1.0,
         "pass@2": 1.0,
@@ -105,3 +107,41 @@ def test_the_final_evaluation_writes_each_problems_greedy_answer(tiny_model_dir,
         wrong = question in wrong_questions
         assert r["answer"] == float(gold[question]) + wrong  # the built-in task votes on the number
         assert (r["correct"], r["samples_right"]) == ((False, 2) if wrong else (True, 1))
+
+
+@pytest.mark.parametrize("collapsed", [True, False], ids=["one-answer", "varied"])
+def test_every_evaluation_counts_distinct_greedy_answers_and_warns_of_one_answer(
+    tiny_model_dir, monkeypatch, capsys, collapsed
+):
+    """Eight held-out problems whose greedy answers are 7, 7, 7, 7, 7, 3, 9 and none (collapsed: five of eight, over
+    half) or 7, 7, 3, 9, 4, 5, 6 and none: the distinct answers (an unanswered problem is not one), the top answer's
+    share of all eight with its interval, the mean length of every completion decoded, and a warning naming the
+    answer only where it passes half."""
+    from trainer.distributed import Distributed
+    from trainer.intervals import metric_intervals
+    from trainer.task import load_task
+
+    config = TrainConfig(model=tiny_model_dir, eval_size=8, eval_k=2, max_new_tokens=4, precision="fp32")
+    greedy = ([7] * 5 + [3, 9]) if collapsed else [7, 7, 3, 9, 4, 5, 6]
+    texts_of = [f"<answer>\n{a}\n</answer>" for a in greedy] + ["I do not know"]
+
+    def fake_generate(model, tokenizer, task, questions, n, config, device, greedy_first=False, **kwargs):
+        texts, lengths = [], []
+        for q in questions:
+            i = task.held_out["prompt"].index(q)
+            texts += [texts_of[i], "<answer>\n1\n</answer>", "none"]
+            lengths += [1 + i % 4, 2, 3]  # completions of 1 to 4 tokens, then 2 and 3
+        mask = torch.arange(4) < torch.tensor(lengths)[:, None]
+        return Completions(mask[:0].long(), mask[:0].long(), mask.long(), mask, texts)
+
+    monkeypatch.setattr(evaluation, "generate", fake_generate)
+    task = load_task(config, train_size=config.prompts_per_step)
+    result = evaluation.evaluate(torch.nn.Linear(1, 1), None, task, config, Distributed.start("cpu"), seed=0)
+    assert result["distinct_answers"] == (3 if collapsed else 6)
+    assert result["top_answer_share"] == (5 / 8 if collapsed else 2 / 8)
+    lengths = [1 + i % 4 for i in range(8)] + [2, 3] * 8
+    assert result["mean_completion_tokens"] == pytest.approx(sum(lengths) / 24)
+    intervals = metric_intervals(result, 8)
+    assert "top_answer_share" in intervals and not {"distinct_answers", "mean_completion_tokens"} & set(intervals)
+    warned = capsys.readouterr().err
+    assert ("the greedy answer 7.0 was given to 62% of the 8 held-out problems" in warned) == collapsed

@@ -738,6 +738,31 @@ MUTANTS: Tuple[Mutant, ...] = (
         ("tests/test_bench.py::test_the_roofline_counts_each_phases_products_by_hand",),
         "decoding runs each row's tokens but its last, not the longest row's for every row",
     ),
+    # ---------------------------------------------------------------- issue 65: one-answer collapse measured
+    Mutant(
+        "evaluation: a problem left unanswered counted as one more distinct answer",
+        "trainer/evaluation.py",
+        "given = Counter({answer: count for answer, count in answers.items() if answer is not None})",
+        "given = Counter(answers)",
+        ("tests/test_answers.py::test_every_evaluation_counts_distinct_greedy_answers_and_warns_of_one_answer",),
+        "distinct answers count the answers given, not the problems left unanswered",
+    ),
+    Mutant(
+        "evaluation: the top answer's share of the answered problems, not of all",
+        "trainer/evaluation.py",
+        '"top_answer_share": top / problems if problems else 0.0',
+        '"top_answer_share": top / sum(given.values()) if given else 0.0',
+        ("tests/test_answers.py::test_every_evaluation_counts_distinct_greedy_answers_and_warns_of_one_answer",),
+        "the top answer's share is of every held-out problem",
+    ),
+    Mutant(
+        "evaluation: no warning of one answer",
+        "trainer/evaluation.py",
+        "        warn_of_one_answer(answers, float(totals.problems), desc)\n",
+        "        pass\n",
+        ("tests/test_answers.py::test_every_evaluation_counts_distinct_greedy_answers_and_warns_of_one_answer",),
+        "a run warns where one greedy answer passes half the problems",
+    ),
     # ---------------------------------------------------------------- issue 58's study runner
     Mutant(
         "study: finished cells run again",

@@ -65,6 +65,14 @@ class Distributed:
         value = torch.tensor([1.0 if flag else 0.0], device=self.device)
         return bool(self.all_sum(value) > 0)
 
+    def gather_objects(self, obj) -> list:
+        """Every process's ``obj`` (picklable), in rank order, on every process."""
+        if self.world == 1:
+            return [obj]
+        gathered = [None] * self.world
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
     def barrier(self) -> None:
         if self.world > 1:
             dist.barrier()

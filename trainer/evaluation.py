@@ -4,14 +4,18 @@ them with the task's rewards.
 Reported: each reward's mean over the greedy completions (``rewards/NAME``) and their weighted sum (``reward``);
 where the accuracy reward's values are 0 or 1, greedy ``accuracy``, ``pass@k`` (some sample scores 1) and
 ``maj@k`` (the answer most samples give, by the task's ``answer_key``, scores 1); the task's ``greedy_rates``.
-The shares have 95 % intervals (`intervals.metric_intervals`); the reward means are not shares and have none.
+Whether the model answers one thing to every problem (one-answer collapse): ``distinct_answers``, how many different
+greedy answers it gave, ``top_answer_share``, the share of problems given the most common one (a warning is printed
+where it passes half), and ``mean_completion_tokens`` over every completion decoded.
+The shares have 95 % intervals (`intervals.metric_intervals`); the reward means and the counts have none.
 """
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 import torch
 from tqdm.auto import tqdm
@@ -27,8 +31,18 @@ from .task import Task
 from .totals import Totals
 
 
+@dataclass
+class Decoded:
+    """One held-out problem's ``k + 1`` completions (the greedy one first): their texts, ``scores [k + 1, R]`` (each
+    reward's) and ``tokens [k + 1]`` (each completion's length)."""
+
+    texts: List[str]
+    scores: torch.Tensor
+    tokens: torch.Tensor
+
+
 def decode(model, tokenizer, task: Task, rows: dict, config: TrainConfig, dist: Distributed, on_token) -> list:
-    """``eval_k + 1`` completions per row (greedy first) and their scores: ``[(texts, scores [k + 1, R]), ...]``."""
+    """``eval_k + 1`` completions per row (greedy first), scored: a `Decoded` a row."""
     k = config.eval_k
     with autocast(config, dist.device):
         out = generate(
@@ -44,8 +58,13 @@ def decode(model, tokenizer, task: Task, rows: dict, config: TrainConfig, dist: 
             on_token=on_token,
         )
     scores = score_completions(task, rows, out, k + 1)
+    tokens = out.completion_mask.sum(1)
     return [
-        (out.texts[i * (k + 1) : (i + 1) * (k + 1)], scores[i * (k + 1) : (i + 1) * (k + 1)])
+        Decoded(
+            out.texts[i * (k + 1) : (i + 1) * (k + 1)],
+            scores[i * (k + 1) : (i + 1) * (k + 1)],
+            tokens[i * (k + 1) : (i + 1) * (k + 1)],
+        )
         for i in range(len(rows[task.prompt_column]))
     ]
 
@@ -60,6 +79,8 @@ class HeldOutTotals(Totals):
     maj_at_k: float = 0.0  # the samples' most common answer scored 1
     not_binary: float = 0.0  # problems on which some accuracy reward was neither 0 nor 1 (then no accuracy)
     reward: float = 0.0  # the greedy completion's weighted reward
+    completions: float = 0.0  # every completion decoded (greedy and samples)
+    completion_tokens: float = 0.0  # their tokens
     per_reward: Optional[torch.Tensor] = None  # [R] each reward's greedy values where it applies
     applies: Optional[torch.Tensor] = None  # [R] how many greedy completions each reward applies to
     greedy_rates: Optional[torch.Tensor] = None  # [Q] greedy completions passing each of the task's rate checks
@@ -81,7 +102,10 @@ def tally(task: Task, decoded: list, k: int) -> HeldOutTotals:
     acc = task.reward_names.index(task.accuracy_reward)
     totals = HeldOutTotals.zeros(task)
     weights = torch.tensor(task.weights, dtype=torch.float32)
-    for texts, scores in decoded:
+    for problem in decoded:
+        texts, scores = problem.texts, problem.scores
+        totals.completions += len(texts)
+        totals.completion_tokens += float(problem.tokens.sum())
         right = scores[:, acc] == 1
         totals.problems += 1
         totals.greedy_right += bool(right[0])
@@ -103,8 +127,21 @@ def tally(task: Task, decoded: list, k: int) -> HeldOutTotals:
     return totals
 
 
-def metrics(task: Task, totals: HeldOutTotals, k: int) -> dict:
-    """The held-out figures from the sums over all processes."""
+def greedy_answers_given(task: Task, decoded: list) -> Counter:
+    """How many of ``decoded``'s problems got each greedy answer (by the task's ``answer_key``; ``None``: none)."""
+    return Counter(task.answer_key(problem.texts[0]) for problem in decoded)
+
+
+def one_answer_figures(answers: Counter, problems: float) -> dict:
+    """``distinct_answers`` (greedy answers given, ``None`` not counted) and ``top_answer_share`` (the problems
+    given the most common one, of all ``problems``) from the whole held-out set's ``answers``."""
+    given = Counter({answer: count for answer, count in answers.items() if answer is not None})
+    top = given.most_common(1)[0][1] if given else 0
+    return {"distinct_answers": float(len(given)), "top_answer_share": top / problems if problems else 0.0}
+
+
+def metrics(task: Task, totals: HeldOutTotals, k: int, answers: Optional[Counter] = None) -> dict:
+    """The held-out figures from the sums over all processes (and the greedy answers they gave, ``answers``)."""
     n = float(totals.problems)
     result = {}
     if not totals.not_binary:  # the accuracy reward was 0 or 1 on every completion
@@ -117,7 +154,28 @@ def metrics(task: Task, totals: HeldOutTotals, k: int) -> dict:
     result["reward"] = float(totals.reward) / n
     for name, value, count in zip(task.reward_names, totals.per_reward.tolist(), totals.applies.tolist()):
         result[f"rewards/{name}"] = value / count if count else float("nan")
+    if answers is not None:
+        result.update(one_answer_figures(answers, n))
+    completions = float(totals.completions)
+    result["mean_completion_tokens"] = float(totals.completion_tokens) / completions if completions else float("nan")
     return result
+
+
+# Where the most common greedy answer is given to more than this share of the problems, the run warns.
+ONE_ANSWER_WARNING = 0.5
+
+
+def warn_of_one_answer(answers: Counter, problems: float, desc: str) -> None:
+    """A warning on stderr where one greedy answer is given to more than `ONE_ANSWER_WARNING` of the problems."""
+    figures = one_answer_figures(answers, problems)
+    if figures["top_answer_share"] > ONE_ANSWER_WARNING:
+        answer = Counter({a: c for a, c in answers.items() if a is not None}).most_common(1)[0][0]
+        tqdm.write(
+            f"warning: {desc}: the greedy answer {answer!r} was given to {figures['top_answer_share']:.0%} of the "
+            f"{problems:.0f} held-out problems ({figures['distinct_answers']:.0f} distinct answers): the model may "
+            "answer one thing whatever it is asked (one-answer collapse)",
+            file=sys.stderr,
+        )
 
 
 def evaluate(
@@ -139,6 +197,7 @@ def evaluate(
     torch.manual_seed(step_seed(config.seed, "eval", seed, dist.rank))
     mine = task.held_out.select(range(dist.rank, len(task.held_out), dist.world))
     sums = HeldOutTotals.zeros(task).to_sums()
+    answers: Counter = Counter()  # this process's problems' greedy answers
     acc = task.reward_names.index(task.accuracy_reward)
     # Progress on stderr, in a terminal only: rows done, and the token the current batch is at.
     bar = tqdm(total=len(mine), desc=desc, unit="problem", leave=False, disable=None if dist.is_main else True)
@@ -163,21 +222,26 @@ def evaluate(
             failed = exc
             break
         if greedy_answers is not None:
-            for i, (texts, scores) in enumerate(decoded):
+            for i, problem in enumerate(decoded):
                 row = {column: values[i] for column, values in rows.items()}
                 greedy_answers.append(
                     {
                         **row,
-                        "completion": texts[0],
-                        "correct": bool(scores[0, acc] == 1),
-                        "samples_right": int((scores[1:, acc] == 1).sum()),
+                        "completion": problem.texts[0],
+                        "correct": bool(problem.scores[0, acc] == 1),
+                        "samples_right": int((problem.scores[1:, acc] == 1).sum()),
                     }
                 )
         sums += tally(task, decoded, config.eval_k).to_sums()
+        answers += greedy_answers_given(task, decoded)
         bar.update(len(decoded))
     bar.close()
     model.train()
     stop_together(dist, failed)
     if dist.any(stopped):
         return None
-    return metrics(task, HeldOutTotals.read(task, dist.all_sum(sums.to(dist.device)).cpu()), config.eval_k)
+    answers = sum(dist.gather_objects(answers), Counter())
+    totals = HeldOutTotals.read(task, dist.all_sum(sums.to(dist.device)).cpu())
+    if dist.is_main:
+        warn_of_one_answer(answers, float(totals.problems), desc)
+    return metrics(task, totals, config.eval_k, answers)

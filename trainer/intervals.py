@@ -28,10 +28,15 @@ def wilson(share: float, n: int, z: float = Z95) -> Tuple[float, float]:
     return max(0.0, min(share, centre - half)), min(1.0, max(share, centre + half))
 
 
+# Held-out figures that are counts or means, not shares of the problems (`trainer.evaluation`).
+NOT_SHARES = frozenset({"reward", "distinct_answers", "mean_completion_tokens"})
+
+
 def is_share(metric: str) -> bool:
-    """Whether a held-out metric is a share of the problems (accuracy, a rate, pass@k, maj@k), which has an interval;
-    a reward's mean (``reward``, ``rewards/NAME``) is not."""
-    return not (metric == "reward" or metric.startswith("rewards/"))
+    """Whether a held-out metric is a share of the problems (accuracy, a rate, pass@k, maj@k, the top answer's
+    share), which has an interval; a reward's mean (``reward``, ``rewards/NAME``), the number of distinct answers
+    and the mean completion length are not."""
+    return not (metric in NOT_SHARES or metric.startswith("rewards/"))
 
 
 def metric_intervals(metrics: Dict[str, float], n: int) -> Dict[str, List[float]]:
