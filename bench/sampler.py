@@ -41,6 +41,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="a local model folder (default: the built-in SmolLM2-135M-Instruct)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--no-eos",
+        action="store_true",
+        help="no token ends a row: every row decodes --max-new-tokens (the cost of a long completion, length fixed)",
+    )
     p.add_argument("--compile", action="store_true", help="also time the step under torch.compile (minutes on a CPU)")
     p.add_argument("--name", default=None, help="the table's file name (default sampler-cpu-PRECISION)")
     return p
@@ -86,12 +91,14 @@ def measure(args) -> dict:
     n, new = args.group_size, args.max_new_tokens
     rows_count = ids.shape[0] * n
     sizes = model_sizes(model)
-    step_flops = sum(2 * rows_count * i * o for i, o in sizes["layers"] + [sizes["head"]])
+    step_flops = sum(2 * rows_count * i * o for i, o in sizes["shapes"] + [sizes["head"]])
     results = {"rows": rows_count, "prompt": tuple(ids.shape), "prefix": prefix_run_once(model, ids, mask)}
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16")
     with torch.no_grad(), autocast:
-        weights = [torch.randn(o, i) for i, o in sizes["layers"] + [sizes["head"]]]
-        inputs = {i: torch.randn(rows_count, i) for i, _ in sizes["layers"] + [sizes["head"]]}
+        # In the run's precision itself (bf16 weights, not float32 ones that autocast would cast at every call)
+        dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+        weights = [torch.randn(o, i).to(dtype) for i, o in sizes["shapes"] + [sizes["head"]]]
+        inputs = {i: torch.randn(rows_count, i).to(dtype) for i, _ in sizes["shapes"] + [sizes["head"]]}
         results["bare_step_s"] = best_of(
             args.repeats, lambda: [torch.nn.functional.linear(inputs[w.shape[1]], w) for w in weights]
         )
@@ -119,7 +126,7 @@ def measure(args) -> dict:
 
         step = theirs()
         results["transformers_step_s"] = best_of(args.repeats, step)
-        eos = eos_ids(model, tokenizer)
+        eos = [-1] if args.no_eos else eos_ids(model, tokenizer)  # -1: no token ends a row
         for own in (True, False):
 
             def run(own=own):

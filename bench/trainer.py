@@ -205,7 +205,8 @@ def phase_work(model, batch, log_prob_passes: int = 0) -> dict:
     own tokens once (the padded width), then the head on each prompt's last; decoding runs every row's tokens but its
     last (the first comes from the prompt pass), each through every layer and the head, attending to its prompt and
     the tokens before it; the update's decoder forward the same prompts plus every completion position, its backward
-    twice that; the fused loss the head's product forward and both of its gradients; the old/reference log-probs a
+    twice that; the fused loss the head's product forward and both of its gradients on the completions' tokens (not
+    their padding, which it skips); the old/reference log-probs a
     decoder forward and the head for each of ``log_prob_passes``. ``optimizer_gb``: what AdamW reads
     and writes (float32 weights, gradients and both moments: 28 bytes a weight)."""
     from gtpo_kernels.hf import prefix_run_once
@@ -230,7 +231,7 @@ def phase_work(model, batch, log_prob_passes: int = 0) -> dict:
         "decode": (2 * (layer_params + hidden * vocab) * decode_tokens + pair * decode_pairs) / 1e9,
         "old_logprobs": log_prob_passes * (forward + 2 * hidden * vocab * rows * length) / 1e9,
         "decoder_forward": forward / 1e9,
-        "loss": 6 * hidden * vocab * rows * length / 1e9,
+        "loss": 6 * hidden * vocab * sum(lengths) / 1e9,  # the fused loss skips the padding
         "backward": 2 * forward / 1e9,
         "optimizer_gb": 28 * sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e9,
         "prompt_tokens": prompt_tokens,

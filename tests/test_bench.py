@@ -127,7 +127,7 @@ def test_the_roofline_counts_each_phases_products_by_hand(tiny_model_dir):
     forward = 2 * layers * 44 + pair * update_pairs
     assert work["decoder_forward"] == pytest.approx(forward / 1e9)
     assert work["backward"] == pytest.approx(2 * forward / 1e9)
-    assert work["loss"] == pytest.approx(6 * head * 30 / 1e9)
+    assert work["loss"] == pytest.approx(6 * head * (5 + 3 + 1 + 5 + 5 + 5) / 1e9)  # the tokens, not the padding
     assert work["old_logprobs"] == 0 and with_old["old_logprobs"] == pytest.approx(2 * (forward + 2 * head * 30) / 1e9)
     weights = sum(p.numel() for p in model.parameters())
     assert work["optimizer_gb"] == pytest.approx(28 * weights / 1e9)
