@@ -208,3 +208,28 @@ def test_against_first_runs_the_other_checkout_first(tmp_path, monkeypatch, firs
     ours = (bench_trainer.ROOT.name, None)
     theirs = ("old", ["--steps", "1"])
     assert calls == ([theirs, ours] if first else [ours, theirs])
+
+
+def test_precision_auto_is_resolved_once_and_passed_to_both_checkouts(tmp_path, monkeypatch):
+    """`--precision auto` takes gtpo-train's choice once, before either run, and hands both checkouts the choice
+    itself (an older checkout's parser knows no ``auto``), with no second ``--precision`` left behind."""
+    from bench import trainer as bench_trainer
+    from trainer import precision
+
+    calls = []
+    step = {"step": 2.0, "sampling": 1.0, "scoring": 0.0, "update": 1.0, "completion_tokens": 10.0, "reward": 0.5}
+
+    def measure(which, args, root=bench_trainer.ROOT, argv=None):
+        calls.append((args.precision, list(args.argv if argv is None else argv)))
+        return [dict(step, work={}, bare_gflops={})]
+
+    monkeypatch.setattr(bench_trainer, "measure", measure)
+    monkeypatch.setattr(bench_trainer, "roofline", lambda steps, precision="fp32": [])
+    monkeypatch.setattr(precision, "measure_cpu", lambda: precision.PrecisionChoice(True, "timed here"))
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    bench_trainer.main(["--precision=auto", "--against", str(tmp_path / "old"), "--no-trl", "--steps", "1"])
+    (ours_precision, ours_argv), (_, theirs_argv) = calls
+    assert ours_precision == "bf16"
+    for argv in (ours_argv, theirs_argv):
+        assert [a for a in argv if a.startswith("--precision")] == ["--precision"]
+        assert argv[argv.index("--precision") + 1] == "bf16"

@@ -126,8 +126,12 @@ def test_a_conversational_jsonl_trains_with_a_reward_file(tiny_model_dir, tmp_pa
     targets = [t for call in module.calls[1:3] for t in call["target"]]
     assert "skip" in targets and "go" in targets
     evals = [r for r in rows_of(out) if r["kind"] == "eval"]
-    assert set(evals[0]) == {"kind", "step", "reward", "rewards/length_reward", "rewards/parity_reward", "intervals_95"}
-    assert evals[0]["intervals_95"] == {}  # reward means are not shares: no interval
+    one_answer = {"distinct_answers", "top_answer_share", "mean_completion_tokens"}  # whatever the rewards
+    assert (
+        set(evals[0])
+        == {"kind", "step", "reward", "rewards/length_reward", "rewards/parity_reward", "intervals_95"} | one_answer
+    )
+    assert set(evals[0]["intervals_95"]) == {"top_answer_share"}  # reward means and counts are not shares: no interval
 
 
 def test_combine_is_trls_weighted_nansum():
@@ -171,6 +175,9 @@ def test_csv_and_parquet_with_another_prompt_column_and_two_weighted_rewards(
         "reward",
         "rewards/correctness_reward",
         "rewards/length_reward",
+        "distinct_answers",
+        "top_answer_share",
+        "mean_completion_tokens",
     }
     after = summary["after"]
     assert after["reward"] == pytest.approx(

@@ -76,8 +76,9 @@ def test_a_few_steps_run_with_finite_losses(tiny_model_dir, tmp_path, algo):
     saved = json.loads((tmp_path / "summary.json").read_text())
     assert saved["eval_problems"] == summary["eval_problems"] == 4
     for when in ("before", "after"):
-        shares = {k: v for k, v in saved[when].items() if not k.startswith("reward")}  # a mean has no interval
-        assert set(shares) == {"accuracy", "format_rate", "pass@2", "maj@2"}
+        counts = {"distinct_answers", "mean_completion_tokens"}  # like a reward's mean: no interval
+        shares = {k: v for k, v in saved[when].items() if not k.startswith("reward") and k not in counts}
+        assert set(shares) == {"accuracy", "format_rate", "pass@2", "maj@2", "top_answer_share"}
         assert saved["intervals_95"][when] == {k: list(wilson(v, 4)) for k, v in shares.items()}
 
 
@@ -180,14 +181,19 @@ def test_held_out_totals_add_over_processes_field_by_field():
     name; a vector of the wrong length is refused instead of read at shifted offsets."""
     from trainer.evaluation import HeldOutTotals
 
-    a = HeldOutTotals(3, 1, 2, 1, 0, 1.5, torch.tensor([1.0, 0.5]), torch.tensor([3.0, 2.0]), torch.tensor([3.0]))
-    b = HeldOutTotals(2, 2, 2, 0, 1, 0.5, torch.tensor([0.0, 1.0]), torch.tensor([2.0, 2.0]), torch.tensor([1.0]))
+    a = HeldOutTotals(
+        3, 1, 2, 1, 0, 1.5, torch.tensor([1.0, 0.5]), torch.tensor([3.0, 2.0]), torch.tensor([3.0]), 9, 40
+    )
+    b = HeldOutTotals(
+        2, 2, 2, 0, 1, 0.5, torch.tensor([0.0, 1.0]), torch.tensor([2.0, 2.0]), torch.tensor([1.0]), 6, 25
+    )
     both = HeldOutTotals.from_sums(a.to_sums() + b.to_sums(), per_reward=2, applies=2, greedy_rates=1)
     assert [float(both.problems), float(both.greedy_right), float(both.pass_at_k), float(both.maj_at_k)] == [5, 3, 4, 1]
     assert (float(both.not_binary), float(both.reward)) == (1, 2.0)
     assert both.per_reward.tolist() == [1.0, 1.5] and both.applies.tolist() == [5.0, 4.0]
     assert both.greedy_rates.tolist() == [4.0]
-    with pytest.raises(ValueError, match="HeldOutTotals: 11 sums for fields of 10"):
+    assert (float(both.completions), float(both.completion_tokens)) == (15, 65)
+    with pytest.raises(ValueError, match="HeldOutTotals: 13 sums for fields of 12"):
         HeldOutTotals.from_sums(a.to_sums(), per_reward=2, applies=2, greedy_rates=0)
 
 

@@ -495,8 +495,8 @@ MUTANTS: Tuple[Mutant, ...] = (
     Mutant(
         "sampling: the cut logits not used for the draw",
         "trainer/sampling.py",
-        "        return draw_tokens(cut_logits(logits.float() / temperature, top_k, top_p, min_p))",
-        "        return draw_tokens(logits, temperature)",
+        "        return draw_tokens(cut_logits(logits.float() / temperature, top_k, top_p, min_p), uniform=uniform)",
+        "        return draw_tokens(logits, temperature, uniform)",
         ("tests/test_sampling.py::test_top_p_sampling_draws_only_from_the_nucleus_in_its_proportions",),
         "sample() draws from the nucleus only, in the renormalised proportions",
     ),
@@ -536,8 +536,8 @@ MUTANTS: Tuple[Mutant, ...] = (
     Mutant(
         "decode: left padding attended to",
         "trainer/decode.py",
-        '.masked_fill(~cache.valid, float("-inf"))',
-        '.masked_fill(cache.valid & False, float("-inf"))',
+        '.masked_fill(~valid, float("-inf"))',
+        '.masked_fill(valid & False, float("-inf"))',
         ("tests/test_sampling.py::test_decode_step_logits_equal_the_whole_sequence_forward",),
         "a row attends to its own prompt tokens and the tokens since, not to its left padding nor the empty room",
     ),
@@ -652,8 +652,8 @@ MUTANTS: Tuple[Mutant, ...] = (
     Mutant(
         "bench trainer: decoding counted for every completion position",
         "bench/trainer.py",
-        "    decode_tokens = rows * (length - 1)  # the first token comes from the prompt pass",
-        "    decode_tokens = rows * length",
+        "    decode_tokens = sum(max(n - 1, 0) for n in lengths)",
+        "    decode_tokens = sum(lengths)",
         ("tests/test_bench.py::test_the_roofline_counts_each_phases_products_by_hand",),
         "the roofline's work is each phase's products, counted by hand on the tiny model",
     ),
@@ -737,6 +737,14 @@ MUTANTS: Tuple[Mutant, ...] = (
         "decode_tokens = rows * (length - 1)",
         ("tests/test_bench.py::test_the_roofline_counts_each_phases_products_by_hand",),
         "decoding runs each row's tokens but its last, not the longest row's for every row",
+    ),
+    Mutant(
+        "bench trainer: --precision auto left in the argv handed to an older checkout",
+        "bench/trainer.py",
+        'argv = without_option(argv, "--precision") + ["--precision", choice.name]',
+        'argv = argv + ["--precision", choice.name]',
+        ("tests/test_bench.py::test_precision_auto_is_resolved_once_and_passed_to_both_checkouts",),
+        "both checkouts get the resolved precision and no 'auto' an older parser refuses",
     ),
     # ---------------------------------------------------------------- issue 65: one-answer collapse measured
     Mutant(
@@ -928,8 +936,8 @@ MUTANTS: Tuple[Mutant, ...] = (
     Mutant(
         "held-out answers: every sample counted right",
         "trainer/evaluation.py",
-        '                        "samples_right": int((scores[1:, acc] == 1).sum()),',
-        '                        "samples_right": len(texts) - 1,',
+        '                        "samples_right": int((problem.scores[1:, acc] == 1).sum()),',
+        '                        "samples_right": len(problem.texts) - 1,',
         ("tests/test_answers.py::test_the_final_evaluation_writes_each_problems_greedy_answer",),
         "each problem's count of right samples, as pass@k reads them",
     ),
@@ -1065,8 +1073,8 @@ MUTANTS: Tuple[Mutant, ...] = (
     Mutant(
         "answers: a sample judged instead of the greedy answer",
         "trainer/evaluation.py",
-        '"completion": texts[0],\n                        "correct": bool(scores[0, acc] == 1),',
-        '"completion": texts[1],\n                        "correct": bool(scores[1, acc] == 1),',
+        '"completion": problem.texts[0],\n                        "correct": bool(problem.scores[0, acc] == 1),',
+        '"completion": problem.texts[1],\n                        "correct": bool(problem.scores[1, acc] == 1),',
         ("tests/test_answers.py::test_wrong_greedy_answers_come_from_the_final_evaluation",),
         "the wrong answers listed are the greedy ones the summary's accuracy counts",
     ),

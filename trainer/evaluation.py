@@ -79,11 +79,11 @@ class HeldOutTotals(Totals):
     maj_at_k: float = 0.0  # the samples' most common answer scored 1
     not_binary: float = 0.0  # problems on which some accuracy reward was neither 0 nor 1 (then no accuracy)
     reward: float = 0.0  # the greedy completion's weighted reward
-    completions: float = 0.0  # every completion decoded (greedy and samples)
-    completion_tokens: float = 0.0  # their tokens
     per_reward: Optional[torch.Tensor] = None  # [R] each reward's greedy values where it applies
     applies: Optional[torch.Tensor] = None  # [R] how many greedy completions each reward applies to
     greedy_rates: Optional[torch.Tensor] = None  # [Q] greedy completions passing each of the task's rate checks
+    completions: float = 0.0  # every completion decoded (greedy and samples)
+    completion_tokens: float = 0.0  # their tokens
 
     @classmethod
     def zeros(cls, task: Task) -> HeldOutTotals:
