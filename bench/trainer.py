@@ -193,8 +193,8 @@ PHASES = {
     "old_logprobs": "old / reference log-probs",
     "decoder_forward": "update: decoder forward",
     "loss": "update: fused loss (forward + gradients)",
-    "backward": "update: decoder backward + clip",
-    "optimizer": "update: AdamW",
+    "backward": "update: decoder backward",
+    "optimizer": "update: clip + AdamW",
 }
 
 
@@ -399,7 +399,9 @@ def parser() -> argparse.ArgumentParser:
         help="auto: gtpo-train's choice on this CPU (trainer/precision.py), made once here for every trainer",
     )
     p.add_argument(
-        "--model-dtype", default=TrainConfig.model_dtype, help="gtpo-train's --model-dtype (TRL's model: float32)"
+        "--model-dtype",
+        default=TrainConfig.model_dtype,
+        help="this checkout's --model-dtype (TRL's model and an --against checkout keep their float32 default)",
     )
     p.add_argument("--steps", type=int, default=2, help="steps per trainer; the table reports the last")
     p.add_argument("--prompts", type=int, default=TrainConfig.prompts_per_step, help="prompts per step (gtpo-train's)")
@@ -500,7 +502,7 @@ def table(results: dict, args) -> list:
 
 def phase_times(step: dict) -> dict:
     """Seconds of each of `PHASES` in one of ``gtpo-train``'s steps (the decoder's backward: what the update's
-    other parts leave, the gradients' clipping in it)."""
+    other parts leave; the gradients' clipping is in the optimiser's, `PolicyOptimizer.clip_and_step`)."""
     times = {
         "prompt_pass": step["prompt_pass"],
         "decode": step["sampling"] - step["prompt_pass"],
@@ -527,8 +529,7 @@ def roofline(steps: list, precision: str = "fp32") -> list:
         "timed in the same process (the reachable rate). Prompt tokens run once per batch: "
         f"{work['prompt_tokens']} (a shared prefix of {work['shared_prefix']} tokens, then each prompt's own); "
         f"decoding runs {work['decode_tokens']} tokens; the update's decoder runs {work['update_tokens']} tokens. "
-        "AdamW: GB/s of the 28 bytes it reads and "
-        "writes a weight, against a plain float32 sum's.",
+        "Clip + AdamW: GB/s of the 28 bytes AdamW reads and writes a weight, against a plain float32 sum's.",
         "",
         "| phase | s | GFLOP (AdamW: GB) | GFLOP/s (AdamW: GB/s) | bare, same shapes and precision | share of bare |",
         "|---|---|---|---|---|---|",

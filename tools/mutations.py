@@ -750,8 +750,8 @@ MUTANTS: Tuple[Mutant, ...] = (
     Mutant(
         "evaluation: a problem left unanswered counted as one more distinct answer",
         "trainer/evaluation.py",
-        "given = Counter({answer: count for answer, count in answers.items() if answer is not None})",
-        "given = Counter(answers)",
+        "    given = answers_given(answers)\n",
+        "    given = Counter(answers)\n",
         ("tests/test_answers.py::test_every_evaluation_counts_distinct_greedy_answers_and_warns_of_one_answer",),
         "distinct answers count the answers given, not the problems left unanswered",
     ),

@@ -130,7 +130,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def attend(q: torch.Tensor, cache: KVCache, layer: int, bias: torch.Tensor, scale: float) -> torch.Tensor:
-    """``[R * kv_heads, group, dim]`` attention outputs of the queries ``q [R * kv_heads, group, dim]`` (a key/value
+    """``[R * kv_heads, group, dim]`` attention outputs of the queries ``q [R * kv_heads, group, dim]`` (in the
+    cache's dtype, as is ``bias``: `decode_step` makes them so; a key/value
     head's ``group`` query heads in the query-length dimension, so each key/value head is read once, with no
     copies) over the shared prefix and each row's first ``used`` own positions, one softmax over both. ``bias [R *
     kv_heads, group, used]``: 0 where a row attends, -inf elsewhere. Written as batched products: at one query a row
@@ -140,18 +141,18 @@ def attend(q: torch.Tensor, cache: KVCache, layer: int, bias: torch.Tensor, scal
     # [R * kv_heads, used, dim] views of the positions written so far (the room still empty is not read)
     keys, values = (c[layer][:, :, :used].flatten(0, 1) for c in (cache.keys, cache.values))
     group = q.shape[1]
-    scores = torch.baddbmm(bias.to(q.dtype), q, keys.transpose(1, 2).to(q.dtype), alpha=scale)  # [R*kv, group, used]
+    scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=scale)  # [R * kv_heads, group, used]
     c = cache.prefix
     if c:
         by_head = q.view(rows, kv_heads, group, dim).transpose(0, 1).reshape(kv_heads, rows * group, dim)
-        shared = torch.bmm(by_head, cache.prefix_keys[layer].transpose(1, 2).to(q.dtype)) * scale
+        shared = torch.bmm(by_head, cache.prefix_keys[layer].transpose(1, 2)) * scale
         shared = shared.view(kv_heads, rows, group, c).transpose(0, 1).reshape(-1, group, c)
         scores = torch.cat([shared, scores], dim=-1)
     probs = scores.softmax(-1)
-    out = torch.bmm(probs[..., c:], values.to(q.dtype))
+    out = torch.bmm(probs[..., c:], values)
     if c:
         shared = probs[..., :c].reshape(rows, kv_heads, group, c).transpose(0, 1).reshape(kv_heads, rows * group, c)
-        shared = torch.bmm(shared, cache.prefix_values[layer].to(q.dtype))
+        shared = torch.bmm(shared, cache.prefix_values[layer])
         out = out + shared.view(kv_heads, rows, group, dim).transpose(0, 1).reshape(-1, group, dim)
     return out
 
@@ -187,8 +188,8 @@ def decode_step(
         if getattr(attn, "q_norm", None) is not None:  # Qwen3: RMSNorm per head before the rotation
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = rotate(q, cos, sin).to(kv_dtype), rotate(k, cos, sin)
-        cache.keys[i].index_copy_(2, index, k.to(cache.keys[i].dtype))
-        cache.values[i].index_copy_(2, index, v.to(cache.values[i].dtype))
+        cache.keys[i].index_copy_(2, index, k.to(kv_dtype))
+        cache.values[i].index_copy_(2, index, v.to(kv_dtype))
         out = attend(q.reshape(rows * kv_heads, group, dim), cache, i, bias, attn.scaling)
         x = x + attn.o_proj(out.reshape(rows, 1, -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))

@@ -132,10 +132,15 @@ def greedy_answers_given(task: Task, decoded: list) -> Counter:
     return Counter(task.answer_key(problem.texts[0]) for problem in decoded)
 
 
+def answers_given(answers: Counter) -> Counter:
+    """``answers`` without the problems that got none (``None``)."""
+    return Counter({answer: count for answer, count in answers.items() if answer is not None})
+
+
 def one_answer_figures(answers: Counter, problems: float) -> dict:
     """``distinct_answers`` (greedy answers given, ``None`` not counted) and ``top_answer_share`` (the problems
     given the most common one, of all ``problems``) from the whole held-out set's ``answers``."""
-    given = Counter({answer: count for answer, count in answers.items() if answer is not None})
+    given = answers_given(answers)
     top = given.most_common(1)[0][1] if given else 0
     return {"distinct_answers": float(len(given)), "top_answer_share": top / problems if problems else 0.0}
 
@@ -169,7 +174,7 @@ def warn_of_one_answer(answers: Counter, problems: float, desc: str) -> None:
     """A warning on stderr where one greedy answer is given to more than `ONE_ANSWER_WARNING` of the problems."""
     figures = one_answer_figures(answers, problems)
     if figures["top_answer_share"] > ONE_ANSWER_WARNING:
-        answer = Counter({a: c for a, c in answers.items() if a is not None}).most_common(1)[0][0]
+        answer = answers_given(answers).most_common(1)[0][0]
         tqdm.write(
             f"warning: {desc}: the greedy answer {answer!r} was given to {figures['top_answer_share']:.0%} of the "
             f"{problems:.0f} held-out problems ({figures['distinct_answers']:.0f} distinct answers): the model may "
