@@ -46,10 +46,12 @@ def test_wrong_greedy_answers_come_from_the_final_evaluation(tiny_model_dir, tmp
     assert {q for q, _, _ in wrong} == wrong_questions
     assert all(g == gold[q] and f"<answer>\n{int(g) + 1}\n</answer>" in text for q, g, text in wrong)
     one_answer = {"distinct_answers", "top_answer_share", "mean_completion_tokens"}  # their own test is below
+    one_answer |= {"reasoning_share", "mean_reasoning_words"}
     assert one_answer <= set(metrics) and metrics["mean_completion_tokens"] == 2.0  # every completion: 2 tokens
     assert {k: v for k, v in metrics.items() if k not in one_answer} == {
         "accuracy": 0.5,
         "format_rate": 1.0,
+        "pass@1": 0.5,  # one of each problem's two samples is right
         "pass@2": 1.0,
         "maj@2": 1.0,
         "reward": 1.0,  # half right (1) and every one in the layout (0.5)
@@ -145,3 +147,61 @@ def test_every_evaluation_counts_distinct_greedy_answers_and_warns_of_one_answer
     assert "top_answer_share" in intervals and not {"distinct_answers", "mean_completion_tokens"} & set(intervals)
     warned = capsys.readouterr().err
     assert ("the greedy answer 7.0 was given to 62% of the 8 held-out problems" in warned) == collapsed
+
+
+def test_pass_at_k_is_the_share_of_k_sample_subsets_holding_a_right_one():
+    """The unbiased estimate against counting: of every way to pick k of n samples (c of them right), the share
+    that holds a right one; the k reported: powers of two below n, then n."""
+    from itertools import combinations
+
+    for n in range(1, 7):
+        for right in range(n + 1):
+            samples = [True] * right + [False] * (n - right)
+            for k in range(1, n + 1):
+                subsets = list(combinations(samples, k))
+                counted = sum(any(s) for s in subsets) / len(subsets)
+                assert evaluation.pass_at(n, right, k) == pytest.approx(counted, abs=1e-12), (n, right, k)
+    assert evaluation.pass_ks(16) == (1, 2, 4, 8, 16) and evaluation.pass_ks(6) == (1, 2, 4, 6)
+    assert evaluation.pass_ks(1) == (1,) and evaluation.pass_ks(0) == ()
+
+
+def test_every_evaluation_reports_pass_at_k_to_eval_k_and_the_reasoning_share(tiny_model_dir, monkeypatch):
+    """Three held-out problems with 4 samples each, 0, 1 and 3 of them right: pass@1, pass@2 and pass@4 are the
+    means of each problem's unbiased estimate (by hand: pass@2 of 1 right in 4 is 1/2, of 3 right 1); the reasoning
+    share counts the completions writing at least 10 words besides their answer block, and its tags are not words."""
+    from trainer.distributed import Distributed
+    from trainer.task import load_task
+
+    config = TrainConfig(model=tiny_model_dir, eval_size=3, eval_k=4, max_new_tokens=4, precision="fp32")
+    right_samples = [0, 1, 3]
+    steps = "<reasoning>\nFirst add 2 and 3 to get 5, then take 1 away: 4 is left.\n</reasoning>\n"  # 15 words
+    short = "<reasoning>\nThe answer is 4.\n</reasoning>\n"  # 4 words
+
+    def fake_generate(model, tokenizer, task, questions, n, config, device, greedy_first=False, **kwargs):
+        assert n == 5 and greedy_first
+        texts = []
+        for q in questions:
+            gold = task.held_out["answer"][task.held_out["prompt"].index(q)]
+            right = right_samples[task.held_out["prompt"].index(q)]
+            samples = [f"<answer>{gold}</answer>"] * right + ["<answer>\nnot a number\n</answer>"] * (4 - right)
+            texts += [steps + f"<answer>\n{gold}\n</answer>", *(short + s for s in samples)]
+        mask = torch.ones(len(texts), 4, dtype=torch.bool)
+        return Completions(mask[:0].long(), mask[:0].long(), mask.long(), mask, texts)
+
+    monkeypatch.setattr(evaluation, "generate", fake_generate)
+    task = load_task(config, train_size=config.prompts_per_step)
+    result = evaluation.evaluate(torch.nn.Linear(1, 1), None, task, config, Distributed.start("cpu"), seed=0)
+    assert result["accuracy"] == 1.0
+    assert result["pass@1"] == pytest.approx((0 + 1 / 4 + 3 / 4) / 3)
+    assert result["pass@2"] == pytest.approx((0 + 1 / 2 + 1) / 3)
+    assert result["pass@4"] == pytest.approx(2 / 3) and "pass@3" not in result
+    assert result["reasoning_share"] == pytest.approx(1 / 5)  # the greedy completion of each problem, of five
+    assert result["mean_reasoning_words"] == pytest.approx((15 + 4 * 4) / 5)
+
+
+def test_the_reasoning_is_what_a_completion_writes_besides_its_answer():
+    from trainer.task import outside_answer
+
+    assert outside_answer("<think>a b</think>\n<answer>\nc d e\n</answer>").split() == ["a", "b"]
+    assert outside_answer("7 + 5 = 12\n\nso 12").split() == ["7", "+", "5", "=", "12"]  # the last line: the answer
+    assert outside_answer("12").split() == []

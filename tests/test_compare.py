@@ -134,11 +134,13 @@ def test_tables_and_plot(tmp_path):
 
 
 def test_the_held_out_panel_draws_pass_and_maj_at_each_k():
-    # "pass@" and "maj@" stand for the k the runs were evaluated at; runs without samples (eval_k 0) draw accuracy.
-    sampled = [{"evals": [{"step": 0, "accuracy": 0.5, "pass@4": 0.7, "maj@4": 0.6, "format_rate": 1.0}], "train": []}]
+    # "pass@" and "maj@" stand for the k the runs were evaluated at (pass@16 of 16 samples, not the pass@1, @2, @4
+    # and @8 estimated from them); runs without samples (eval_k 0) draw accuracy.
+    passes = {"pass@1": 0.3, "pass@2": 0.5, "pass@4": 0.7, "pass@8": 0.8, "pass@16": 0.9}
+    sampled = [{"evals": [{"step": 0, "accuracy": 0.5, **passes, "maj@16": 0.6, "format_rate": 1.0}], "train": []}]
     greedy = [{"evals": [{"step": 0, "accuracy": 0.5, "format_rate": 1.0}]}]
     keys = next(keys for title, rows, keys, _ in compare.CURVES if title.startswith("held-out: greedy"))
-    assert compare._curve_keys(sampled, "evals", keys) == ["accuracy", "pass@4", "maj@4"]
+    assert compare._curve_keys(sampled, "evals", keys) == ["accuracy", "pass@16", "maj@16"]
     assert compare._curve_keys(greedy, "evals", keys) == ["accuracy"]
     conflict = next(keys for title, rows, keys, _ in compare.CURVES if title.startswith("conflict tokens"))
     assert compare._curve_keys(sampled, "train", conflict) == ["amplified_fraction", "skipped_fraction"]

@@ -127,11 +127,13 @@ def test_a_conversational_jsonl_trains_with_a_reward_file(tiny_model_dir, tmp_pa
     assert "skip" in targets and "go" in targets
     evals = [r for r in rows_of(out) if r["kind"] == "eval"]
     one_answer = {"distinct_answers", "top_answer_share", "mean_completion_tokens"}  # whatever the rewards
+    one_answer |= {"reasoning_share", "mean_reasoning_words"}
     assert (
         set(evals[0])
         == {"kind", "step", "reward", "rewards/length_reward", "rewards/parity_reward", "intervals_95"} | one_answer
     )
-    assert set(evals[0]["intervals_95"]) == {"top_answer_share"}  # reward means and counts are not shares: no interval
+    # Reward means and counts are not shares: no interval.
+    assert set(evals[0]["intervals_95"]) == {"top_answer_share", "reasoning_share"}
 
 
 def test_combine_is_trls_weighted_nansum():
@@ -170,6 +172,7 @@ def test_csv_and_parquet_with_another_prompt_column_and_two_weighted_rewards(
     summary = train_module.run(config)
     assert set(summary["after"]) == {
         "accuracy",
+        "pass@1",
         "pass@2",
         "maj@2",
         "reward",
@@ -178,6 +181,8 @@ def test_csv_and_parquet_with_another_prompt_column_and_two_weighted_rewards(
         "distinct_answers",
         "top_answer_share",
         "mean_completion_tokens",
+        "reasoning_share",
+        "mean_reasoning_words",
     }
     after = summary["after"]
     assert after["reward"] == pytest.approx(

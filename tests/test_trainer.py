@@ -76,9 +76,11 @@ def test_a_few_steps_run_with_finite_losses(tiny_model_dir, tmp_path, algo):
     saved = json.loads((tmp_path / "summary.json").read_text())
     assert saved["eval_problems"] == summary["eval_problems"] == 4
     for when in ("before", "after"):
-        counts = {"distinct_answers", "mean_completion_tokens"}  # like a reward's mean: no interval
+        counts = {"distinct_answers", "mean_completion_tokens", "mean_reasoning_words"}  # like a reward's: no interval
         shares = {k: v for k, v in saved[when].items() if not k.startswith("reward") and k not in counts}
-        assert set(shares) == {"accuracy", "format_rate", "pass@2", "maj@2", "top_answer_share"}
+        assert set(shares) == {
+            *("accuracy", "format_rate", "pass@1", "pass@2", "maj@2", "top_answer_share", "reasoning_share")
+        }
         assert saved["intervals_95"][when] == {k: list(wilson(v, 4)) for k, v in shares.items()}
 
 
@@ -181,20 +183,25 @@ def test_held_out_totals_add_over_processes_field_by_field():
     name; a vector of the wrong length is refused instead of read at shifted offsets."""
     from trainer.evaluation import HeldOutTotals
 
-    a = HeldOutTotals(
-        3, 1, 2, 1, 0, 1.5, torch.tensor([1.0, 0.5]), torch.tensor([3.0, 2.0]), torch.tensor([3.0]), 9, 40
-    )
-    b = HeldOutTotals(
-        2, 2, 2, 0, 1, 0.5, torch.tensor([0.0, 1.0]), torch.tensor([2.0, 2.0]), torch.tensor([1.0]), 6, 25
-    )
-    both = HeldOutTotals.from_sums(a.to_sums() + b.to_sums(), per_reward=2, applies=2, greedy_rates=1)
-    assert [float(both.problems), float(both.greedy_right), float(both.pass_at_k), float(both.maj_at_k)] == [5, 3, 4, 1]
-    assert (float(both.not_binary), float(both.reward)) == (1, 2.0)
-    assert both.per_reward.tolist() == [1.0, 1.5] and both.applies.tolist() == [5.0, 4.0]
-    assert both.greedy_rates.tolist() == [4.0]
-    assert (float(both.completions), float(both.completion_tokens)) == (15, 65)
-    with pytest.raises(ValueError, match="HeldOutTotals: 13 sums for fields of 12"):
-        HeldOutTotals.from_sums(a.to_sums(), per_reward=2, applies=2, greedy_rates=0)
+    def totals(problems, pass_at, reward, per_reward, reasoning):
+        return HeldOutTotals(
+            *(problems, 1, torch.tensor(pass_at), 1, 0, reward, torch.tensor(per_reward), torch.tensor([3.0, 2.0])),
+            *(torch.tensor([3.0]), 9, 40, reasoning, 30),
+        )
+
+    a = totals(3, [1.5, 2.0], 1.5, [1.0, 0.5], 2)
+    b = totals(2, [0.5, 2.0], 0.5, [0.0, 1.0], 5)
+    lengths = dict(pass_at=2, per_reward=2, applies=2, greedy_rates=1)
+    both = HeldOutTotals.from_sums(a.to_sums() + b.to_sums(), **lengths)
+    assert [float(both.problems), float(both.greedy_right), float(both.maj_at_k)] == [5, 2, 2]
+    assert both.pass_at.tolist() == [2.0, 4.0]
+    assert (float(both.not_binary), float(both.reward)) == (0, 2.0)
+    assert both.per_reward.tolist() == [1.0, 1.5] and both.applies.tolist() == [6.0, 4.0]
+    assert both.greedy_rates.tolist() == [6.0]
+    assert (float(both.completions), float(both.completion_tokens)) == (18, 80)
+    assert (float(both.reasoning), float(both.reasoning_words)) == (7, 60)
+    with pytest.raises(ValueError, match="HeldOutTotals: 16 sums for fields of 15"):
+        HeldOutTotals.from_sums(a.to_sums(), **{**lengths, "greedy_rates": 0})
 
 
 def test_fused_and_logits_losses_agree(tiny_model_dir, tmp_path):

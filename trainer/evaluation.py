@@ -2,11 +2,15 @@
 them with the task's rewards.
 
 Reported: each reward's mean over the greedy completions (``rewards/NAME``) and their weighted sum (``reward``);
-where the accuracy reward's values are 0 or 1, greedy ``accuracy``, ``pass@k`` (some sample scores 1) and
-``maj@k`` (the answer most samples give, by the task's ``answer_key``, scores 1); the task's ``greedy_rates``.
+where the accuracy reward's values are 0 or 1, greedy ``accuracy``, ``pass@k`` for k = 1, 2, 4, ... up to
+``eval_k`` (`pass_ks`; the chance that k of the ``eval_k`` samples drawn without replacement hold a right one, the
+unbiased estimator `pass_at`; at k = ``eval_k``, some sample scores 1) and ``maj@k`` (the answer most samples
+give, by the task's ``answer_key``, scores 1); the task's ``greedy_rates``.
 Whether the model answers one thing to every problem (one-answer collapse): ``distinct_answers``, how many different
 greedy answers it gave, ``top_answer_share``, the share of problems given the most common one (a warning is printed
-where it passes half), and ``mean_completion_tokens`` over every completion decoded.
+where it passes half). Whether it reasons: ``mean_completion_tokens`` over every completion decoded,
+``reasoning_share``, the share of them with at least `REASONING_MIN_WORDS` words outside their answer (the task's
+``reasoning_of``), and ``mean_reasoning_words``.
 The shares have 95 % intervals (`intervals.metric_intervals`); the reward means and the counts have none.
 """
 
@@ -15,7 +19,7 @@ from __future__ import annotations
 import sys
 from collections import Counter
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 from tqdm.auto import tqdm
@@ -69,13 +73,42 @@ def decode(model, tokenizer, task: Task, rows: dict, config: TrainConfig, dist: 
     ]
 
 
+# A completion "reasons" where it writes at least this many words besides its answer: more than the recipe's old
+# "The answer is 12." (4 words) or a bare sum "7 + 5 = 12" (5), as few as one sentence of working.
+REASONING_MIN_WORDS = 10
+
+
+def pass_ks(n: int) -> Tuple[int, ...]:
+    """The k of the ``pass@k`` reported from ``n`` samples a problem: 1, 2, 4, ... below ``n``, and ``n``."""
+    ks, k = [], 1
+    while k < n:
+        ks.append(k)
+        k *= 2
+    return (*ks, n) if n else ()
+
+
+def pass_at(n: int, right: int, k: int) -> float:
+    """The unbiased estimate of pass@k from ``n`` samples of which ``right`` are right: the chance that ``k`` of them
+    drawn without replacement hold a right one, ``1 - C(n - right, k) / C(n, k)``."""
+    if n - right < k:
+        return 1.0
+    miss = 1.0
+    for i in range(n - right + 1, n + 1):  # C(n - c, k) / C(n, k) as a product: no huge binomials
+        miss *= 1.0 - k / i
+    return 1.0 - miss
+
+
+def word_count(text: str) -> int:
+    return len(text.split())
+
+
 @dataclass
 class HeldOutTotals(Totals):
     """The sums `evaluate` adds over batches and processes (`Totals`), each over the held-out problems."""
 
     problems: float = 0.0
     greedy_right: float = 0.0  # the greedy completion scored 1 on the accuracy reward
-    pass_at_k: float = 0.0  # some sample scored 1
+    pass_at: Optional[torch.Tensor] = None  # [K] each problem's `pass_at` estimate for each k of `pass_ks(eval_k)`
     maj_at_k: float = 0.0  # the samples' most common answer scored 1
     not_binary: float = 0.0  # problems on which some accuracy reward was neither 0 nor 1 (then no accuracy)
     reward: float = 0.0  # the greedy completion's weighted reward
@@ -84,35 +117,43 @@ class HeldOutTotals(Totals):
     greedy_rates: Optional[torch.Tensor] = None  # [Q] greedy completions passing each of the task's rate checks
     completions: float = 0.0  # every completion decoded (greedy and samples)
     completion_tokens: float = 0.0  # their tokens
+    reasoning: float = 0.0  # completions with at least `REASONING_MIN_WORDS` words besides the answer
+    reasoning_words: float = 0.0  # the words they all write besides the answer
 
     @classmethod
-    def zeros(cls, task: Task) -> HeldOutTotals:
+    def zeros(cls, task: Task, k: int) -> HeldOutTotals:
         rewards, rates = len(task.rewards), len(task.greedy_rates)
         zeros = lambda n: torch.zeros(n, dtype=torch.float64)  # noqa: E731
-        return cls(per_reward=zeros(rewards), applies=zeros(rewards), greedy_rates=zeros(rates))
+        return cls(
+            pass_at=zeros(len(pass_ks(k))), per_reward=zeros(rewards), applies=zeros(rewards), greedy_rates=zeros(rates)
+        )
 
     @classmethod
-    def read(cls, task: Task, sums: torch.Tensor) -> HeldOutTotals:
+    def read(cls, task: Task, k: int, sums: torch.Tensor) -> HeldOutTotals:
         rewards, rates = len(task.rewards), len(task.greedy_rates)
-        return cls.from_sums(sums, per_reward=rewards, applies=rewards, greedy_rates=rates)
+        return cls.from_sums(sums, pass_at=len(pass_ks(k)), per_reward=rewards, applies=rewards, greedy_rates=rates)
 
 
 def tally(task: Task, decoded: list, k: int) -> HeldOutTotals:
     """The held-out sums of ``decoded`` (`decode`'s problems)."""
     acc = task.reward_names.index(task.accuracy_reward)
-    totals = HeldOutTotals.zeros(task)
+    totals = HeldOutTotals.zeros(task, k)
     weights = torch.tensor(task.weights, dtype=torch.float32)
     for problem in decoded:
         texts, scores = problem.texts, problem.scores
         totals.completions += len(texts)
         totals.completion_tokens += float(problem.tokens.sum())
+        words = [word_count(task.reasoning_of(t)) for t in texts]
+        totals.reasoning += sum(w >= REASONING_MIN_WORDS for w in words)
+        totals.reasoning_words += sum(words)
         right = scores[:, acc] == 1
         totals.problems += 1
         totals.greedy_right += bool(right[0])
         values = scores[:, acc]  # NaN (the reward does not apply): not right, and no reason to doubt it is 0/1
         totals.not_binary += bool((~values.isnan() & (values != 0) & (values != 1)).any())
         if k:
-            totals.pass_at_k += bool(right[1:].any())
+            samples_right = int(right[1:].sum())
+            totals.pass_at += torch.tensor([pass_at(k, samples_right, j) for j in pass_ks(k)], dtype=torch.float64)
             keys = [task.answer_key(t) for t in texts[1:]]
             votes = Counter(key for key in keys if key is not None)
             if votes:
@@ -154,7 +195,8 @@ def metrics(task: Task, totals: HeldOutTotals, k: int, answers: Optional[Counter
     for name, passed in zip(task.greedy_rates, totals.greedy_rates.tolist()):
         result[name] = passed / n
     if not totals.not_binary and k:
-        result[f"pass@{k}"] = float(totals.pass_at_k) / n
+        for j, passed in zip(pass_ks(k), totals.pass_at.tolist()):
+            result[f"pass@{j}"] = passed / n
         result[f"maj@{k}"] = float(totals.maj_at_k) / n
     result["reward"] = float(totals.reward) / n
     for name, value, count in zip(task.reward_names, totals.per_reward.tolist(), totals.applies.tolist()):
@@ -162,7 +204,10 @@ def metrics(task: Task, totals: HeldOutTotals, k: int, answers: Optional[Counter
     if answers is not None:
         result.update(one_answer_figures(answers, n))
     completions = float(totals.completions)
-    result["mean_completion_tokens"] = float(totals.completion_tokens) / completions if completions else float("nan")
+    per_completion = lambda total: float(total) / completions if completions else float("nan")  # noqa: E731
+    result["mean_completion_tokens"] = per_completion(totals.completion_tokens)
+    result["reasoning_share"] = per_completion(totals.reasoning)
+    result["mean_reasoning_words"] = per_completion(totals.reasoning_words)
     return result
 
 
@@ -201,7 +246,7 @@ def evaluate(
     model.eval()
     torch.manual_seed(step_seed(config.seed, "eval", seed, dist.rank))
     mine = task.held_out.select(range(dist.rank, len(task.held_out), dist.world))
-    sums = HeldOutTotals.zeros(task).to_sums()
+    sums = HeldOutTotals.zeros(task, config.eval_k).to_sums()
     answers: Counter = Counter()  # this process's problems' greedy answers
     acc = task.reward_names.index(task.accuracy_reward)
     # Progress on stderr, in a terminal only: rows done, and the token the current batch is at.
@@ -246,7 +291,7 @@ def evaluate(
     if dist.any(stopped):
         return None
     answers = sum(dist.gather_objects(answers), Counter())
-    totals = HeldOutTotals.read(task, dist.all_sum(sums.to(dist.device)).cpu())
+    totals = HeldOutTotals.read(task, config.eval_k, dist.all_sum(sums.to(dist.device)).cpu())
     if dist.is_main:
         warn_of_one_answer(answers, float(totals.problems), desc)
     return metrics(task, totals, config.eval_k, answers)

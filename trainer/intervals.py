@@ -29,13 +29,15 @@ def wilson(share: float, n: int, z: float = Z95) -> Tuple[float, float]:
 
 
 # Held-out figures that are counts or means, not shares of the problems (`trainer.evaluation`).
-NOT_SHARES = frozenset({"reward", "distinct_answers", "mean_completion_tokens"})
+NOT_SHARES = frozenset({"reward", "distinct_answers", "mean_completion_tokens", "mean_reasoning_words"})
 
 
 def is_share(metric: str) -> bool:
     """Whether a held-out metric is a share of the problems (accuracy, a rate, pass@k, maj@k, the top answer's
     share), which has an interval; a reward's mean (``reward``, ``rewards/NAME``), the number of distinct answers
-    and the mean completion length are not."""
+    and the mean lengths are not. (pass@k below k = eval_k and the reasoning share are means over the problems of
+    shares in [0, 1], not counts of problems: a variable in [0, 1] varies no more than a 0/1 one of the same mean, so
+    their Wilson interval is, if anything, too wide.)"""
     return not (metric in NOT_SHARES or metric.startswith("rewards/"))
 
 

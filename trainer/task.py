@@ -30,6 +30,19 @@ def last_answer(text: str) -> Optional[str]:
     return " ".join(lines[-1].split()) if lines else None
 
 
+_TAGS = re.compile(r"</?(?:reasoning|think)>")
+
+
+def outside_answer(text: str) -> str:
+    """What a completion writes besides its answer, the words `evaluation` counts as its reasoning: the text without
+    its ``<answer>`` blocks and the ``<reasoning>`` / ``<think>`` tags; without an answer block, the text but its
+    last non-empty line (the answer `last_answer` reads)."""
+    if _ANSWER_BLOCK.search(text):
+        return _TAGS.sub(" ", _ANSWER_BLOCK.sub(" ", text))
+    lines = [line for line in text.splitlines() if line.strip()]
+    return _TAGS.sub(" ", "\n".join(lines[:-1]))
+
+
 @dataclass
 class Task:
     """A run's task. ``train`` and ``held_out`` hold ``prompt_column`` and any other columns (passed to the rewards).
@@ -37,7 +50,8 @@ class Task:
     A string prompt is the user's turn, after ``system_prompt`` and ``examples`` (earlier chat turns), in the
     tokenizer's chat template unless ``chat_template`` is off; a conversational prompt (a list of messages) is used
     as given. ``accuracy_reward`` names the reward behind accuracy, pass@k and maj@k, reported where its values
-    are 0 or 1; maj@k votes on ``answer_key`` of each sample. ``greedy_rates`` are further held-out shares of the
+    are 0 or 1; maj@k votes on ``answer_key`` of each sample; ``reasoning_of`` is what a completion writes besides its
+    answer (the held-out reasoning share counts its words). ``greedy_rates`` are further held-out shares of the
     greedy completions (the built-in task's format rate)."""
 
     name: str
@@ -52,6 +66,7 @@ class Task:
     examples: List[Dict[str, str]] = field(default_factory=list)
     chat_template: bool = True
     answer_key: Callable[[str], Optional[Hashable]] = last_answer
+    reasoning_of: Callable[[str], str] = outside_answer
     greedy_rates: Dict[str, Callable[[str], bool]] = field(default_factory=dict)
 
     @property

@@ -251,11 +251,15 @@ def panels(by_variant: Dict[str, List[dict]]) -> list:
 
 
 def _curve_keys(runs: List[dict], rows: str, keys) -> List[str]:
-    """``keys`` with each ``"pass@"``-like prefix replaced by the matching keys the runs' rows hold."""
+    """``keys`` with each ``"pass@"``-like prefix replaced by the matching key with the largest k the runs' rows hold
+    (pass@1, pass@2, ... pass@k come from one evaluation's k samples: the panel draws pass@k)."""
     found = {k for run in runs for row in run[rows] for k in row}
-    return [
-        k for key in keys for k in ([key] if not key.endswith("@") else sorted(f for f in found if f.startswith(key)))
-    ]
+
+    def largest(prefix: str) -> List[str]:
+        ks = [f for f in found if f.startswith(prefix) and f[len(prefix) :].isdigit()]
+        return [max(ks, key=lambda f: int(f[len(prefix) :]))] if ks else []
+
+    return [k for key in keys for k in ([key] if not key.endswith("@") else largest(key))]
 
 
 def plot(by_variant: Dict[str, List[dict]], path: Path) -> None:
