@@ -988,3 +988,40 @@ def test_steps_0_only_evaluates_the_model_once(tiny_model_dir, tmp_path):
     summary = train_module.run(tiny_config(tiny_model_dir, tmp_path, steps=0))
     assert [(r["kind"], r["step"]) for r in train_rows(tmp_path)] == [("eval", 0)]
     assert summary["steps"] == 0 and summary["before"] is None and "accuracy" in summary["after"]
+
+
+def test_mini_batches_step_on_each_share_of_the_groups_and_let_the_clip_bind(tiny_model_dir, tmp_path, monkeypatch):
+    """--mini-batches 2: each pass over the rollout makes two optimiser steps, the first on the first half of the
+    prompt groups, the second on the rest, each loss divided by its own half's counts, against the sampling policy's
+    log-probs; so after the first step the ratio moves, and DAPO's clip-higher (--epsilon 0.2 --epsilon-high 0.28)
+    binds at a large learning rate. With one step per rollout batch it cannot bind: refused."""
+    config = tiny_config(
+        tiny_model_dir, tmp_path, steps=2, prompts_per_step=4, eval_k=0, mini_batches=2, epsilon=0.2, epsilon_high=0.28
+    )
+    config.learning_rate, config.warmup_steps = 0.05, 0
+    assert (config.loss_config().clip_eps_low, config.loss_config().clip_eps_high) == (0.2, 0.28)
+    seen, real_forward, real_update = [], update.PolicyLoss.forward, train_module.update
+
+    def forward(self, rollout, groups, config, **call):
+        mask = rollout.completions.completion_mask
+        seen.append((groups, float(call["num_tokens"]), rollout.old_logprobs is not None))
+        seen[-1] += (float(mask[groups.start * 3 : groups.stop * 3].sum()),)  # group_size 3
+        return real_forward(self, rollout, groups, config, **call)
+
+    monkeypatch.setattr(update.PolicyLoss, "forward", forward)
+    steps = []
+    monkeypatch.setattr(train_module, "update", lambda *a, **k: steps.append(a[-1]) or real_update(*a, **k))
+    train_module.run(config)
+    assert steps == [slice(0, 2), slice(2, 4)] * 2
+    assert [call[0] for call in seen] == [slice(0, 2), slice(2, 4)] * 2
+    assert all(old and tokens == own for _, tokens, old, own in seen)  # each mini-batch's own token count
+    rows = [r for r in train_rows(tmp_path) if r["kind"] == "train"]
+    assert [r["updates"] for r in rows] == [2, 2]
+    assert max(r["clip_fraction"] for r in rows) > 0  # the second mini-batch is off the sampling policy
+
+    with pytest.raises(ConfigError, match="no clip can bind: add --num-iterations 2 or --mini-batches 2"):
+        TrainConfig(epsilon_high=0.28)
+    with pytest.raises(ConfigError, match="--mini-batches must divide prompts_per_step"):
+        TrainConfig(prompts_per_step=6, mini_batches=4)
+    with pytest.raises(ConfigError, match="--epsilon must be below 1"):
+        TrainConfig(epsilon=1.5, num_iterations=2)

@@ -865,6 +865,47 @@ MUTANTS: Tuple[Mutant, ...] = (
         ),
         "--recipe reasoning asks for the working step by step",
     ),
+    # ---------------------------------------------------------------- issue 65: remedies as settings
+    Mutant(
+        "update: a mini-batch's loss divided by the whole batch's counts",
+        "trainer/update.py",
+        "    mask = rollout.completions.completion_mask[first * rollout.group_size : end * rollout.group_size]\n",
+        "    mask = rollout.completions.completion_mask\n",
+        ("tests/test_trainer.py::test_mini_batches_step_on_each_share_of_the_groups_and_let_the_clip_bind",),
+        "each mini-batch's loss is divided by its own tokens",
+    ),
+    Mutant(
+        "train: every mini-batch steps on the whole batch",
+        "trainer/train.py",
+        "            result = update(policy, session.optimizer, batch, config, dist, state.initial_entropy, groups)\n",
+        "            result = update(policy, session.optimizer, batch, config, dist, state.initial_entropy, None)\n",
+        ("tests/test_trainer.py::test_mini_batches_step_on_each_share_of_the_groups_and_let_the_clip_bind",),
+        "--mini-batches M steps on each 1/M of the prompt groups in turn",
+    ),
+    Mutant(
+        "train: mini-batches without the sampling policy's log-probs",
+        "trainer/train.py",
+        "    off_policy = config.num_iterations * config.mini_batches > 1",
+        "    off_policy = config.num_iterations > 1",
+        ("tests/test_trainer.py::test_mini_batches_step_on_each_share_of_the_groups_and_let_the_clip_bind",),
+        "the later mini-batches' ratio is to the sampling policy, so the clip binds",
+    ),
+    Mutant(
+        "config: --epsilon-high not passed to the loss",
+        "trainer/config.py",
+        '            overrides["clip_eps_high"] = float(self.epsilon_high)\n',
+        "            pass\n",
+        ("tests/test_trainer.py::test_mini_batches_step_on_each_share_of_the_groups_and_let_the_clip_bind",),
+        "--epsilon-high sets the clip's upper side",
+    ),
+    Mutant(
+        "config: a clip that cannot bind accepted",
+        "trainer/config.py",
+        "and self.num_iterations * self.mini_batches == 1:",
+        "and False:",
+        ("tests/test_trainer.py::test_mini_batches_step_on_each_share_of_the_groups_and_let_the_clip_bind",),
+        "--epsilon with one step per rollout batch is refused",
+    ),
     # ---------------------------------------------------------------- issue 58's study runner
     Mutant(
         "study: finished cells run again",

@@ -75,7 +75,10 @@ class TrainConfig:
     min_p: float = 0.0  # drop tokens below this share of the most likely token's probability (0: none)
     stop: List[str] = field(default_factory=list)  # repeatable: a completion ends after the first of these strings
     compile_decode: str = "auto"  # the sampler's step under torch.compile: "on", "off", "auto" (where measured to pay)
-    num_iterations: int = 1  # updates per rollout batch; > 1 uses old log-probs and the ratio
+    num_iterations: int = 1  # passes over each rollout batch; > 1 uses old log-probs and the ratio
+    mini_batches: int = 1  # optimiser steps per pass, each on 1/M of the prompt groups (the later ones off-policy)
+    epsilon: Optional[float] = None  # the clip's lower side, 1 - epsilon (unset: the preset's; grpo 0.2, gtpo none)
+    epsilon_high: Optional[float] = None  # its upper side, 1 + epsilon_high (DAPO's clip-higher: 0.28; unset: epsilon)
     # Update
     learning_rate: float = 2e-5  # AdamW's peak learning rate (cosine decay after the warm-up)
     warmup_steps: int = 2  # optimiser updates of linear warm-up
@@ -112,6 +115,7 @@ class TrainConfig:
             "group_size",
             "max_new_tokens",
             "num_iterations",
+            "mini_batches",
             "grad_accum_steps",
             "eval_size",
             "eval_batch_size",
@@ -125,11 +129,28 @@ class TrainConfig:
                 raise bad(name, "must be a non-negative integer")
         if self.group_size < 2:
             raise bad("group_size", "must be at least 2 (advantages are relative to the group)")
-        if self.prompts_per_step % self.grad_accum_steps:
+        if self.prompts_per_step % self.mini_batches:
+            raise bad(
+                "mini_batches",
+                f"must divide prompts_per_step ({self.prompts_per_step}) so that mini-batches hold whole prompt groups",
+            )
+        if (self.prompts_per_step // self.mini_batches) % self.grad_accum_steps:
             raise bad(
                 "grad_accum_steps",
-                f"must divide prompts_per_step ({self.prompts_per_step}) so that "
+                f"must divide prompts_per_step ({self.prompts_per_step}) / mini_batches ({self.mini_batches}) so that "
                 f"micro-batches hold whole prompt groups",
+            )
+        for name in ("epsilon", "epsilon_high"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise bad(name, "must be a number > 0 (the clip range's side)")
+        if self.epsilon is not None and self.epsilon >= 1:
+            raise bad("epsilon", "must be below 1 (the ratio's lower bound is 1 - epsilon)")
+        if (self.epsilon is not None or self.epsilon_high is not None) and self.num_iterations * self.mini_batches == 1:
+            raise ConfigError(
+                "--epsilon / --epsilon-high clip the ratio to the policy that sampled the batch, but with one "
+                "optimiser step per rollout batch that ratio is 1 and no clip can bind: add --num-iterations 2 "
+                "or --mini-batches 2 (or more)"
             )
         if not 1 <= self.difficulty <= 4:
             raise bad("difficulty", "must be between 1 and 4")
@@ -286,6 +307,11 @@ class TrainConfig:
             overrides["entropy_threshold"] = None
         if self.entropy_coef is not None:
             overrides["entropy_coef"] = float(self.entropy_coef)
+        if self.epsilon is not None:
+            overrides["clip_eps_low"] = float(self.epsilon)
+            overrides["clip_eps_high"] = float(self.epsilon)  # TRL's: epsilon_high defaults to epsilon
+        if self.epsilon_high is not None:
+            overrides["clip_eps_high"] = float(self.epsilon_high)
         if self.loss_reduction is not None:
             overrides["loss_reduction"] = self.loss_reduction
         if self.conflict_weights is not None:

@@ -62,11 +62,18 @@ def check_process_shares(config: TrainConfig, world: int) -> None:
             f"processes ({world}): each process samples whole prompt groups"
         )
     share = config.prompts_per_step // world
-    if share % config.grad_accum_steps:
+    if share % config.mini_batches:
+        raise ConfigError(
+            f"--mini-batches ({config.mini_batches}) must divide each process's prompt groups "
+            f"(--prompts-per-step {config.prompts_per_step} over {world} processes = {share}): every "
+            f"mini-batch holds whole groups, none is left out"
+        )
+    if share // config.mini_batches % config.grad_accum_steps:
         raise ConfigError(
             f"--grad-accum-steps ({config.grad_accum_steps}) must divide each process's prompt groups "
-            f"(--prompts-per-step {config.prompts_per_step} over {world} processes = {share}): every "
-            f"micro-batch holds whole groups, none is left out"
+            f"(--prompts-per-step {config.prompts_per_step} over {world} processes = {share}"
+            + (f", in {config.mini_batches} mini-batches" if config.mini_batches > 1 else "")
+            + "): every micro-batch holds whole groups, none is left out"
         )
 
 
@@ -174,7 +181,7 @@ def load_session(config: TrainConfig, dist: Distributed, task: Task, resume_from
             base.enable_input_require_grads()
     policy = wrap(PolicyLoss(model, head), unwrap(model).get_decoder().layers, dist, config.fsdp)
     optimizer = PolicyOptimizer(policy.parameters(), config, dist.device, master=config.master_weights)
-    total_updates = config.steps * config.num_iterations
+    total_updates = config.steps * config.num_iterations * config.mini_batches
     return Session(
         config=config,
         dist=dist,

@@ -29,6 +29,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from gtpo_kernels import GTPOMetrics
+
 from .adapters import reference_weights
 from .checkpoint import RunState, latest_checkpoint, read_optimizer_state, read_trainer_state
 from .config import ConfigError, TrainConfig, parse_args
@@ -211,9 +213,9 @@ def train_steps(session: Session, state: RunState, log: MetricsLog, started: flo
 
 
 def train_step(session: Session, state: RunState, step: int) -> dict:
-    """Rollout, old log-probs, num_iterations updates; returns the step's log row and advances ``state``'s
-    initial entropy and no-signal streak. A stop request may cut it short (`Interrupted`) until its first
-    optimiser step; after that the step completes."""
+    """Rollout, old log-probs, num_iterations passes of mini_batches updates; returns the step's log row and
+    advances ``state``'s initial entropy and no-signal streak. A stop request may cut it short (`Interrupted`)
+    until its first optimiser step; after that the step completes."""
     config, dist, stop = session.config, session.dist, session.stop
     model, policy = session.model, session.policy
     t0 = time.time()
@@ -238,15 +240,19 @@ def train_step(session: Session, state: RunState, step: int) -> dict:
     t1 = time.time()
     batch.old_logprobs, batch.ref_logprobs = rollout_logprobs(session, state, batch)
     t2 = time.time()
-    stepped, losses, grad_norms = 0, [], []
+    stepped, losses, grad_norms, updates = 0, [], [], []
+    per_mini = batch.prompts // config.mini_batches
     for iteration in range(config.num_iterations):
-        if iteration == 1:
-            stop.paused = True  # the first update is applied: finish the step, so the checkpoint stays exact
-        result = update(policy, session.optimizer, batch, config, dist, state.initial_entropy)
-        advance_schedule(session.scheduler)
-        stepped += result.stepped
-        losses.append(result.loss)
-        grad_norms.append(result.grad_norm)
+        for part in range(config.mini_batches):
+            if iteration or part:
+                stop.paused = True  # the first update is applied: finish the step, so the checkpoint stays exact
+            groups = slice(part * per_mini, (part + 1) * per_mini)
+            result = update(policy, session.optimizer, batch, config, dist, state.initial_entropy, groups)
+            advance_schedule(session.scheduler)
+            stepped += result.stepped
+            losses.append(result.loss)
+            grad_norms.append(result.grad_norm)
+            updates.append(result.metrics)
     t3 = time.time()
     stop.paused = False
     state.no_signal_streak = 0 if stepped else state.no_signal_streak + 1
@@ -256,7 +262,7 @@ def train_step(session: Session, state: RunState, step: int) -> dict:
             f"did not move: {no_signal_cause(result.metrics, config.loss_config())}",
             file=sys.stderr,
         )
-    metrics = result.metrics.to_dict()
+    metrics = GTPOMetrics.merge(updates).to_dict()  # over every update of the step: its clip fractions, say
     return {
         "kind": "train",
         "step": step + 1,
@@ -277,18 +283,19 @@ def train_step(session: Session, state: RunState, step: int) -> dict:
 
 def rollout_logprobs(session: Session, state: RunState, batch: Rollout):
     """``(old_logprobs, ref_logprobs)`` of the rollout, each None where the step needs none: the sampling policy's
-    (with ``--num-iterations`` above 1; on the first step its mean entropy, over all processes, becomes ``state``'s
-    initial entropy) and the starting policy's (``--beta``: the KL term's reference)."""
+    (with ``--num-iterations`` or ``--mini-batches`` above 1; on the first step its mean entropy, over all
+    processes, becomes ``state``'s initial entropy) and the starting policy's (``--beta``: the KL term's reference)."""
     config, dist, model, policy = session.config, session.dist, session.model, session.policy
     old_logprobs = ref_logprobs = None
-    if state.initial_entropy is None or config.num_iterations > 1:
+    off_policy = config.num_iterations * config.mini_batches > 1  # an update after the first: the ratio moves
+    if state.initial_entropy is None or off_policy:
         with full_parameters(policy), autocast(config, dist.device):
             logp, entropy = token_stats(model, batch, config, session.head)
         if state.initial_entropy is None:  # the policy's entropy before any update, over all processes
             mask = batch.completions.completion_mask
             sums = dist.all_sum(torch.stack([(entropy * mask).sum().double(), mask.sum().double()]))
             state.initial_entropy = float(sums[0] / sums[1].clamp(min=1))
-        old_logprobs = logp if config.num_iterations > 1 else None
+        old_logprobs = logp if off_policy else None
     if config.beta:
         with full_parameters(policy), autocast(config, dist.device), reference_weights(model, session.reference) as ref:
             ref_logprobs, _ = token_stats(ref, batch, config, session.head)

@@ -1,5 +1,6 @@
-"""The policy's GTPO loss on a rollout batch, and one optimiser update from it: micro-batches of whole prompt groups,
-each loss divided by the whole batch's counts (all processes), no optimiser step without signal."""
+"""The policy's GTPO loss on a rollout batch, and one optimiser update from it (or from a mini-batch of its prompt
+groups): micro-batches of whole prompt groups, each loss divided by the update's counts (all processes), no optimiser
+step without signal."""
 
 from __future__ import annotations
 
@@ -128,13 +129,16 @@ def update(
     config: TrainConfig,
     dist: Distributed,
     initial_entropy: Optional[float],
+    groups: Optional[slice] = None,
 ) -> UpdateResult:
-    """One optimiser update from this process's rollout: micro-batches of whole prompt groups, the loss of each
-    divided by the whole batch's counts (all processes), gradients summed; no step without signal."""
-    mask = rollout.completions.completion_mask
+    """One optimiser update from this process's rollout's prompt ``groups`` (a mini-batch; all by default):
+    micro-batches of whole prompt groups, the loss of each divided by the mini-batch's counts (all processes),
+    gradients summed; no step without signal."""
+    first, end = (0, rollout.prompts) if groups is None else (groups.start, groups.stop)
+    mask = rollout.completions.completion_mask[first * rollout.group_size : end * rollout.group_size]
     counts = dist.all_sum(torch.tensor([mask.shape[0], mask.sum()], dtype=torch.float64, device=dist.device))
     num_sequences, num_tokens = counts[0], counts[1]
-    n_groups = rollout.prompts
+    n_groups = end - first
     if n_groups % config.grad_accum_steps:  # check_process_shares refuses this at start
         raise ValueError(f"{n_groups} prompt groups cannot be split into {config.grad_accum_steps} equal micro-batches")
     per_micro = n_groups // config.grad_accum_steps
@@ -142,7 +146,7 @@ def update(
     loss_sum = torch.zeros((), dtype=torch.float64, device=dist.device)
     metrics = []
     for k in range(config.grad_accum_steps):
-        groups = slice(k * per_micro, (k + 1) * per_micro)
+        groups = slice(first + k * per_micro, first + (k + 1) * per_micro)
         with no_sync(policy, last=k == config.grad_accum_steps - 1):
             with autocast(config, dist.device):
                 out = policy(
