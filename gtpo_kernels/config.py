@@ -28,6 +28,9 @@ from typing import Any, Optional, Tuple
 PRESETS = ("paper", "official", "grpo")
 REDUCTIONS = ("sequence_mean", "sum", "token_mean", "dr_grpo", "sequence_sum")
 ENTROPY_MODES = ("advantage_shift", "penalty")
+# Which completions the advantage shift reaches: every one (the paper's), or those whose advantage is not 0 (a
+# variant: a group whose rewards tie, every A = 0, then gets no signal, as in GRPO).
+ENTROPY_SHIFT_SCOPES = ("all", "nonzero_advantage")
 # How the sampler's log-probs correct the policy term (TRL's vllm_importance_sampling_mode): the ratio of the
 # trainer's to the sampler's probability per token or per completion, truncated at the bounds or zeroed outside.
 SAMPLING_CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -109,6 +112,11 @@ class GTPOConfig:
         entropy_mode: ``"advantage_shift"`` (``A~ = delta (A - gamma Hbar)``, ``Hbar`` detached) or
             ``"penalty"`` (``A~ = delta A`` and ``+gamma H[i,t]`` per token, with gradient, which is
             ``+gamma Hbar_i`` per completion under the sequence mean).
+        entropy_shift_scope: which completions ``advantage_shift`` shifts: ``"all"`` (the paper's: a group whose
+            rewards tie, every ``A = 0``, still gets ``A~ = -gamma Hbar``), or ``"nonzero_advantage"`` (a variant,
+            not the paper's: ``A~ = delta A`` where ``A = 0``, so a tied group gives no signal, as in GRPO; with 0/1
+            rewards that is "only groups whose rewards differ", and with graded rewards a completion whose reward
+            is its group's mean is left unshifted too). Refused with ``entropy_mode="penalty"``.
         use_conflict_weights: apply the conflict-token weights ``lambda`` (else ``lambda = 1``, and the
             losses ignore a ``conflict`` argument).
         conflict_weight: ``W``, the weight of a conflict token in a positive completion.
@@ -201,6 +209,7 @@ class GTPOConfig:
     entropy_gate: Optional[bool] = PRESET
     entropy_coef: Optional[float] = PRESET
     entropy_mode: str = "advantage_shift"
+    entropy_shift_scope: str = "all"
     use_conflict_weights: Optional[bool] = PRESET
     conflict_weight: float = 2.0
     divide_by_conflict_count: Optional[bool] = PRESET
@@ -263,6 +272,10 @@ class GTPOConfig:
             raise bad("entropy_coef", "must be a finite number >= 0")
         if self.entropy_mode not in ENTROPY_MODES:
             raise bad("entropy_mode", f"must be one of {ENTROPY_MODES}")
+        if self.entropy_shift_scope not in ENTROPY_SHIFT_SCOPES:
+            raise bad("entropy_shift_scope", f"must be one of {ENTROPY_SHIFT_SCOPES}")
+        if self.entropy_shift_scope != "all" and self.entropy_mode != "advantage_shift":
+            raise bad("entropy_shift_scope", "scopes the advantage shift: it needs entropy_mode='advantage_shift'")
         if not (is_number(self.conflict_weight) and math.isfinite(self.conflict_weight) and self.conflict_weight > 0):
             raise bad("conflict_weight", "must be a finite number > 0 (use use_conflict_weights=False for 1)")
         if self.loss_reduction not in REDUCTIONS:

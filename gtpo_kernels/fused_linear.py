@@ -117,8 +117,9 @@ def _check_linear_inputs(hidden_states, lm_head_weight, lm_head_bias) -> torch.d
 def _queue_no_signal_warning(checks: validation.DeferredChecks, rows: LossRows, config: GTPOConfig) -> None:
     """``warn_no_signal`` from what is known before the statistics: no unmasked token with a non-zero advantage and
     conflict weight, and no other term (the statistics come after the call's one read). GTPO's entropy shift gives a
-    tied group ``-gamma Hbar``, a signal only the statistics decide: no claim then."""
+    tied group ``-gamma Hbar`` (scope "all"), a signal only the statistics decide: no claim then."""
     shift = config.entropy_mode == "advantage_shift" and config.entropy_coef > 0
+    shift = shift and config.entropy_shift_scope == "all"  # else a tied group's A = 0 gives none
     if not config.warn_no_signal or shift or signal_beyond_advantages(config, rows.ref_logprobs is not None):
         return
     weight = rows.advantages[:, None] * (1 if rows.lambda_ is None else rows.lambda_)

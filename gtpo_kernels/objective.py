@@ -141,7 +141,10 @@ def _shaping(masked: _Masked, rows: LossRows, config: GTPOConfig):
         keep = torch.ones_like(completion_entropy)
     advantages = rows.advantages.detach().to(mask.dtype)
     if config.entropy_mode == "advantage_shift":
-        shaped = keep * (advantages - config.entropy_coef * completion_entropy)
+        shift = config.entropy_coef * completion_entropy
+        if config.entropy_shift_scope == "nonzero_advantage":  # a tied group (every A = 0) keeps A~ = 0
+            shift = torch.where(advantages != 0, shift, torch.zeros_like(shift))
+        shaped = keep * (advantages - shift)
     else:
         shaped = keep * advantages
     lambda_ = rows.lambda_

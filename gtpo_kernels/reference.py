@@ -201,7 +201,8 @@ def reference_loss_from_token_stats(
         h_bar = float(h.detach().mean())
         delta = 0.0 if filter_on and h_bar > tau else 1.0
         a = float(advantages[i])
-        shaped = delta * (a - gamma * h_bar) if config.entropy_mode == "advantage_shift" else delta * a
+        shifted = config.entropy_mode == "advantage_shift" and (config.entropy_shift_scope == "all" or a != 0)
+        shaped = delta * (a - gamma * h_bar) if shifted else delta * a
         old = lp.detach() if old_logprobs is None else old_logprobs[i, at].to(dtype)
         lam = lambda_[i, at].to(dtype)
         token_adv = lam * shaped

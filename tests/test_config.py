@@ -153,3 +153,11 @@ def test_config_validation(kwargs, match):
 def test_config_from_dict_rejects_unknown_fields():
     with pytest.raises(ValueError, match="unknown field"):
         GTPOConfig.from_dict({"preset": "paper", "beta": 0.1})
+
+
+def test_the_entropy_shift_scope_is_checked():
+    assert GTPOConfig().entropy_shift_scope == "all"
+    with pytest.raises(ValueError, match="entropy_shift_scope"):
+        GTPOConfig(entropy_shift_scope="tied")
+    with pytest.raises(ValueError, match="entropy_shift_scope.*needs entropy_mode='advantage_shift'"):
+        GTPOConfig(entropy_shift_scope="nonzero_advantage", entropy_mode="penalty")

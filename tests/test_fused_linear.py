@@ -759,3 +759,28 @@ def test_ratio_cap_and_weighted_kl_equal_the_logits_loss_in_float64(backend, con
     torch.testing.assert_close(dh.cpu(), logits.grad @ w, rtol=1e-10, atol=1e-13)
     torch.testing.assert_close(dw.cpu(), logits.grad.flatten(0, 1).T @ h.flatten(0, 1), rtol=1e-10, atol=1e-13)
     assert float(out.metrics.kl) == pytest.approx(float(ref.metrics.kl), rel=1e-12)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_the_entropy_shift_scoped_to_nonzero_advantages(backend, dtype, monkeypatch):
+    """entropy_shift_scope="nonzero_advantage" through the fused path, chunks splitting completions, against the
+    float64 reference: a tied group (its advantages 0) gives no gradient through its hidden states; the others do."""
+    config = GTPOConfig(preset="paper", entropy_shift_scope="nonzero_advantage")
+    h, w, b, ids, mask, adv = make(seed=8)  # a draw where the paper's shift reaches the tied group's gradient
+    w = w * 3  # sharp enough that the filter keeps some completions
+    adv[:G] = 0
+    kw = off_policy_kwargs(h, w, b, ids, mask, config)
+    seen = record_logits(monkeypatch, h.to(dtype))
+    out, dh, dw, db = fused(h, w, b, ids, mask, adv, config, backend, dtype, 2, **kw)
+    h, w, b = h.to(dtype), w.to(dtype), b.to(dtype)
+    ref, dh_ref, dw_ref, db_ref = reference(
+        h, w, b, ids, mask, adv, config, logits_values=as_computed(seen, h, w, b, dtype), **kw
+    )
+    assert_loss_close(
+        out.loss.detach().cpu(), ref.loss.detach(), h, w, b, ids, mask, adv, config, RTOL_ACCUMULATED[dtype], **kw
+    )
+    scales = gradient_scales(h, w, b, ids, mask, adv, config, **kw)
+    resolution = (h, w) if dtype == torch.float16 else None
+    assert_linear_grads((dh, dw, db), (dh_ref, dw_ref, db_ref), scales, RTOL[dtype], resolution=resolution)
+    assert (dh[:G] == 0).all() and (dh[G:] != 0).any()

@@ -356,3 +356,26 @@ def test_temperature_makes_no_scaled_copy(backend):
         per_row = ROW_TEMPERATURES[: ids.shape[0]].to(dev)
         gtpo_loss(logits, ids, mask, adv, group_size=2, temperature=per_row, config=config, backend=backend)
     assert memory.largest <= logits.nbytes // 8, (memory.largest, logits.nbytes)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_entropy_shift_scoped_to_nonzero_advantages(backend, dtype):
+    """entropy_shift_scope="nonzero_advantage" on a batch whose first group ties (every A = 0) and whose second does
+    not, against the float64 reference: the tied group's completions carry no signal (no gradient at all from their
+    logits), the other group's are shifted as in the paper."""
+    # A draw where two of the second group's completions pass the filter, and every one of the tied group's.
+    logits, ids, mask, adv = random_batch(2, 4, 6, 37, dtype=dtype, seed=12, sharpness=8.0)
+    adv[:4] = 0
+    assert (adv[4:] != 0).all()
+    scoped = GTPOConfig(preset="paper", entropy_shift_scope="nonzero_advantage")
+    out = compare(backend, dtype, scoped, logits, ids, mask, adv, 4, off_policy=True)
+    paper = compare(backend, dtype, CONFIGS["paper"], logits, ids, mask, adv, 4, off_policy=True)
+    assert float(out.metrics.signal_fraction) < float(paper.metrics.signal_fraction)  # the tied rows lost theirs
+
+    x = logits.detach().double().requires_grad_()
+    reference_gtpo_loss(x, ids, mask, adv.double(), group_size=4, config=scoped).loss.backward()
+    assert (x.grad[:4] == 0).all() and (x.grad[4:] != 0).any()
+    x.grad = None
+    reference_gtpo_loss(x, ids, mask, adv.double(), group_size=4, config=CONFIGS["paper"]).loss.backward()
+    assert (x.grad[:4] != 0).any()  # the paper's shift reaches the tied group

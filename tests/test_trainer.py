@@ -1025,3 +1025,15 @@ def test_mini_batches_step_on_each_share_of_the_groups_and_let_the_clip_bind(tin
         TrainConfig(prompts_per_step=6, mini_batches=4)
     with pytest.raises(ConfigError, match="--epsilon must be below 1"):
         TrainConfig(epsilon=1.5, num_iterations=2)
+
+
+def test_the_entropy_shift_scope_reaches_the_loss_and_is_refused_without_a_shift(tiny_model_dir, tmp_path):
+    """--entropy-shift-scope nonzero_advantage is the loss's (its oracle tests: tests/test_parity.py and
+    tests/test_fused_linear.py, every backend); GRPO has no entropy shift to scope: refused, naming the flag."""
+    assert TrainConfig().loss_config().entropy_shift_scope == "all"  # the paper's, by default
+    config = TrainConfig(entropy_shift_scope="nonzero_advantage")
+    assert config.loss_config().entropy_shift_scope == "nonzero_advantage"
+    with pytest.raises(ConfigError, match="--entropy-shift-scope scopes GTPO's entropy shift"):
+        TrainConfig(algo="grpo", entropy_shift_scope="nonzero_advantage")
+    with pytest.raises(ConfigError, match="--entropy-shift-scope must be one of all, nonzero_advantage"):
+        TrainConfig(entropy_shift_scope="tied")

@@ -906,6 +906,41 @@ MUTANTS: Tuple[Mutant, ...] = (
         ("tests/test_trainer.py::test_mini_batches_step_on_each_share_of_the_groups_and_let_the_clip_bind",),
         "--epsilon with one step per rollout batch is refused",
     ),
+    Mutant(
+        "objective: the scoped entropy shift still reaches tied groups",
+        "gtpo_kernels/objective.py",
+        "            shift = torch.where(advantages != 0, shift, torch.zeros_like(shift))\n",
+        "            pass\n",
+        (
+            "tests/test_parity.py::test_the_entropy_shift_scoped_to_nonzero_advantages",
+            "tests/test_fused_linear.py::test_the_entropy_shift_scoped_to_nonzero_advantages",
+        ),
+        "every backend, the fused path included, leaves a tied group unshifted under the scope",
+    ),
+    Mutant(
+        "reference: the oracle ignores the entropy shift's scope",
+        "gtpo_kernels/reference.py",
+        '(config.entropy_shift_scope == "all" or a != 0)',
+        "True",
+        ("tests/test_parity.py::test_the_entropy_shift_scoped_to_nonzero_advantages",),
+        "the float64 oracle's tied group gives no gradient under the scope",
+    ),
+    Mutant(
+        "config: --entropy-shift-scope not passed to the loss",
+        "trainer/config.py",
+        '            overrides["entropy_shift_scope"] = self.entropy_shift_scope\n',
+        "            pass\n",
+        ("tests/test_trainer.py::test_the_entropy_shift_scope_reaches_the_loss_and_is_refused_without_a_shift",),
+        "the trainer's flag sets the loss's scope",
+    ),
+    Mutant(
+        "GTPOConfig: the scope accepted with the entropy penalty",
+        "gtpo_kernels/config.py",
+        'if self.entropy_shift_scope != "all" and self.entropy_mode != "advantage_shift":',
+        "if False:",
+        ("tests/test_config.py::test_the_entropy_shift_scope_is_checked",),
+        "a scope of the shift is refused where there is no shift",
+    ),
     # ---------------------------------------------------------------- issue 58's study runner
     Mutant(
         "study: finished cells run again",

@@ -36,6 +36,7 @@ class TrainConfig:
     entropy_coef: Optional[float] = None  # override the preset's entropy coefficient gamma (0: no shaping)
     entropy_filter: Optional[bool] = None  # override the preset: --no-entropy-filter switches the filter off
     conflict_weights: Optional[bool] = None  # override the preset: --no-conflict-weights sets every lambda to 1
+    entropy_shift_scope: Optional[str] = None  # "nonzero_advantage": no entropy shift where A = 0 (tied groups)
     loss_reduction: Optional[str] = None  # override the preset's: "token_mean" with --algo grpo is TRL's "dapo"
     ratio_function: str = "clip"  # the policy term: "clip" (PPO), "cispo" or "sapo" (docs/method.md)
     importance_sampling_level: str = "token"  # "token", or "sequence" for one ratio per completion (GSPO)
@@ -213,6 +214,17 @@ class TrainConfig:
         rho = self.top_entropy_quantile
         if not (isinstance(rho, (int, float)) and 0 < rho <= 1):
             raise bad("top_entropy_quantile", "must be a number in (0, 1] (1: every token)")
+        from gtpo_kernels.config import ENTROPY_SHIFT_SCOPES
+
+        if self.entropy_shift_scope is not None:
+            if self.entropy_shift_scope not in ENTROPY_SHIFT_SCOPES:
+                raise bad("entropy_shift_scope", f"must be one of {', '.join(ENTROPY_SHIFT_SCOPES)}")
+            if self.loss_config().entropy_coef == 0:
+                raise bad(
+                    "entropy_shift_scope",
+                    "scopes GTPO's entropy shift, which this loss does not have (--algo grpo, or --entropy-coef 0): "
+                    "use --algo gtpo",
+                )
 
     def _check_model_and_sampling(self) -> None:
         """The weights, adapters, KL, sampling and checkpoint settings."""
@@ -314,6 +326,8 @@ class TrainConfig:
             overrides["clip_eps_high"] = float(self.epsilon_high)
         if self.loss_reduction is not None:
             overrides["loss_reduction"] = self.loss_reduction
+        if self.entropy_shift_scope is not None:
+            overrides["entropy_shift_scope"] = self.entropy_shift_scope
         if self.conflict_weights is not None:
             overrides["use_conflict_weights"] = self.conflict_weights
             if not self.conflict_weights:
