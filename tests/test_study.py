@@ -213,6 +213,24 @@ def test_a_smoke_study_runs_resumes_and_reports_paired_differences(tiny_model_di
         assert any(line.startswith(f"| arithmetic | base | 0 | 4 | {metric} |") for line in text.splitlines())
     assert not any(line.startswith("| arithmetic | base | grpo |") for line in text.splitlines())  # not paired
     assert (out / "smoke-arithmetic.png").exists()
+    for metric in ("distinct_answers", "top_answer_share", "reasoning_share", "pass@1"):  # collapse and reasoning
+        assert any(line.startswith(f"| arithmetic | gtpo | grpo | {metric} | 2 |") for line in text.splitlines())
+    # The mechanisms' activity, from the cells' own step rows: each cell's mean over steps, the mean over seeds.
+    for variant in ("grpo", "gtpo"):
+        cells = [c for c in spec.cells() if c.variant == variant]
+        steps = [[json.loads(x) for x in (c.folder / "metrics.jsonl").read_text().splitlines()] for c in cells]
+        per_cell = [
+            [sum(r[key] for r in rows if r["kind"] == "train") / 2 for rows in steps]
+            for key in (
+                "filtered_fraction",
+                "amplified_fraction",
+                "skipped_fraction",
+                "clip_fraction",
+                "signal_fraction",
+            )
+        ]
+        row = " | ".join(f"{sum(v) / 2:.3f} ({min(v):.3f}-{max(v):.3f})" for v in per_cell)
+        assert f"| arithmetic | {variant} | 2 | {row} |" in text, (variant, row)
 
 
 def fake_cell(cell, after, minutes=2.0):

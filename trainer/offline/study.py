@@ -50,7 +50,20 @@ from ..config import ConfigError
 from ..intervals import is_share, t_interval, wilson, with_interval
 
 # The held-out figures each paired difference is taken of (those a run's summary has).
-METRICS = ("accuracy", "pass@", "maj@", "format_rate", "rewards/format_reward", "train entropy")
+METRICS = (
+    *("accuracy", "pass@", "maj@", "format_rate", "rewards/format_reward", "train entropy"),
+    # one-answer collapse and reasoning (trainer/evaluation.py)
+    *("distinct_answers", "top_answer_share", "reasoning_share", "mean_completion_tokens", "mean_reasoning_words"),
+)
+# What each of the loss's mechanisms did in a cell: the mean over its training steps of these step figures (the
+# entropy filter, the conflict tokens, the clip, the completions that carried any signal).
+MECHANISMS = (
+    ("filtered", "filtered_fraction"),
+    ("conflict: amplified", "amplified_fraction"),
+    ("conflict: skipped", "skipped_fraction"),
+    ("clipped", "clip_fraction"),
+    ("with signal", "signal_fraction"),
+)
 BOOTSTRAP_SAMPLES = 10000
 MIN_SEEDS_FOR_VERDICT = 3
 
@@ -683,6 +696,16 @@ def stability_row(
     )
 
 
+def mechanisms_row(task: str, variant: str, runs: Sequence[dict]) -> str:
+    """A variant's mechanisms on a task (`MECHANISMS`): each cell's mean over its training steps, then the mean over
+    the cells with the smallest and largest cell's, as a table row."""
+    cells = []
+    for name, key in MECHANISMS:
+        per_run = [mean(values) for r in runs if (values := [t[key] for t in r["train"] if t.get(key) is not None])]
+        cells.append(f"{mean(per_run):.3f} ({min(per_run):.3f}-{max(per_run):.3f})" if per_run else "-")
+    return f"| {task} | {variant} | {len(runs)} | " + " | ".join(cells) + " |"
+
+
 def report(spec: StudySpec) -> str:
     """The study's report (markdown): the untrained model's figures, the paired differences with their intervals,
     each variant's figures, its collapses and entropy, wall time; and one figure per task (`compare.plot`)."""
@@ -691,7 +714,7 @@ def report(spec: StudySpec) -> str:
     cells = spec.cells()
     finished = [c for c in cells if c.state == "finished"]
     references, untrained = reference_section(spec, finished)
-    figures, stability, drawn, total_minutes = [], [], [], 0.0
+    figures, stability, mechanisms, drawn, total_minutes = [], [], [], [], 0.0
     for task in spec.tasks:
         by_variant = {}
         for variant in spec.variants:
@@ -704,6 +727,7 @@ def report(spec: StudySpec) -> str:
             by_variant[variant] = runs = load_runs(mine, untrained.get(task))
             figures += figure_rows(task, variant, summaries)
             stability.append(stability_row(task, variant, runs, minutes, mine))
+            mechanisms.append(mechanisms_row(task, variant, runs))
         if by_variant:  # one figure per task, every variant's curves on it
             compare.plot(by_variant, spec.figure(task))
             drawn.append(spec.figure(task).name)
@@ -738,6 +762,17 @@ def report(spec: StudySpec) -> str:
         "[t interval] | lowest entropy | minutes per cell |",
         "|---|---|---|---|---|---|---|---|",
         *stability,
+        "",
+        "## What the loss's mechanisms did",
+        "",
+        "Each cell's mean over its training steps of the share of completions the entropy filter dropped, of tokens "
+        "that were conflict tokens (amplified in positive completions, skipped in negative ones), of tokens the clip "
+        "bound on, and of completions that carried any signal; the mean over seeds (smallest-largest cell). A "
+        "mechanism that stays near 0 was not tested by its cells.",
+        "",
+        "| task | variant | seeds | " + " | ".join(name for name, _ in MECHANISMS) + " |",
+        "|---|---|---|" + "---|" * len(MECHANISMS),
+        *mechanisms,
         "",
         f"Wall time of the finished cells: {total_minutes:.0f} min in all (cells side by side overlap). Figures: "
         + (", ".join(f"`{name}`" for name in drawn) or "none yet")
