@@ -244,8 +244,7 @@ def reference_loss_from_token_stats(
             terms = -torch.minimum(first * token_adv, ratio.clamp(low, high) * token_adv)
             r = ratio.detach()
             row_low, row_high = int(((r < low) & (token_adv < 0)).sum()), int(((r > high) & (token_adv > 0)).sum())
-            clipped_low += row_low
-            clipped_high += row_high
+            clipped_low, clipped_high = clipped_low + row_low, clipped_high + row_high
             row_clip_low[i], row_clip_high[i] = row_low / n, row_high / n
         else:
             terms = -first * token_adv
