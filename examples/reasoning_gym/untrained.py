@@ -76,18 +76,19 @@ def table(summaries: dict, machine: str) -> str:
         "",
         f"SmolLM2-135M-Instruct, no training (`gtpo-train --config examples/reasoning_gym/reasoning.yaml --steps 0`), "
         f"written by `python examples/reasoning_gym/untrained.py`; {machine}. Greedy accuracy; pass@k from 16 samples "
-        "a problem at T = 1 (the unbiased estimate); the share of completions writing 10 or more words besides their "
-        "answer, and their mean words besides it. Each task's reasoning-gym settings are in its `settings.json`.",
+        "a problem at the sampling temperature T (the unbiased estimate); the share of completions writing 10 or more "
+        "words besides their answer, and their mean words besides it. Each task's reasoning-gym settings are in its "
+        "`settings.json`, its run's in `config.json`.",
         "",
-        "| task | problems | " + " | ".join(COLUMNS) + " | distinct greedy answers | minutes |",
-        "|---|---|" + "---|" * (len(COLUMNS) + 2),
+        "| task | T | problems | " + " | ".join(COLUMNS) + " | distinct greedy answers | minutes |",
+        "|---|---|---|" + "---|" * (len(COLUMNS) + 2),
     ]
-    for task, (summary, seconds) in summaries.items():
+    for task, (summary, seconds, temperature) in summaries.items():
         before = summary.get("before") or summary.get("after") or {}
         cells = [f"{before[c]:.3f}" if c in before else "-" for c in COLUMNS]
         distinct = f"{before.get('distinct_answers', float('nan')):.0f}"
-        lines.append(f"| {task} | {summary.get('eval_problems')} | " + " | ".join(cells) + f" | {distinct} | "
-                     f"{seconds / 60:.1f} |")  # fmt: skip
+        lines.append(f"| {task} | {temperature:g} | {summary.get('eval_problems')} | " + " | ".join(cells)
+                     + f" | {distinct} | {seconds / 60:.1f} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -103,7 +104,8 @@ def main(argv=None) -> None:
     for task in args.tasks:
         summary = run_task(task, out, args.eval_size, extra)
         seconds = json.loads((out / task / "settings.json").read_text())["seconds"]
-        summaries[task] = (summary, seconds)
+        temperature = json.loads((out / task / "config.json").read_text())["temperature"]
+        summaries[task] = (summary, seconds, temperature)
         (out / "README.md").write_text(table(summaries, args.machine or "machine not named"))
         print(f"{task}: done", flush=True)
 

@@ -700,7 +700,7 @@ def mechanisms_row(task: str, variant: str, runs: Sequence[dict]) -> str:
     """A variant's mechanisms on a task (`MECHANISMS`): each cell's mean over its training steps, then the mean over
     the cells with the smallest and largest cell's, as a table row."""
     cells = []
-    for name, key in MECHANISMS:
+    for _, key in MECHANISMS:
         per_run = [mean(values) for r in runs if (values := [t[key] for t in r["train"] if t.get(key) is not None])]
         cells.append(f"{mean(per_run):.3f} ({min(per_run):.3f}-{max(per_run):.3f})" if per_run else "-")
     return f"| {task} | {variant} | {len(runs)} | " + " | ".join(cells) + " |"
