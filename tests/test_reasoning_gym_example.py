@@ -33,6 +33,17 @@ def test_held_out_questions_are_distinct_and_not_trained_on(tmp_path):
     assert not {question(r) for r in test} & {question(r) for r in train}
 
 
+def test_the_training_rows_are_as_many_as_asked_though_the_seeds_streams_overlap(tmp_path):
+    """reasoning-gym's seed s + 1 is seed s shifted by one entry: the training draws must go past the held-out ones
+    (drawing only --train of them left 1 training row of 100 beside 128 held out)."""
+    load("make_data").main(["--task", "gcd", "--train", "100", "--test", "128", "--out", str(tmp_path)])
+    question = lambda row: row["prompt"][-1]["content"]  # noqa: E731
+    test = [json.loads(x) for x in (tmp_path / "test.jsonl").read_text().splitlines()]
+    train = [json.loads(x) for x in (tmp_path / "train.jsonl").read_text().splitlines()]
+    assert len(train) == 100 and len(test) > 100
+    assert not {question(r) for r in test} & {question(r) for r in train}
+
+
 def test_solved_is_reasoning_gyms_full_marks(tmp_path):
     load("make_data").main(["--task", "chain_sum", "--train", "5", "--test", "5", "--out", str(tmp_path)])
     row = json.loads((tmp_path / "test.jsonl").read_text().splitlines()[0])

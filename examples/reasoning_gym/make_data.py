@@ -95,7 +95,12 @@ def main(argv=None) -> None:
     system = SYSTEM_PROMPTS[args.recipe]
     test = rows(args.task, args.test, TEST_SEED, config, example, distinct=True, system_prompt=system)
     held = {r["prompt"][-1]["content"] for r in test}
-    train = rows(args.task, args.train, TRAIN_SEED, config, example, exclude=held, system_prompt=system)
+    # reasoning-gym draws entry i of seed s from seed s + i, so the training seed's stream is the test seed's shifted
+    # by one: its first --test entries are (nearly all) held-out questions, dropped. Draw past them, keep --train.
+    draws = args.train + args.test + 1
+    train = rows(args.task, draws, TRAIN_SEED, config, example, exclude=held, system_prompt=system)[: args.train]
+    if len(train) < args.train:
+        print(f"{args.task}: only {len(train)} training questions of {draws} draws are not held out or the example")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name, split in (("train", train), ("test", test)):
