@@ -7,6 +7,10 @@ Rows (forward, backward, both, peak memory beyond the inputs):
   materialised-triton  the same as the first with the Triton loss (GPU only)
   fused-triton         `fused_linear_gtpo_loss(backend="triton")` (GPU only)
   liger-fused-grpo     Liger-Kernel's `LigerFusedLinearGRPOLoss` when installed (GPU only; no entropy)
+With --remedies, the settings against one-answer collapse on the device's fused backend (cpu or triton), beside it:
+  fused-B+old-logprobs  the paper preset given old log-probs (an update after a rollout's first: the ratio acts)
+  fused-B+clip-higher   the same with the clip at [1 - 0.2, 1 + 0.28] (--epsilon 0.2 --epsilon-high 0.28)
+  fused-B+shift-scope   entropy_shift_scope="nonzero_advantage" (no entropy shift where A = 0)
 On a GPU the table adds achieved TFLOP/s counting the floor of 6 T H V FLOPs (one forward GEMM and two
 backward GEMMs) and the ratio to that floor at the bf16 matrix rate given by --peak-tflops.
 """
@@ -24,7 +28,7 @@ from .common import Row, cpu_kernels_available, environment, markdown_table, mea
 from .logits import GROUP_SIZE, ROWS_PER_BATCH, make_batch
 
 
-def implementations(device: torch.device, gpu_rows: bool) -> Dict[str, Callable]:
+def implementations(device: torch.device, gpu_rows: bool, remedies: bool = False) -> Dict[str, Callable]:
     config = GTPOConfig(preset="paper", warn_no_signal=False)  # random logits: the filter may drop every row
 
     def materialised(backend):
@@ -32,10 +36,21 @@ def implementations(device: torch.device, gpu_rows: bool) -> Dict[str, Callable]
             gtpo_loss(h @ w.T, ids, m, a, group_size=GROUP_SIZE, config=config, backend=backend).loss
         )
 
-    def fused(backend):
-        return lambda h, w, ids, m, a: (
-            fused_linear_gtpo_loss(h, w, ids, m, a, group_size=GROUP_SIZE, config=config, backend=backend).loss
-        )
+    def fused(backend, config=config, with_old=False):
+        olds: Dict[tuple, torch.Tensor] = {}  # old log-probs [N, L] per batch shape, drawn once (not timed after)
+
+        def loss(h, w, ids, m, a):
+            old = None
+            if with_old:
+                if ids.shape not in olds:
+                    g = torch.Generator().manual_seed(1)
+                    olds[ids.shape] = (-4 * torch.rand(ids.shape, generator=g)).to(h.device)
+                old = olds[ids.shape]
+            return fused_linear_gtpo_loss(
+                h, w, ids, m, a, group_size=GROUP_SIZE, config=config, backend=backend, old_logprobs=old
+            ).loss
+
+        return loss
 
     impls = {"materialised-torch": materialised("torch"), "fused-torch": fused("torch")}
     if device.type == "cpu" and cpu_kernels_available():
@@ -57,6 +72,15 @@ def implementations(device: torch.device, gpu_rows: bool) -> Dict[str, Callable]
                 return out[0] if isinstance(out, tuple) else out
 
             impls["liger-fused-grpo"] = liger_loss
+    if remedies:
+        backend = "triton" if device.type == "cuda" else "cpu"
+        if backend == "cpu" and not cpu_kernels_available():
+            backend = "torch"
+        clip_higher = GTPOConfig(preset="paper", clip_eps_low=0.2, clip_eps_high=0.28, warn_no_signal=False)
+        scoped = GTPOConfig(preset="paper", entropy_shift_scope="nonzero_advantage", warn_no_signal=False)
+        impls[f"fused-{backend}+old-logprobs"] = fused(backend, with_old=True)
+        impls[f"fused-{backend}+clip-higher"] = fused(backend, clip_higher, with_old=True)
+        impls[f"fused-{backend}+shift-scope"] = fused(backend, scoped)
     return impls
 
 
@@ -71,8 +95,9 @@ def run(
     peak_tflops: float,
     gpu_rows=None,
     on_row=None,
+    remedies: bool = False,
 ) -> List[Row]:
-    impls = implementations(device, device.type == "cuda" if gpu_rows is None else gpu_rows)
+    impls = implementations(device, device.type == "cuda" if gpu_rows is None else gpu_rows, remedies)
     if only:
         impls = {k: v for k, v in impls.items() if k in only}
     rows: List[Row] = []
@@ -129,6 +154,7 @@ def main(argv=None) -> None:
     )
     p.add_argument("--name")
     p.add_argument("--gpu-rows", action="store_true", help="the Triton rows on CPU tensors (TRITON_INTERPRET=1)")
+    p.add_argument("--remedies", action="store_true", help="rows for the clip, old log-probs and the shift's scope")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     gpu = device.type == "cuda"
@@ -149,6 +175,7 @@ def main(argv=None) -> None:
         args.peak_tflops,
         gpu_rows=True if args.gpu_rows else None,
         on_row=lambda done: save(name, env, done, "(partial: the run is still going)"),
+        remedies=args.remedies,
     )
     table = markdown_table(rows, sorted({k for r in rows for k in r.extra}))
     print(table)

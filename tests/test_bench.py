@@ -42,6 +42,20 @@ def test_fused_linear_benchmark_harness(tmp_path, monkeypatch):
     assert all(r.error is None and r.total_ms > 0 and r.extra["TFLOP/s"] > 0 for r in rows), [r.error for r in rows]
 
 
+def test_fused_linear_benchmark_rows_for_the_settings_against_collapse(tmp_path, monkeypatch):
+    """--remedies: the clip-higher, old-log-prob and shift-scope rows beside today's loss, each timed without error."""
+    from bench import fused_linear
+
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    rows = fused_linear.run(
+        torch.device("cpu"), [32], [40], [8], [torch.float32], 1, [], 1.0, gpu_rows=False, remedies=True
+    )
+    backend = "cpu" if common.cpu_kernels_available() else "torch"
+    names = {r.impl for r in rows}
+    assert {f"fused-{backend}+{k}" for k in ("old-logprobs", "clip-higher", "shift-scope")} <= names, names
+    assert all(r.error is None and r.total_ms > 0 for r in rows), [r.error for r in rows]
+
+
 def test_layouts_benchmark_harness(tmp_path):
     """`python -m bench layouts` starts its own two processes and writes one table: every row timed, ratios to the
     padded row (tiny shapes)."""
