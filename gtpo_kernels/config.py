@@ -39,6 +39,10 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 # The policy term's function of the ratio (TRL's loss types): PPO's clipped surrogate, CISPO's clipped detached
 # weight on the log-prob, SAPO's soft gate.
 RATIO_FUNCTIONS = ("clip", "cispo", "sapo", "vespo")
+# The covariance-based token controls (Clip-Cov, KL-Cov): the tokens whose centred log-prob x advantage product is
+# high lose their policy gradient, or get a KL term to the old policy. The share of tokens each picks by default.
+COV_MODES = ("clip_cov", "kl_cov")
+COV_RATIO_DEFAULTS = {"clip_cov": 2e-4, "kl_cov": 2e-3}
 
 
 # Default of the knobs a preset fills: "not given by the user". A string, not a sentinel object, so that
@@ -180,6 +184,19 @@ class GTPOConfig:
             denominator scaled by the call's share of them). The KL and the entropy penalty stay on every token.
             A quantile of one call's tokens: calls over a partition of a batch differ from one call over it.
             1.0: off (every token).
+        cov_mode: a covariance-based token control, from the call's tokens' ``cov_t = (a_t - mean a) (logp_t - mean
+            logp)`` (``a``: the per-token advantage of the policy term, ``lambda A~``; the means over the call's
+            unmasked tokens, detached): ``"clip_cov"`` (Clip-Cov) picks ``k`` tokens at random among those with
+            ``clip_cov_low < cov_t < clip_cov_high`` that PPO's clip does not already hold, and their policy term
+            is 0 (no gradient, no value); ``"kl_cov"`` (KL-Cov) picks the ``k`` tokens of highest ``cov_t`` and adds
+            ``kl_cov_coef * |logp - old|`` to their policy term (with its gradient: 0 on-policy, where
+            ``logp = old``, so it needs several updates per rollout). ``k = max(1, floor(cov_ratio * tokens))``
+            of the call's unmasked tokens. Clip-Cov's draw is ``[N, L]`` uniform numbers from torch's CPU
+            generator, once per call (seed torch for a reproducible run). ``None``: off.
+        cov_ratio: the share of tokens ``cov_mode`` picks; ``None``: 2e-4 for ``clip_cov``, 2e-3 for ``kl_cov``
+            (the values of the method's authors for a 7B model; a small batch may want more: ``k`` is at least 1).
+        clip_cov_low, clip_cov_high: Clip-Cov's band of ``cov_t`` (defaults 1 and 5).
+        kl_cov_coef: KL-Cov's weight of ``|logp - old|`` (default 1).
         max_completion_length: the generation cap. When set, ``dr_grpo`` divides by
             ``num_sequences * max_completion_length`` (TRL's and Liger's convention), so the loss does
             not depend on how much padding a batch happens to carry.
@@ -236,6 +253,11 @@ class GTPOConfig:
     sampling_ratio_max: Optional[float] = 3.0
     off_policy_mask_threshold: Optional[float] = None
     top_entropy_quantile: float = 1.0
+    cov_mode: Optional[str] = None
+    cov_ratio: Optional[float] = None
+    clip_cov_low: float = 1.0
+    clip_cov_high: float = 5.0
+    kl_cov_coef: float = 1.0
     # ---- execution: memory and checks (the loss's value does not depend on them)
     max_chunk_bytes: Optional[int] = None
     inplace_backward: bool = False
@@ -358,6 +380,23 @@ class GTPOConfig:
         rho = self.top_entropy_quantile
         if not (is_number(rho) and 0 < rho <= 1):
             raise bad("top_entropy_quantile", "must be a number in (0, 1] (the share of tokens kept; 1: all)")
+        self._validate_cov()
+
+    def _validate_cov(self) -> None:
+        """Clip-Cov's and KL-Cov's knobs."""
+        bad, is_number = self._bad, _is_number
+        if self.cov_mode is not None and self.cov_mode not in COV_MODES:
+            raise bad("cov_mode", f"must be one of {COV_MODES}, or None for neither")
+        ratio = self.cov_ratio
+        if ratio is not None and not (is_number(ratio) and 0 < ratio <= 1):
+            raise bad("cov_ratio", "must be a number in (0, 1] (the share of tokens picked), or None for the default")
+        for name in ("clip_cov_low", "clip_cov_high", "kl_cov_coef"):
+            if not (is_number(getattr(self, name)) and math.isfinite(getattr(self, name))):
+                raise bad(name, "must be a finite number")
+        if not self.clip_cov_low < self.clip_cov_high:
+            raise bad("clip_cov_low", f"must be below clip_cov_high ({self.clip_cov_high!r}): they bound a band")
+        if self.kl_cov_coef < 0:
+            raise bad("kl_cov_coef", "must be >= 0")
 
     # The properties below compare with inf rather than call math.isfinite: torch.compile traces them, and
     # may hold a config's floats as symbols, which math.isfinite does not take.
@@ -375,6 +414,13 @@ class GTPOConfig:
         low = -math.inf if self.clip_eps_low is None or self.clip_eps_low == math.inf else 1.0 - self.clip_eps_low
         high = math.inf if self.clip_eps_high is None else 1.0 + self.clip_eps_high
         return low, high
+
+    @property
+    def cov_share(self) -> float:
+        """The share of tokens ``cov_mode`` picks: ``cov_ratio``, or the mode's default (0 without a mode)."""
+        if self.cov_mode is None:
+            return 0.0
+        return COV_RATIO_DEFAULTS[self.cov_mode] if self.cov_ratio is None else self.cov_ratio
 
     @property
     def entropy_filter(self) -> bool:

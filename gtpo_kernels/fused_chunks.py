@@ -16,7 +16,7 @@ import torch
 from .backends import chunk_budget
 from .backends.base import Backend, stats_dtype
 from .config import GTPOConfig
-from .objective import entropy_floor, loss_and_gradients, loss_from_token_stats
+from .objective import call_covariance_tokens, entropy_floor, loss_and_gradients, loss_from_token_stats
 from .result import ROW_METRICS, GTPOMetrics
 from .rows import LossRows
 from .vocab_parallel import VocabParallel, quantile_gather
@@ -361,18 +361,21 @@ def fused_forward(
 
     Each chunk's rows are one evaluation of the objective with the whole call's counts (`loss_and_gradients`): its
     share of the loss, its metrics (merged over the chunks) and ``c, e``, the gradient with respect to its log-probs
-    and entropies. With ``top_entropy_quantile < 1`` the objective needs the whole call's entropies (the threshold):
-    a first walk computes every chunk's statistics, a second each chunk's logits again and its gradient
-    (``8 T H V`` FLOPs instead of ``6``)."""
+    and entropies. With ``top_entropy_quantile < 1`` the objective needs the whole call's entropies (the threshold),
+    and with ``cov_mode`` its log-probs (the tokens Clip-Cov or KL-Cov picks): a first walk computes every chunk's
+    statistics, a second each chunk's logits again and its gradient (``8 T H V`` FLOPs instead of ``6``)."""
     weight, bias = head
     chunks = ChunkWalk(hidden, head, rows.ids, rows.token_temperature, walk)
     grads = Gradients.allocate(hidden, weight, bias, walk.need_grads, chunks.stat_dtype)
-    two_passes = config.top_entropy_quantile < 1
+    two_passes = config.top_entropy_quantile < 1 or config.cov_mode is not None
     if two_passes:
         for r0, r1 in chunks.chunks:
             chunks.statistics(r0, r1)
-        gather = quantile_gather(walk.entropy_quantile_group)
-        rows = rows.replace(entropy_floor=entropy_floor(chunks.stats[3], rows.valid, config, gather))
+        if config.top_entropy_quantile < 1:
+            gather = quantile_gather(walk.entropy_quantile_group)
+            rows = rows.replace(entropy_floor=entropy_floor(chunks.stats[3], rows.valid, config, gather))
+        if config.cov_mode is not None:
+            rows = rows.replace(cov_selected=call_covariance_tokens(chunks.stats[2], chunks.stats[3], rows, config))
     parts = []
     for r0, r1 in chunks.chunks:
         logits = None  # the last chunk's logits freed before this chunk's are made (one alive at a time)

@@ -70,10 +70,20 @@ class FusedSettings:
 
 
 # The operator's arguments, in order: the head, the rows (`LossRows.op_inputs`), the settings, and every field of
-# the config (its resolved values, constants for torch.compile). Each group declares its own names once.
+# the config the walk reads (its resolved values, constants for torch.compile). Each group declares its own names
+# once. A schema takes at most 64 arguments, so the config's fields that act before the operator stay out of it
+# (the operator's config takes their defaults; tests/test_fused_linear.py: the walk reads none of them).
 _HEAD = (("hidden", Tensor), ("weight", Tensor), ("bias", Optional[Tensor]), ("hidden_index", Optional[Tensor]))
 _SETTINGS = tuple((field.name, field.type) for field in dataclasses.fields(FusedSettings))
-_CONFIG = tuple(typing.get_type_hints(GTPOConfig).items())
+CONFIG_NOT_IN_OPERATOR = {
+    "preset": "only fills the other fields, which the operator takes resolved",
+    "normalize_advantages_by_std": "a trainer's, for its advantages: the loss takes them made",
+    "validate_inputs": "the inputs are checked before the operator runs",
+    "warn_no_signal": "the warning is queued before the operator runs",
+}
+_CONFIG = tuple(
+    (name, kind) for name, kind in typing.get_type_hints(GTPOConfig).items() if name not in CONFIG_NOT_IN_OPERATOR
+)
 _SIGNATURE = signature_of(_HEAD, OP_PARAMETERS, _SETTINGS, _CONFIG, returns=List[Tensor])
 
 

@@ -75,6 +75,10 @@ class _Masked:
             floor = entropy_floor(self.entropy, valid, config)
         self.kept_share = None if floor is None else floor[1].to(self.dtype)
         self.high_entropy = None if floor is None else ((self.entropy.detach() >= floor[0]) & valid).to(self.dtype)
+        # cov_mode: the tokens Clip-Cov or KL-Cov picked ([N, L] bool; None: off), from the whole call's tokens.
+        self.cov_selected = rows.cov_selected
+        if self.cov_selected is None and config.cov_mode is not None:
+            self.cov_selected = covariance_tokens(self, rows, config)
 
     def old(self, rows: LossRows) -> torch.Tensor:
         """``[N, L]``: the old log-probs (0 where masked), or the current ones, detached, on-policy."""
@@ -117,6 +121,39 @@ def entropy_floor(
     return threshold, kept / valid.sum().clamp(min=1).to(entropy.dtype)
 
 
+def covariance_tokens(masked: _Masked, rows: LossRows, config: GTPOConfig) -> torch.Tensor:
+    """``[N, L]`` bool: the tokens ``config.cov_mode`` picks among the call's unmasked ones (`GTPOConfig.cov_mode`),
+    ``k = max(1, floor(cov_share * tokens))`` of them by ``cov_t = (a_t - mean a) (logp_t - mean logp)``, detached:
+    Clip-Cov's ``k`` at random in its band (fewer if fewer are there), KL-Cov's ``k`` highest (ties by position).
+    No host synchronisation: a token is picked when its rank by a key, in a stable sort, is below ``k``."""
+    valid, mask = rows.valid, masked.mask
+    tokens = mask.sum()
+    advantage, logp = masked.token_advantage.detach(), masked.logp.detach()
+    centred_advantage = advantage - (advantage * mask).sum() / tokens.clamp(min=1)
+    cov = (centred_advantage * (logp - (logp * mask).sum() / tokens.clamp(min=1))).double()
+    if config.cov_mode == "clip_cov":
+        eligible = valid & (cov > config.clip_cov_low) & (cov < config.clip_cov_high)
+        if config.clipping:  # a token PPO's clip already holds is not a candidate
+            low, high = clip_flags(masked.ratio(rows, config).detach(), advantage, config)
+            eligible = eligible & ~(low | high)
+        draw = torch.rand(valid.shape, dtype=torch.float64).to(valid.device)  # CPU's generator: any device, one draw
+        key = torch.where(eligible, draw, torch.full_like(draw, 2.0))
+    else:
+        eligible = valid
+        key = torch.where(valid, -cov, torch.full_like(cov, torch.inf))
+    order = torch.argsort(key.reshape(-1), stable=True)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel(), device=order.device)
+    k = torch.floor(config.cov_share * tokens.double()).clamp(min=1)
+    return eligible & (rank.reshape(valid.shape) < k)
+
+
+def call_covariance_tokens(token_logprobs, token_entropy, rows: LossRows, config: GTPOConfig) -> torch.Tensor:
+    """`covariance_tokens` of a whole call's statistics ``[N, L]``: ``rows.cov_selected`` for the steps that see
+    part of its rows (the fused walk's chunks)."""
+    return _Masked(token_logprobs.detach(), token_entropy.detach(), rows, config).cov_selected
+
+
 def _quantile(values: torch.Tensor, q: float) -> torch.Tensor:
     """``torch.nanquantile(values, q)`` (linear interpolation) without its size limit: a sort of ``values`` with
     NaN (absent) last; +inf when every value is absent."""
@@ -155,9 +192,12 @@ def _shaping(masked: _Masked, rows: LossRows, config: GTPOConfig):
 def policy_weights(masked: _Masked, rows: LossRows, config: GTPOConfig) -> Optional[torch.Tensor]:
     """The detached weights of the policy term: the sampler's correction (`sampling_weights`; VESPO takes it into
     its own weight instead) times the off-policy sequence mask (`off_policy_mask`) and the top-entropy token mask
-    (``top_entropy_quantile``); ``None`` without any."""
+    (``top_entropy_quantile``) and the tokens Clip-Cov takes out (``cov_mode``); ``None`` without any."""
     weight = None if config.ratio_function == "vespo" else sampling_weights(masked, rows, config)
-    for keep in (off_policy_mask(masked, rows, config), masked.high_entropy):
+    clip_cov = None
+    if config.cov_mode == "clip_cov":
+        clip_cov = (~masked.cov_selected).to(masked.dtype)
+    for keep in (off_policy_mask(masked, rows, config), masked.high_entropy, clip_cov):
         if keep is not None:
             weight = keep if weight is None else weight * keep
     return weight
@@ -253,6 +293,11 @@ def token_advantages(token_entropy: torch.Tensor, rows: LossRows, config: GTPOCo
         raise ValueError(
             "entropy_mode='penalty' adds gamma * H with its gradient to the loss, which per-token "
             "advantages cannot carry: use entropy_mode='advantage_shift'"
+        )
+    if config.cov_mode is not None:
+        raise ValueError(
+            f"cov_mode={config.cov_mode!r} picks tokens by their current log-probs inside the loss, which per-token "
+            "advantages cannot carry: leave it None here (verl has its own clip_cov and kl_cov policy losses)"
         )
     dtype = token_entropy.dtype if token_entropy.is_floating_point() else torch.float32
     entropy = token_entropy.detach().to(dtype)
@@ -409,6 +454,10 @@ def loss_from_token_stats(
     weight = policy_weights(masked, rows, config)
     if weight is not None:  # the sampler's correction weighs the policy term only, not the penalty or the KL
         per_token = per_token * weight
+    if config.cov_mode == "kl_cov":  # KL-Cov: |logp - old| on the tokens it picked (0 with its gradient on-policy)
+        per_token = (
+            per_token + config.kl_cov_coef * masked.cov_selected.to(masked.dtype) * (logp - masked.old(rows)).abs()
+        )
 
     penalty = config.entropy_mode == "penalty" and config.entropy_coef > 0
     if penalty:
@@ -481,6 +530,7 @@ def _call_metrics(
         completion_clip_low=_row_fraction(clipped_low, valid, lengths),
         completion_clip_high=_row_fraction(clipped_high, valid, lengths),
         kl=kl,
+        cov_fraction=token_fraction(masked.cov_selected),
         vespo_weight_mean=None if phi is None else phi.mean() if n_rows else zero,
         num_tokens=call_tokens.detach().to(**count),
         num_sequences=torch.full((), n_rows, **count),

@@ -13,6 +13,7 @@ Shapes: ``N`` completions (rows of a group contiguous), ``L`` positions, ``V`` v
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import List, Optional, Tuple
 
 import torch
@@ -123,6 +124,68 @@ def reference_sampling_weights(old: List[float], sampled: List[float], config: G
     return [w if low <= w <= high else 0.0 for w in weights]
 
 
+def reference_covariance_tokens(logp, entropy, valid: torch.Tensor, lambda_, rows, config: GTPOConfig) -> set:
+    """The ``(row, position)`` pairs ``config.cov_mode`` picks (docs/method.md, "Clip-Cov and KL-Cov"), in float64
+    Python: each unmasked token's advantage ``lambda delta (A - gamma Hbar)`` and log-prob, centred by their means
+    over every unmasked token; ``k = max(1, floor(share * tokens))``; KL-Cov the ``k`` highest products (ties: the
+    first position), Clip-Cov ``k`` at random in the band ``(clip_cov_low, clip_cov_high)``, leaving out tokens PPO's
+    clip holds: the ``k`` smallest of ``torch.rand([N, L], float64)`` (torch's CPU generator) among them. Empty
+    without a mode. ``rows``: the call's (its advantages, old log-probs and initial entropy)."""
+    if config.cov_mode is None:
+        return set()
+    advantages, old_logprobs, initial_entropy = rows.advantages, rows.old_logprobs, rows.initial_entropy
+    tau, gamma = config.entropy_threshold, config.entropy_coef
+    filter_on = tau is not None and math.isfinite(tau)
+    if filter_on and config.entropy_gate and initial_entropy is not None and float(initial_entropy) > tau:
+        filter_on = False
+    low, high = config.clip_bounds
+    tokens = []  # (row, position, advantage, log-prob, clipped)
+    for i in range(valid.shape[0]):
+        at = [t for t in range(valid.shape[1]) if bool(valid[i, t])]
+        if not at:
+            continue
+        h_bar = sum(float(entropy[i, t]) for t in at) / len(at)
+        a = float(advantages[i])
+        shaped = 0.0 if filter_on and h_bar > tau else 1.0
+        shifted = config.entropy_mode == "advantage_shift" and (a != 0 or config.entropy_shift_scope == "all")
+        shaped *= a - gamma * h_bar if shifted else a
+        lp = [float(logp[i, t]) for t in at]
+        old = lp if old_logprobs is None else [float(old_logprobs[i, t]) for t in at]
+        ratios = [math.exp(x - o) for x, o in zip(lp, old)]
+        if config.importance_sampling_level == "sequence":
+            ratios = [math.exp(sum(x - o for x, o in zip(lp, old)) / len(at))] * len(at)
+        for t, x, r in zip(at, lp, ratios):
+            a_t = float(lambda_[i, t]) * shaped
+            clipped = config.clipping and ((r < low and a_t < 0) or (r > high and a_t > 0))
+            tokens.append((i, t, a_t, x, clipped))
+    if not tokens:
+        return set()
+    mean_a = sum(tok[2] for tok in tokens) / len(tokens)
+    mean_logp = sum(tok[3] for tok in tokens) / len(tokens)
+    cov = [(tok[2] - mean_a) * (tok[3] - mean_logp) for tok in tokens]
+    k = max(1, math.floor(config.cov_share * len(tokens)))
+    if config.cov_mode == "kl_cov":
+        ranked = sorted(range(len(tokens)), key=lambda j: (-cov[j], tokens[j][0], tokens[j][1]))
+    else:
+        draw = torch.rand(tuple(valid.shape), dtype=torch.float64)
+        band = [j for j in range(len(tokens)) if config.clip_cov_low < cov[j] < config.clip_cov_high]
+        band = [j for j in band if not tokens[j][4]]
+        ranked = sorted(band, key=lambda j: (float(draw[tokens[j][0], tokens[j][1]]), tokens[j][0], tokens[j][1]))
+    return {(tokens[j][0], tokens[j][1]) for j in ranked[:k]}
+
+
+def reference_cov_terms(terms, weight: Optional[List[float]], lp, old, picked: List[bool], config: GTPOConfig):
+    """One completion's ``(terms, weight)`` after ``config.cov_mode`` on its ``picked`` tokens: Clip-Cov takes their
+    policy term away (weight 0: they carry no signal), KL-Cov adds ``kl_cov_coef * |logp - old|`` to it."""
+    flags = torch.tensor([float(p) for p in picked], dtype=terms.dtype, device=terms.device)
+    if config.cov_mode == "clip_cov":
+        weight = [(1.0 if weight is None else w) * (1.0 - float(p)) for w, p in zip(weight or picked, picked)]
+        return terms * (1 - flags), weight
+    if config.cov_mode == "kl_cov":
+        return terms + config.kl_cov_coef * flags * (lp - old).abs(), weight
+    return terms, weight
+
+
 @takes_row_keywords(not_taken=("temperature",))
 def reference_loss_from_token_stats(
     logp: torch.Tensor,
@@ -166,6 +229,7 @@ def reference_loss_from_token_stats(
     device = logp.device
     lambda_, n_conflict = lambda_.to(device), n_conflict.tolist()
     lengths = valid.sum(dim=1).tolist()  # the tokens that take part in the loss
+    cov_tokens = reference_covariance_tokens(logp.detach(), entropy.detach(), valid, lambda_, rows, config)
 
     tau = config.entropy_threshold
     filter_on = tau is not None and math.isfinite(tau)
@@ -210,13 +274,14 @@ def reference_loss_from_token_stats(
         if config.importance_sampling_level == "sequence":  # GSPO: one ratio per completion, the tokens' mean
             ratio = torch.exp((lp - old).sum() / n) * torch.ones_like(lp)
         first = ratio if config.ratio_cap is None else torch.clamp(ratio, max=config.ratio_cap)
+        row_clip_low[i] = row_clip_high[i] = 0.0  # the clip's sides set them below
         if config.ratio_function == "cispo":
             cap = math.inf if config.cispo_ratio_max is None else config.cispo_ratio_max
             capped = torch.tensor([min(float(r), cap) for r in ratio.detach()], dtype=dtype, device=device)
             terms = -capped * token_adv * lp
             row_high = int(sum(float(r) > cap and float(t) > 0 for r, t in zip(ratio.detach(), token_adv)))
             clipped_high += row_high
-            row_clip_low[i], row_clip_high[i] = 0.0, row_high / n
+            row_clip_high[i] = row_high / n
         elif config.ratio_function == "vespo":
             floor = math.log(1e-8)
             log_w = sum(min(max(float(x) - float(o), -20.0), 20.0) for x, o in zip(lp.detach(), old))
@@ -231,7 +296,6 @@ def reference_loss_from_token_stats(
             phi = math.exp(lam_v + k_v * log_w - lam_v * math.exp(log_w))
             phis[i] = phi if math.isfinite(phi) else 0.0
             terms = -phi * token_adv * lp
-            row_clip_low[i] = row_clip_high[i] = 0.0
         elif config.ratio_function == "sapo":
             temps = torch.tensor(
                 [config.sapo_temperature_pos if float(a_t) > 0 else config.sapo_temperature_neg for a_t in token_adv],
@@ -239,7 +303,6 @@ def reference_loss_from_token_stats(
                 device=device,
             )
             terms = -4 / temps * torch.sigmoid(temps * (ratio - 1)) * token_adv
-            row_clip_low[i] = row_clip_high[i] = 0.0
         elif config.clipping:
             terms = -torch.minimum(first * token_adv, ratio.clamp(low, high) * token_adv)
             r = ratio.detach()
@@ -248,7 +311,6 @@ def reference_loss_from_token_stats(
             row_clip_low[i], row_clip_high[i] = row_low / n, row_high / n
         else:
             terms = -first * token_adv
-            row_clip_low[i] = row_clip_high[i] = 0.0
         weight = None
         if config.sampling_correction is not None and config.ratio_function != "vespo":  # VESPO folds it into phi
             sampled = [float(x) for x in sampling_logprobs[i, at]]
@@ -266,6 +328,7 @@ def reference_loss_from_token_stats(
             high_entropy = [1.0 if float(x) >= entropy_floor else 0.0 for x in h.detach()]
             terms = terms * torch.tensor(high_entropy, dtype=dtype, device=device)
             weight = high_entropy if weight is None else [w * k for w, k in zip(weight, high_entropy)]
+        terms, weight = reference_cov_terms(terms, weight, lp, old, [(i, int(t)) in cov_tokens for t in at], config)
         if config.entropy_mode == "penalty":
             terms = terms + gamma * h
         if ref_logprobs is not None:
@@ -317,9 +380,7 @@ def reference_loss_from_token_stats(
 
     non_empty = [i for i in range(n_rows) if lengths[i] > 0]
 
-    def scalar(x: float) -> torch.Tensor:
-        return torch.tensor(x, dtype=dtype, device=device)
-
+    scalar = partial(torch.tensor, dtype=dtype, device=device)
     per_token = max(1, token_count)
     metrics = GTPOMetrics(
         entropy=scalar(entropy_sum / per_token),
@@ -335,6 +396,7 @@ def reference_loss_from_token_stats(
         completion_clip_low=torch.tensor(row_clip_low, dtype=dtype, device=device),
         completion_clip_high=torch.tensor(row_clip_high, dtype=dtype, device=device),
         kl=None if ref_logprobs is None else scalar(kl_sum / per_token),
+        cov_fraction=scalar(len(cov_tokens) / per_token),
         vespo_weight_mean=scalar(sum(phis) / max(1, n_rows)) if config.ratio_function == "vespo" else None,
         num_tokens=torch.tensor(float(token_count), dtype=torch.float64),
         num_sequences=torch.tensor(float(n_rows), dtype=torch.float64),

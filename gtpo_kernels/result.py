@@ -20,6 +20,7 @@ _AVERAGED_OVER = {
     "clip_low_fraction": "num_tokens",
     "clip_high_fraction": "num_tokens",
     "kl": "num_tokens",
+    "cov_fraction": "num_tokens",
     "vespo_weight_mean": "num_sequences",
 }
 _COUNTS = ("num_tokens", "num_sequences", "num_nonempty")
@@ -56,6 +57,7 @@ class GTPOMetrics:
             for an empty completion); per-row, like ``completion_entropy`` (``None`` after `from_sums`).
         kl: mean k3 estimate of KL(policy || reference) over unmasked tokens, or ``None`` without
             ``ref_logprobs``.
+        cov_fraction: fraction of unmasked tokens Clip-Cov or KL-Cov picked (``cov_mode``; 0 without it).
         vespo_weight_mean: VESPO's mean gamma weight ``phi`` over the completions (TRL's ``vespo/phi_seq_mean``), or
             ``None`` unless ``ratio_function='vespo'``.
         num_tokens, num_sequences, num_nonempty: this call's unmasked tokens, completions and non-empty
@@ -83,6 +85,7 @@ class GTPOMetrics:
     completion_clip_low: Optional[torch.Tensor] = None
     completion_clip_high: Optional[torch.Tensor] = None
     vespo_weight_mean: Optional[torch.Tensor] = None
+    cov_fraction: Optional[torch.Tensor] = None
 
     def to_dict(self) -> dict:
         """Scalar metrics as Python floats, read in one device sync; ``completion_entropy`` is averaged."""

@@ -48,6 +48,9 @@ class LossRows:
         entropy_floor: ``(threshold, kept_share)`` 0-d tensors of ``config.top_entropy_quantile``, from the whole
             call's entropies (`objective.entropy_floor`), for a step that sees part of the call's rows (a chunk of
             the fused path); ``None``: computed from the rows at hand.
+        cov_selected: ``[N, L]`` bool, the tokens ``config.cov_mode`` picked from the whole call's tokens
+            (`objective.covariance_tokens`), for a step that sees part of the call's rows; ``None``: picked from
+            the rows at hand.
     """
 
     ids: torch.Tensor
@@ -63,6 +66,7 @@ class LossRows:
     num_tokens: Optional[Count] = None
     group_size: Optional[int] = None
     entropy_floor: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+    cov_selected: Optional[torch.Tensor] = None
 
     @property
     def lambda_(self) -> Optional[torch.Tensor]:
@@ -97,6 +101,7 @@ class LossRows:
             old_logprobs=pick(self.old_logprobs),
             ref_logprobs=pick(self.ref_logprobs),
             sampling_logprobs=pick(self.sampling_logprobs),
+            cov_selected=pick(self.cov_selected),
             temperature=pick(self.temperature) if isinstance(self.temperature, torch.Tensor) else self.temperature,
             num_sequences=self.valid.shape[0] if self.num_sequences is None else self.num_sequences,
             num_tokens=self.valid.sum() if self.num_tokens is None else self.num_tokens,
@@ -169,6 +174,7 @@ OP_PARAMETERS = (
 NOT_OPERATOR_INPUTS = {
     "group_size": "the conflict weights are computed from whole groups before an operator runs",
     "entropy_floor": "computed inside the operator, from the whole call's entropies",
+    "cov_selected": "picked inside the operator, from the whole call's tokens",
 }
 
 
@@ -178,7 +184,7 @@ _FIELDS = tuple(field.name for field in dataclasses.fields(LossRows))  # read on
 # positional arguments (``completion_ids``, ``completion_mask``, ``advantages``), less the one the loss computes.
 # A new per-row input is a new field; `takes_row_keywords` puts it in every entry point's signature.
 _POSITIONAL = ("ids", "valid", "advantages")
-_COMPUTED = ("entropy_floor",)
+_COMPUTED = ("entropy_floor", "cov_selected")
 ROW_KEYWORDS = tuple(name for name in _FIELDS if name not in _POSITIONAL + _COMPUTED)
 
 Entry = TypeVar("Entry", bound=Callable)

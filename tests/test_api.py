@@ -334,6 +334,7 @@ def test_metrics_to_dict(batch):
         "clip_fraction",
         "clip_low_fraction",
         "clip_high_fraction",
+        "cov_fraction",
         "num_tokens",
         "num_sequences",
         "num_nonempty",

@@ -161,3 +161,31 @@ def test_the_entropy_shift_scope_is_checked():
         GTPOConfig(entropy_shift_scope="tied")
     with pytest.raises(ValueError, match="entropy_shift_scope.*needs entropy_mode='advantage_shift'"):
         GTPOConfig(entropy_shift_scope="nonzero_advantage", entropy_mode="penalty")
+
+
+def test_clip_cov_and_kl_cov_settings_are_checked():
+    """cov_mode's knobs: a mode of the two, a share in (0, 1] (the mode's default without one), a band low < high,
+    a coefficient >= 0; the per-token advantages of verl's path cannot carry a pick made inside the loss."""
+    import torch
+
+    from gtpo_kernels.objective import token_advantages
+    from gtpo_kernels.rows import LossRows
+
+    assert GTPOConfig().cov_share == 0 and GTPOConfig(cov_mode="clip_cov").cov_share == 2e-4
+    assert GTPOConfig(cov_mode="kl_cov").cov_share == 2e-3
+    assert GTPOConfig(cov_mode="kl_cov", cov_ratio=0.3).cov_share == 0.3
+    for bad in (
+        dict(cov_mode="cov"),
+        dict(cov_ratio=0.0),
+        dict(cov_ratio=1.5),
+        dict(clip_cov_low=5.0),
+        dict(clip_cov_high=float("inf")),
+        dict(kl_cov_coef=-1.0),
+    ):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            GTPOConfig(**bad)
+    rows = LossRows(
+        ids=torch.zeros(2, 3, dtype=torch.long), valid=torch.ones(2, 3, dtype=torch.bool), advantages=torch.ones(2)
+    )
+    with pytest.raises(ValueError, match="cov_mode='clip_cov' picks tokens"):
+        token_advantages(torch.rand(2, 3), rows, GTPOConfig(cov_mode="clip_cov"))

@@ -784,3 +784,46 @@ def test_the_entropy_shift_scoped_to_nonzero_advantages(backend, dtype, monkeypa
     resolution = (h, w) if dtype == torch.float16 else None
     assert_linear_grads((dh, dw, db), (dh_ref, dw_ref, db_ref), scales, RTOL[dtype], resolution=resolution)
     assert (dh[:G] == 0).all() and (dh[G:] != 0).any()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("mode", ["clip_cov", "kl_cov"])
+def test_clip_cov_and_kl_cov_pick_from_the_whole_call(backend, dtype, mode, monkeypatch):
+    """cov_mode through the fused path, off-policy, chunks of 2 tokens splitting completions: the pick is the whole
+    call's (its means and its k over every chunk), against the float64 oracle's own pick from the same draw of
+    torch's CPU generator: loss, gradients and the share picked."""
+    config = GTPOConfig(preset="grpo", cov_mode=mode, cov_ratio=0.15, clip_cov_low=0.01, kl_cov_coef=0.5)
+    h, w, b, ids, mask, adv = make(seed=8, length=7)
+    kw = off_policy_kwargs(h, w, b, ids, mask, config)
+    seen = record_logits(monkeypatch, h.to(dtype))
+    torch.manual_seed(5)
+    out, dh, dw, db = fused(h, w, b, ids, mask, adv, config, backend, dtype, 2, **kw)
+    h, w, b = h.to(dtype), w.to(dtype), b.to(dtype)
+    torch.manual_seed(5)
+    ref, dh_ref, dw_ref, db_ref = reference(
+        h, w, b, ids, mask, adv, config, logits_values=as_computed(seen, h, w, b, dtype), **kw
+    )
+    tokens = int(mask.sum())
+    assert float(out.metrics.cov_fraction) == pytest.approx(float(ref.metrics.cov_fraction), abs=1e-6)
+    assert float(out.metrics.cov_fraction) * tokens >= 2  # more than one chunk's worth of tokens could hold
+    assert_loss_close(
+        out.loss.detach().cpu(), ref.loss.detach(), h, w, b, ids, mask, adv, config, RTOL_ACCUMULATED[dtype], **kw
+    )
+    scales = gradient_scales(h, w, b, ids, mask, adv, config, **kw)
+    resolution = (h, w) if dtype == torch.float16 else None
+    assert_linear_grads((dh, dw, db), (dh_ref, dw_ref, db_ref), scales, RTOL[dtype], resolution=resolution)
+
+
+def test_the_config_fields_left_out_of_the_operator_are_not_read_inside_it():
+    """The fused operator's schema leaves out the config fields that act before it (a schema takes at most 64
+    arguments), and its config takes their defaults: so neither the walk nor the objective may read them."""
+    from pathlib import Path
+
+    from gtpo_kernels.fused_linear import CONFIG_NOT_IN_OPERATOR
+
+    package = Path(fused_linear_gtpo_loss.__code__.co_filename).parent
+    for module in ("fused_chunks.py", "objective.py", "conflict.py", "result.py"):
+        text = (package / module).read_text()
+        for name in CONFIG_NOT_IN_OPERATOR:
+            assert f"config.{name}" not in text, (module, name)

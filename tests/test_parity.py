@@ -133,7 +133,10 @@ def compare(
     off_policy=False,
     initial_entropy=None,
     temperature=1.0,
+    reseed=None,
 ):
+    """``reseed``: torch's seed before each of the two calls (Clip-Cov draws its random pick from torch's CPU
+    generator, the same draw for both)."""
     valid = mask.bool()
     # Chunks of 3 tokens: the torch backend walks several chunks that cut through rows (others ignore it).
     config = dataclasses.replace(config, max_chunk_bytes=tiny_chunks(logits.shape[-1]))
@@ -150,6 +153,8 @@ def compare(
 
     dev = device_for(backend)
     x = logits.detach().clone().to(dev).requires_grad_()
+    if reseed is not None:
+        torch.manual_seed(reseed)
     out = gtpo_loss(
         x,
         ids.to(dev),
@@ -167,6 +172,8 @@ def compare(
     grad = x.grad.cpu()
 
     x64 = logits.detach().double().requires_grad_()
+    if reseed is not None:
+        torch.manual_seed(reseed)
     ref = reference_gtpo_loss(
         x64,
         ids,
@@ -209,6 +216,7 @@ def compare(
         "clip_fraction",
         "clip_low_fraction",
         "clip_high_fraction",
+        "cov_fraction",
     ):
         assert float(getattr(m, name)) == pytest.approx(float(getattr(r, name)), abs=1e-6), name
     for name in ("completion_clip_low", "completion_clip_high"):  # per completion; NaN for an empty one
@@ -379,3 +387,88 @@ def test_the_entropy_shift_scoped_to_nonzero_advantages(backend, dtype):
     x.grad = None
     reference_gtpo_loss(x, ids, mask, adv.double(), group_size=4, config=CONFIGS["paper"]).loss.backward()
     assert (x.grad[:4] != 0).any()  # the paper's shift reaches the tied group
+
+
+# Clip-Cov and KL-Cov (GTPOConfig.cov_mode) with shares and a band that pick several tokens of these small batches.
+COV_CONFIGS = {
+    "clip_cov": GTPOConfig(preset="paper", cov_mode="clip_cov", cov_ratio=0.1, clip_cov_low=0.02, clip_cov_high=5.0),
+    "clip_cov+clip": GTPOConfig(
+        preset="grpo", cov_mode="clip_cov", cov_ratio=0.1, clip_cov_low=0.02, loss_reduction="token_mean"
+    ),
+    "kl_cov": GTPOConfig(preset="paper", cov_mode="kl_cov", cov_ratio=0.1, kl_cov_coef=0.5),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", list(COV_CONFIGS))
+def test_clip_cov_and_kl_cov_equal_the_reference(backend, dtype, name):
+    """cov_mode off-policy on an odd batch (the torch backend chunking through rows), against the float64 oracle's
+    own pick (its covariances in float64, the same draw of torch's CPU generator): loss, gradient and every metric,
+    the share picked among them; and the pick changes the loss (it is not a term that does nothing)."""
+    config = COV_CONFIGS[name]
+    logits, ids, mask, adv = random_batch(2, 4, 7, 37, dtype=dtype, seed=12, sharpness=8.0)
+    out = compare(backend, dtype, config, logits, ids, mask, adv, 4, off_policy=True, reseed=7)
+    tokens = int(mask.sum())
+    k = math.floor(0.1 * tokens)  # Clip-Cov picks fewer where its band holds fewer
+    assert 1 <= float(out.metrics.cov_fraction) * tokens <= k + 1e-9
+    if config.cov_mode == "kl_cov":
+        assert float(out.metrics.cov_fraction) * tokens == pytest.approx(k)
+    off = compare(backend, dtype, config.replace(cov_mode=None), logits, ids, mask, adv, 4, off_policy=True)
+    assert float(off.metrics.cov_fraction) == 0
+    assert abs(float(out.loss) - float(off.loss)) > 1e-4 * abs(float(off.loss))
+
+
+@pytest.mark.parametrize("mode", ["clip_cov", "kl_cov"])
+def test_what_clip_cov_and_kl_cov_do_to_the_tokens_they_pick(mode):
+    """By hand, on the float64 oracle: Clip-Cov's picked tokens carry no gradient at all (their policy term is
+    gone, and nothing else acts on them here), the others the same as without it; KL-Cov's picks are the tokens of
+    highest covariance and get ``coef * sign(logp - old)`` more gradient on their log-prob; on-policy KL-Cov changes
+    nothing (``|logp - old| = 0``, and so is its gradient)."""
+    from gtpo_kernels.reference import reference_covariance_tokens, reference_loss_from_token_stats
+    from gtpo_kernels.rows import LossRows
+
+    g = torch.Generator().manual_seed(3)
+    n, length = 8, 9
+    logp = (-3 * torch.rand(n, length, generator=g, dtype=torch.float64)).requires_grad_()
+    entropy = torch.rand(n, length, generator=g, dtype=torch.float64)
+    valid = torch.rand(n, length, generator=g) < 0.8
+    adv = torch.randn(n, generator=g, dtype=torch.float64)
+    old = logp.detach() + 0.2 * torch.randn(n, length, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, 50, (n, length), generator=g)
+    config = GTPOConfig(preset="grpo", clip_eps_low=None, clip_eps_high=None, cov_mode=mode, cov_ratio=0.1)
+    config = config.replace(clip_cov_low=0.01)
+
+    def gradient(cfg, **kw):
+        logp.grad = None
+        torch.manual_seed(11)
+        out = reference_loss_from_token_stats(logp, entropy, ids, valid, adv, config=cfg, group_size=4, **kw)
+        out.loss.backward()
+        return logp.grad.clone(), out
+
+    with_cov, out = gradient(config, old_logprobs=old)
+    without, _ = gradient(config.replace(cov_mode=None), old_logprobs=old)
+    torch.manual_seed(11)
+    rows = LossRows(ids=ids, valid=valid, advantages=adv, old_logprobs=old)
+    picked = reference_covariance_tokens(logp.detach(), entropy, valid, torch.ones(n, length), rows, config)
+    at = torch.zeros(n, length, dtype=torch.bool)
+    for i, t in picked:
+        at[i, t] = True
+    k = math.floor(0.1 * int(valid.sum()))
+    assert len(picked) == k and float(out.metrics.cov_fraction) * int(valid.sum()) == pytest.approx(k)
+    assert (at <= valid).all()
+    torch.testing.assert_close(with_cov[~at], without[~at], rtol=1e-12, atol=0)
+    if mode == "clip_cov":
+        assert (with_cov[at] == 0).all() and (without[at] != 0).all()
+    else:
+        # cov_t = (A_i - mean A)(logp - mean logp) over the unmasked tokens: the picks are the k highest
+        a = adv[:, None].expand(n, length)[valid]
+        x = logp.detach()[valid]
+        cov = torch.zeros(n, length, dtype=torch.float64)
+        cov[valid] = (a - a.mean()) * (x - x.mean())
+        assert float(cov[at].min()) > float(cov[valid & ~at].max())
+        per_token = 1 / valid.sum(dim=1, keepdim=True).double() / n  # sequence_mean's factor
+        expected = without + config.kl_cov_coef * torch.sign(logp.detach() - old) * per_token
+        torch.testing.assert_close(with_cov[at], expected[at], rtol=1e-12, atol=1e-15)
+        on_policy, _ = gradient(config)
+        torch.testing.assert_close(on_policy, gradient(config.replace(cov_mode=None))[0], rtol=0, atol=0)

@@ -87,7 +87,7 @@ def test_every_entry_point_takes_every_row_keyword(entry):
     """The row keywords are declared once (LossRows' fields) and each entry point's signature lists them all,
     keyword-only, with the bundle's defaults; the oracle on token statistics takes all but the temperature."""
     fields = {field.name: field.default for field in dataclasses.fields(LossRows)}
-    assert set(fields) - {"ids", "valid", "advantages", "entropy_floor"} == EXPECTED_ROW_KEYWORDS
+    assert set(fields) - {"ids", "valid", "advantages", "entropy_floor", "cov_selected"} == EXPECTED_ROW_KEYWORDS
     expected = EXPECTED_ROW_KEYWORDS - ({"temperature"} if entry is reference_loss_from_token_stats else set())
     parameters = inspect.signature(entry).parameters
     taken = {name for name in parameters if name in fields} - {"advantages", "valid"}  # positional arguments
@@ -124,15 +124,16 @@ def test_the_operator_arguments_round_trip():
     assert LossRows.from_op_inputs(rows.replace(conflict=None).op_inputs()).conflict is None
 
 
-# Each field of LossRows reaches the fused operator by name, but these two (written here by hand: a field added to
+# Each field of LossRows reaches the fused operator by name, but these three (written here by hand: a field added to
 # the bundle and not to the operator fails below).
-NOT_AN_OPERATOR_INPUT = {"group_size", "entropy_floor"}
+NOT_AN_OPERATOR_INPUT = {"group_size", "entropy_floor", "cov_selected"}
 ROUND_TRIP = EXPECTED_ROW_KEYWORDS - NOT_AN_OPERATOR_INPUT - {"conflict"} | {"ids", "valid", "advantages"}
 
 
 def test_every_field_of_the_bundle_reaches_the_operator():
-    """Every field but group_size and entropy_floor is an argument of the fused operator (the conflict pair as two,
-    the temperature as a float and a per-row tensor), declared by name, and the operator takes no other row input."""
+    """Every field but group_size, entropy_floor and cov_selected is an argument of the fused operator (the conflict
+    pair as two, the temperature as a float and a per-row tensor), declared by name, and the operator takes no
+    other row input."""
     from gtpo_kernels.fused_linear import fused_linear_gtpo
 
     fields = {field.name for field in dataclasses.fields(LossRows)}

@@ -226,6 +226,7 @@ def test_a_smoke_study_runs_resumes_and_reports_paired_differences(tiny_model_di
                 "amplified_fraction",
                 "skipped_fraction",
                 "clip_fraction",
+                "cov_fraction",
                 "signal_fraction",
             )
         ]

@@ -1037,3 +1037,34 @@ def test_the_entropy_shift_scope_reaches_the_loss_and_is_refused_without_a_shift
         TrainConfig(algo="grpo", entropy_shift_scope="nonzero_advantage")
     with pytest.raises(ConfigError, match="--entropy-shift-scope must be one of all, nonzero_advantage"):
         TrainConfig(entropy_shift_scope="tied")
+
+
+def test_clip_cov_and_kl_cov_reach_the_loss_and_its_metrics(tiny_model_dir, tmp_path):
+    """--cov-mode and --cov-ratio are the loss's (its oracle tests: tests/test_parity.py and
+    tests/test_fused_linear.py, every backend), and a run logs the share of tokens picked each step; KL-Cov with one
+    update per rollout (its term 0 on-policy) and a share without a mode are refused, naming the flags."""
+    assert TrainConfig().loss_config().cov_mode is None
+    config = TrainConfig(cov_mode="clip_cov", cov_ratio=0.25).loss_config()
+    assert (config.cov_mode, config.cov_share) == ("clip_cov", 0.25)
+    assert TrainConfig(cov_mode="kl_cov", num_iterations=2).loss_config().cov_share == 2e-3
+    with pytest.raises(ConfigError, match="--cov-mode kl_cov adds .* add --num-iterations 2"):
+        TrainConfig(cov_mode="kl_cov")
+    with pytest.raises(ConfigError, match="--cov-ratio is the share --cov-mode picks"):
+        TrainConfig(cov_ratio=0.1)
+    with pytest.raises(ConfigError, match="--cov-mode must be one of clip_cov, kl_cov"):
+        TrainConfig(cov_mode="cov")
+    train_module.run(
+        tiny_config(
+            tiny_model_dir,
+            tmp_path,
+            steps=2,
+            prompts_per_step=4,
+            eval_k=0,
+            cov_mode="kl_cov",
+            cov_ratio=0.5,
+            mini_batches=2,
+        )
+    )
+    steps = [r for r in train_rows(tmp_path) if r["kind"] == "train"]
+    assert steps and all(0 < r["cov_fraction"] <= 0.5 for r in steps if r["updates"])
+    assert any(r["updates"] for r in steps)

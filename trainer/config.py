@@ -43,6 +43,8 @@ class TrainConfig:
     entropy_bonus: float = 0.0  # minus this times the token-mean entropy (TRL's entropy_coef; not GTPO's gamma)
     off_policy_mask_threshold: Optional[float] = None  # drop pushed-down completions this far off the old policy
     top_entropy_quantile: float = 1.0  # the policy term on this share of each loss call's tokens, highest entropy
+    cov_mode: Optional[str] = None  # "clip_cov" / "kl_cov": the top covariance tokens lose their gradient / get a KL
+    cov_ratio: Optional[float] = None  # the share of tokens --cov-mode picks (unset: clip_cov 2e-4, kl_cov 2e-3)
     # The task (docs/tasks.md): the data, how a prompt is put to the model, the rewards
     dataset: str = "arithmetic"  # "arithmetic" (built in), a hub id, .jsonl/.json/.csv/.parquet files, a saved folder
     dataset_config: Optional[str] = None  # the hub dataset's configuration (load_dataset's name, e.g. "main")
@@ -147,7 +149,8 @@ class TrainConfig:
                 raise bad(name, "must be a number > 0 (the clip range's side)")
         if self.epsilon is not None and self.epsilon >= 1:
             raise bad("epsilon", "must be below 1 (the ratio's lower bound is 1 - epsilon)")
-        if (self.epsilon is not None or self.epsilon_high is not None) and self.num_iterations * self.mini_batches == 1:
+        one_update = self.num_iterations * self.mini_batches == 1  # per rollout: the ratio stays 1
+        if (self.epsilon is not None or self.epsilon_high is not None) and one_update:
             raise ConfigError(
                 "--epsilon / --epsilon-high clip the ratio to the policy that sampled the batch, but with one "
                 "optimiser step per rollout batch that ratio is 1 and no clip can bind: add --num-iterations 2 "
@@ -214,6 +217,7 @@ class TrainConfig:
         rho = self.top_entropy_quantile
         if not (isinstance(rho, (int, float)) and 0 < rho <= 1):
             raise bad("top_entropy_quantile", "must be a number in (0, 1] (1: every token)")
+        self._check_cov()
         from gtpo_kernels.config import ENTROPY_SHIFT_SCOPES
 
         if self.entropy_shift_scope is not None:
@@ -225,6 +229,25 @@ class TrainConfig:
                     "scopes GTPO's entropy shift, which this loss does not have (--algo grpo, or --entropy-coef 0): "
                     "use --algo gtpo",
                 )
+
+    def _check_cov(self) -> None:
+        """Clip-Cov's and KL-Cov's settings (docs/method.md, "Clip-Cov and KL-Cov")."""
+        from gtpo_kernels.config import COV_MODES
+
+        bad = self._bad
+        if self.cov_mode is not None and self.cov_mode not in COV_MODES:
+            raise bad("cov_mode", f"must be one of {', '.join(COV_MODES)}")
+        ratio = self.cov_ratio
+        if ratio is not None and not (isinstance(ratio, (int, float)) and 0 < ratio <= 1):
+            raise bad("cov_ratio", "must be a number in (0, 1] (the share of tokens picked)")
+        if ratio is not None and self.cov_mode is None:
+            raise bad("cov_ratio", "is the share --cov-mode picks: set --cov-mode clip_cov or kl_cov")
+        if self.cov_mode == "kl_cov" and self.num_iterations * self.mini_batches < 2:
+            raise ConfigError(
+                "--cov-mode kl_cov adds |logp - old| to the tokens it picks, but with one optimiser step per "
+                "rollout batch logp = old and that term and its gradient are 0: add --num-iterations 2 or "
+                "--mini-batches 2 (or more), or use --cov-mode clip_cov"
+            )
 
     def _check_model_and_sampling(self) -> None:
         """The weights, adapters, KL, sampling and checkpoint settings."""
@@ -341,6 +364,8 @@ class TrainConfig:
             entropy_bonus=float(self.entropy_bonus),
             off_policy_mask_threshold=self.off_policy_mask_threshold,
             top_entropy_quantile=float(self.top_entropy_quantile),
+            cov_mode=self.cov_mode,
+            cov_ratio=None if self.cov_ratio is None else float(self.cov_ratio),
             kl_beta=float(self.beta),
             warn_no_signal=False,
             max_chunk_bytes=None if self.loss_chunk_mib is None else self.loss_chunk_mib * 2**20,

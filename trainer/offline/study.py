@@ -56,12 +56,13 @@ METRICS = (
     *("distinct_answers", "top_answer_share", "reasoning_share", "mean_completion_tokens", "mean_reasoning_words"),
 )
 # What each of the loss's mechanisms did in a cell: the mean over its training steps of these step figures (the
-# entropy filter, the conflict tokens, the clip, the completions that carried any signal).
+# entropy filter, the conflict tokens, the clip, Clip-Cov's or KL-Cov's picks, the completions that carried any signal).
 MECHANISMS = (
     ("filtered", "filtered_fraction"),
     ("conflict: amplified", "amplified_fraction"),
     ("conflict: skipped", "skipped_fraction"),
     ("clipped", "clip_fraction"),
+    ("cov-picked", "cov_fraction"),
     ("with signal", "signal_fraction"),
 )
 BOOTSTRAP_SAMPLES = 10000
