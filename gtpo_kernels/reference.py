@@ -179,7 +179,7 @@ def reference_cov_terms(terms, weight: Optional[List[float]], lp, old, picked: L
     policy term away (weight 0: they carry no signal), KL-Cov adds ``kl_cov_coef * |logp - old|`` to it."""
     flags = torch.tensor([float(p) for p in picked], dtype=terms.dtype, device=terms.device)
     if config.cov_mode == "clip_cov":
-        weight = [(1.0 if weight is None else w) * (1.0 - float(p)) for w, p in zip(weight or picked, picked)]
+        weight = [w * (1.0 - float(p)) for w, p in zip(weight or [1.0] * len(picked), picked)]
         return terms * (1 - flags), weight
     if config.cov_mode == "kl_cov":
         return terms + config.kl_cov_coef * flags * (lp - old).abs(), weight

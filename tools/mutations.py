@@ -885,7 +885,7 @@ MUTANTS: Tuple[Mutant, ...] = (
     Mutant(
         "train: mini-batches without the sampling policy's log-probs",
         "trainer/train.py",
-        "    off_policy = config.num_iterations * config.mini_batches > 1",
+        "    off_policy = config.updates_per_rollout > 1",
         "    off_policy = config.num_iterations > 1",
         ("tests/test_trainer.py::test_mini_batches_step_on_each_share_of_the_groups_and_let_the_clip_bind",),
         "the later mini-batches' ratio is to the sampling policy, so the clip binds",
@@ -901,8 +901,8 @@ MUTANTS: Tuple[Mutant, ...] = (
     Mutant(
         "config: a clip that cannot bind accepted",
         "trainer/config.py",
-        "and one_update:",
-        "and False:",
+        "self.epsilon_high is not None) and self.updates_per_rollout == 1:",
+        "self.epsilon_high is not None) and False:",
         ("tests/test_trainer.py::test_mini_batches_step_on_each_share_of_the_groups_and_let_the_clip_bind",),
         "--epsilon with one step per rollout batch is refused",
     ),

@@ -149,8 +149,7 @@ class TrainConfig:
                 raise bad(name, "must be a number > 0 (the clip range's side)")
         if self.epsilon is not None and self.epsilon >= 1:
             raise bad("epsilon", "must be below 1 (the ratio's lower bound is 1 - epsilon)")
-        one_update = self.num_iterations * self.mini_batches == 1  # per rollout: the ratio stays 1
-        if (self.epsilon is not None or self.epsilon_high is not None) and one_update:
+        if (self.epsilon is not None or self.epsilon_high is not None) and self.updates_per_rollout == 1:
             raise ConfigError(
                 "--epsilon / --epsilon-high clip the ratio to the policy that sampled the batch, but with one "
                 "optimiser step per rollout batch that ratio is 1 and no clip can bind: add --num-iterations 2 "
@@ -242,7 +241,7 @@ class TrainConfig:
             raise bad("cov_ratio", "must be a number in (0, 1] (the share of tokens picked)")
         if ratio is not None and self.cov_mode is None:
             raise bad("cov_ratio", "is the share --cov-mode picks: set --cov-mode clip_cov or kl_cov")
-        if self.cov_mode == "kl_cov" and self.num_iterations * self.mini_batches < 2:
+        if self.cov_mode == "kl_cov" and self.updates_per_rollout == 1:
             raise ConfigError(
                 "--cov-mode kl_cov adds |logp - old| to the tokens it picks, but with one optimiser step per "
                 "rollout batch logp = old and that term and its gradient are 0: add --num-iterations 2 or "
@@ -328,6 +327,12 @@ class TrainConfig:
     @property
     def loss_preset(self) -> str:
         return self.preset or ("paper" if self.algo == "gtpo" else "grpo")
+
+    @property
+    def updates_per_rollout(self) -> int:
+        """Optimiser steps on each rollout batch (``--num-iterations`` x ``--mini-batches``); with one, the ratio to
+        the sampling policy stays 1."""
+        return self.num_iterations * self.mini_batches
 
     def loss_config(self):
         """The `GTPOConfig` of this run's loss: read from this config wherever the loss is needed (the rollout's

@@ -181,7 +181,7 @@ def load_session(config: TrainConfig, dist: Distributed, task: Task, resume_from
             base.enable_input_require_grads()
     policy = wrap(PolicyLoss(model, head), unwrap(model).get_decoder().layers, dist, config.fsdp)
     optimizer = PolicyOptimizer(policy.parameters(), config, dist.device, master=config.master_weights)
-    total_updates = config.steps * config.num_iterations * config.mini_batches
+    total_updates = config.steps * config.updates_per_rollout
     return Session(
         config=config,
         dist=dist,

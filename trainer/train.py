@@ -287,7 +287,7 @@ def rollout_logprobs(session: Session, state: RunState, batch: Rollout):
     processes, becomes ``state``'s initial entropy) and the starting policy's (``--beta``: the KL term's reference)."""
     config, dist, model, policy = session.config, session.dist, session.model, session.policy
     old_logprobs = ref_logprobs = None
-    off_policy = config.num_iterations * config.mini_batches > 1  # an update after the first: the ratio moves
+    off_policy = config.updates_per_rollout > 1  # an update after the first: the ratio moves
     if state.initial_entropy is None or off_policy:
         with full_parameters(policy), autocast(config, dist.device):
             logp, entropy = token_stats(model, batch, config, session.head)
