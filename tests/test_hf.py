@@ -96,8 +96,9 @@ def grouped_batch(n_prompts=2, group=3, prompt=5, length=4, shared_prefix=0):
     return prompt_ids, prompt_mask, completion_ids, completion_mask
 
 
+@pytest.mark.parametrize("completion_pass", ["auto", "model"])
 @pytest.mark.parametrize("shared_prefix", [0, 17], ids=["own-prompts", "shared-prefix"])
-def test_grouped_hidden_states_equal_the_full_rows_in_value_and_gradient(shared_prefix):
+def test_grouped_hidden_states_equal_the_full_rows_in_value_and_gradient(shared_prefix, completion_pass):
     """Each prompt once, its cache shared by the group (and a prefix every prompt starts with once, its cache
     shared by the prompts): same hidden states and the same parameter gradient as running every
     [prompt, completion] row whole (float64, so differences are exact)."""
@@ -115,10 +116,11 @@ def test_grouped_hidden_states_equal_the_full_rows_in_value_and_gradient(shared_
     probe = probe * completion_mask[..., None]  # positions after a completion's end are not used
 
     hidden, weight, bias = grouped_completion_hidden_states(
-        model, prompt_ids, prompt_mask, completion_ids, completion_mask, group
+        model, prompt_ids, prompt_mask, completion_ids, completion_mask, group, completion_pass=completion_pass
     )
     hook.remove()
-    assert len(calls) == (3 if shared_prefix else 2)  # [prefix,] prompts, completions
+    # [prefix,] prompts, completions (``auto``: the completions through `llama_layers`, not the decoder's forward)
+    assert len(calls) == (2 if shared_prefix else 1) + (completion_pass == "model")
     assert weight is model.lm_head.weight and bias is None
     (hidden * probe).sum().backward()
     body = [p for name, p in model.named_parameters() if not name.startswith("lm_head")]  # lm_head: not used

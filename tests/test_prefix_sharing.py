@@ -3,6 +3,8 @@ then the completions on their prompt's cache): the same hidden states and gradie
 [prompt, completion] row whole, with LoRA adapters too; and the reference pass of ``--beta`` (`update.token_stats`,
 no gradient) gives the log-probs of the whole rows."""
 
+from unittest.mock import patch
+
 import pytest
 import torch
 
@@ -34,8 +36,11 @@ def whole_rows(model, prompt_ids, prompt_mask, completion_ids, completion_mask):
     return full[:, prompt_ids.shape[1] - 1 : -1], weight
 
 
+@pytest.mark.parametrize("completion_pass", ["auto", "model"])
 @pytest.mark.parametrize("adapter", ["full", "lora"])
-def test_the_update_runs_the_shared_prefix_once_and_equals_the_whole_rows(adapter):
+def test_the_update_runs_the_shared_prefix_once_and_equals_the_whole_rows(adapter, completion_pass):
+    """``auto``: the completions through our grouped attention (`llama_layers`), ``model``: transformers' forward
+    on the repeated cache; either equals the whole rows, LoRA adapters applied."""
     model = tiny_llama().double()
     if adapter == "lora":
         peft = pytest.importorskip("peft")
@@ -48,10 +53,18 @@ def test_the_update_runs_the_shared_prefix_once_and_equals_the_whole_rows(adapte
     prompt_ids, prompt_mask, completion_ids, completion_mask = batch
     gtpo_kernels.hf.check_hidden_states_supported(model)  # its probe runs the model: before counting calls
     calls, hook = decoder_calls(model)
-    hidden, _, _ = grouped_completion_hidden_states(model, *batch, GROUP)
+    grouped_calls = []
+    attention = gtpo_kernels.hf.llama_layers.GroupedPromptAttention
+    apply = attention.apply
+    with patch.object(attention, "apply", side_effect=lambda *a: (grouped_calls.append(1), apply(*a))[1]):
+        hidden, _, _ = grouped_completion_hidden_states(model, *batch, GROUP, completion_pass=completion_pass)
     hook.remove()
     own = 24 - PREFIX
-    assert calls == [(1, PREFIX), (2, own), (2 * GROUP, completion_ids.shape[1])]  # the prefix once, for both prompts
+    expected = [(1, PREFIX), (2, own)]  # the prefix once, for both prompts; then each prompt's own tokens
+    if completion_pass == "model":
+        expected.append((2 * GROUP, completion_ids.shape[1]))
+    assert calls == expected
+    assert len(grouped_calls) == (model.config.num_hidden_layers if completion_pass == "auto" else 0)
     probe = torch.randn(hidden.shape, dtype=torch.float64) * completion_mask[..., None]
     trained = [p for p in model.parameters() if p.requires_grad]
     (hidden * probe).sum().backward()

@@ -524,6 +524,59 @@ MUTANTS: Tuple[Mutant, ...] = (
         ("tests/test_sampling.py::test_stop_strings_end_a_row_with_the_token_that_completes_them",),
         "a stop string spanning tokens ends the row at the token that completes it",
     ),
+    # ---------------------------------------------------------------- issue 64: the update's grouped attention
+    Mutant(
+        "grouped attention: the softmax's backward without its row sum",
+        "gtpo_kernels/hf/llama_layers.py",
+        "    grad_s = grad_p.to(wide).sub_(rowsum)",
+        "    grad_s = grad_p.to(wide)",
+        ("tests/test_grouped_attention.py::test_grouped_attention_equals_a_float64_softmax_over_every_key",),
+        "dS = P * (dP - rowsum(dO * O)): the softmax's backward",
+    ),
+    Mutant(
+        "grouped attention: a prompt's key gradient from its last chunk only",
+        "gtpo_kernels/hf/llama_layers.py",
+        "                grad_prompt_k[b] += prompt_k_part",
+        "                grad_prompt_k[b] = prompt_k_part",
+        ("tests/test_grouped_attention.py::test_grouped_attention_equals_a_float64_softmax_over_every_key",),
+        "a group's completions split across chunks each add to its prompt keys' gradient",
+    ),
+    Mutant(
+        "grouped attention: the chunks leave completions out",
+        "gtpo_kernels/hf/llama_layers.py",
+        "(slice(i, i + 1), slice(j, min(j + per_chunk, size)))",
+        "(slice(i, i + 1), slice(j, min(j + per_chunk, size - 1)))",
+        ("tests/test_grouped_attention.py::test_grouped_attention_equals_a_float64_softmax_over_every_key",),
+        "every completion of a group is in one of the chunks",
+    ),
+    Mutant(
+        "grouped pass: a completion attends to its later positions",
+        "gtpo_kernels/hf/llama_layers.py",
+        "    causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()",
+        "    causal = torch.ones(length, length, dtype=torch.bool, device=x.device)",
+        (
+            "tests/test_hf.py::test_grouped_hidden_states_equal_the_full_rows_in_value_and_gradient",
+            "tests/test_prefix_sharing.py::test_the_update_runs_the_shared_prefix_once_and_equals_the_whole_rows",
+        ),
+        "causal attention among a completion's own positions, as in the whole row's forward",
+    ),
+    Mutant(
+        "grouped pass: a prompt's left padding attended to",
+        "gtpo_kernels/hf/llama_layers.py",
+        "    prompt_bias = torch.where(prompt_attention.bool(), zero, blocked)",
+        "    prompt_bias = torch.where(prompt_attention.bool() | True, zero, blocked)",
+        ("tests/test_hf.py::test_grouped_hidden_states_equal_the_full_rows_in_value_and_gradient",),
+        "completions attend to their prompt's tokens, not to its left padding",
+    ),
+    Mutant(
+        "grouped pass: Qwen3's per-head q/k norms skipped",
+        "gtpo_kernels/hf/llama_layers.py",
+        '        if getattr(attn, "q_norm", None) is not None:  # Qwen3: RMSNorm per head before the rotation\n'
+        "            q, k = attn.q_norm(q), attn.k_norm(k)\n        q, k, v =",
+        "        q, k, v =",
+        ("tests/test_architectures.py::test_family_shares_prompt_passes_exactly",),
+        "Qwen3's q_norm/k_norm apply in the completions' pass as in its forward",
+    ),
     # ---------------------------------------------------------------- issue 57: the step at the machine's limit
     Mutant(
         "decode: the shared prefix's keys and values left out of attention",
@@ -551,7 +604,7 @@ MUTANTS: Tuple[Mutant, ...] = (
     ),
     Mutant(
         "decode: the rotation's sign lost",
-        "trainer/decode.py",
+        "gtpo_kernels/hf/llama_layers.py",
         "    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)",
         "    rotated = torch.cat((x[..., half:], x[..., :half]), dim=-1)",
         ("tests/test_sampling.py::test_decode_step_logits_equal_the_whole_sequence_forward",),

@@ -24,45 +24,12 @@ from typing import List, Optional
 
 import torch
 
-from gtpo_kernels.hf import shared_prompt_pass_issue
 from gtpo_kernels.hf.head import decoder_of
-from gtpo_kernels.hf.model_config import linear_head, text_config, unwrap
+from gtpo_kernels.hf.llama_layers import llama_layers_issue, rotate
+from gtpo_kernels.hf.model_config import linear_head, unwrap
 
-# Decoders whose layers are: RMSNorm, attention (q/k/v/o projections, rotary embedding, optional per-head q/k
-# norms), RMSNorm, MLP, with residuals around both: the step below is exactly theirs.
-LLAMA_FAMILY = frozenset({"llama", "mistral", "qwen2", "qwen3"})
-DECODER_PARTS = ("embed_tokens", "rotary_emb", "layers", "norm")
-LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
-ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "scaling", "head_dim")
-
-
-def decoder_issue(model) -> Optional[str]:
-    """Why `Decoder` cannot run ``model``'s decoding step (the sampler then keeps transformers' own), or ``None``."""
-    base = unwrap(model)
-    config = text_config(base)
-    kind = getattr(config, "model_type", None)
-    if kind not in LLAMA_FAMILY:
-        return f"model type {kind!r} is not one of {', '.join(sorted(LLAMA_FAMILY))}"
-    issue = shared_prompt_pass_issue(base)
-    if issue is not None:
-        return issue
-    if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
-        return "it has sliding-window layers"
-    if kind == "mistral" and getattr(config, "sliding_window", None):
-        return "its attention has a sliding window"
-    try:
-        decoder = decoder_of(base)
-        linear_head(base)
-    except (AttributeError, TypeError, ValueError) as exc:
-        return f"its modules are not laid out as a Llama decoder's ({exc})"
-    needed = {decoder: DECODER_PARTS}
-    for layer in getattr(decoder, "layers", ()):
-        needed.update({layer: LAYER_PARTS, getattr(layer, "self_attn", None): ATTENTION_PARTS})
-    for module, parts in needed.items():
-        missing = [p for p in parts if not hasattr(module, p)]
-        if missing:
-            return f"its modules are not laid out as a Llama decoder's (no {missing[0]})"
-    return None
+# The models this step runs, and why another cannot: the library's check, shared with the update's grouped pass.
+decoder_issue = llama_layers_issue
 
 
 @dataclass
@@ -120,13 +87,6 @@ class KVCache:
                 buffer[:kept, :, :used] = buffer[rows, :, :used]  # the right side is gathered first: no overlap
                 buffers[i] = buffer[:kept]
         self.valid = self.valid[rows]
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The rotary embedding of ``x [R, heads, 1, dim]`` (the half-split layout of Llama-family models)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 def attend(q: torch.Tensor, cache: KVCache, layer: int, bias: torch.Tensor, scale: float) -> torch.Tensor:

@@ -6,6 +6,7 @@ group's prompt once for its ``G`` completions (and a batch's shared prompt prefi
 step and sampler.
 """
 
+from . import llama_layers
 from .head import (
     LOGIT_TRANSFORMS,
     ModelForwardError,
@@ -36,6 +37,7 @@ __all__ = [
     "decoder_of",
     "grouped_completion_hidden_states",
     "head_logit_transform",
+    "llama_layers",
     "logit_transform",
     "prefix_run_once",
     "prompt_pass",

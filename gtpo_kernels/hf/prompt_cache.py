@@ -168,6 +168,7 @@ def grouped_completion_hidden_states(
     *,
     allow_unknown: bool = False,
     head_checked: bool = False,
+    completion_pass: str = "auto",
 ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """The hidden states that predict each completion token, running each prompt once per group.
 
@@ -187,6 +188,9 @@ def grouped_completion_hidden_states(
 
         head_checked: the caller checked the head with `head_logit_transform` and hands its scale or soft cap to
             the fused functions itself (Gemma 2/3, Cohere, Granite): the plain-head check is skipped.
+        completion_pass: ``"auto"``: the completions run through `llama_layers.grouped_completion_pass`, which
+            reads each prompt's keys and values once for its group, where `grouped_pass_issue` allows it, else
+            through transformers' forward on the cache repeated for each completion; ``"model"``: always the latter.
 
     Returns:
         ``(hidden [N, L, H], lm_head.weight [V, H], lm_head.bias or None)``: ``hidden[:, t]`` gives
@@ -195,6 +199,8 @@ def grouped_completion_hidden_states(
     if not head_checked:
         check_hidden_states_supported(model, allow_unknown)
     _check_groups(prompt_ids, prompt_mask, completion_ids, completion_mask, group_size)
+    if completion_pass not in ("auto", "model"):
+        raise ValueError(f"completion_pass must be 'auto' or 'model', not {completion_pass!r}")
     base = unwrap(model)
     decoder = decoder_of(base)
     prompt_mask = prompt_mask.long()
@@ -215,20 +221,28 @@ def grouped_completion_hidden_states(
             position_ids=(attention.cumsum(1) - 1).clamp(min=0),
         )
         return hidden[:, prompt_ids.shape[1] - 1 : -1], weight, bias
+    # Imported here: the module reads `shared_prompt_pass_issue` from this one.
+    from .llama_layers import grouped_completion_pass, grouped_pass_issue
+
     prompt, cache, prompt_attention, lengths = prompt_pass(decoder, prompt_ids, prompt_mask)
-    cache.batch_repeat_interleave(group_size)  # new tensors: gradients still reach the prompt pass
-    prompt_attention = prompt_attention.repeat_interleave(group_size, 0)
     positions = lengths.repeat_interleave(group_size, 0) + torch.arange(
         completion_ids.shape[1], device=completion_ids.device
     )
-    completion = decoder(
-        input_ids=completion_ids,
-        position_ids=positions,
-        use_cache=True,
-        attention_mask=torch.cat([prompt_attention, completion_mask.long()], 1),
-        **{cache_kwarg(decoder): cache},
-    )
+    if completion_pass == "auto" and grouped_pass_issue(model) is None:
+        completion = grouped_completion_pass(
+            model, cache, prompt_attention, completion_ids, completion_mask, positions, group_size
+        )
+    else:
+        cache.batch_repeat_interleave(group_size)  # new tensors: gradients still reach the prompt pass
+        prompt_attention = prompt_attention.repeat_interleave(group_size, 0)
+        completion = decoder(
+            input_ids=completion_ids,
+            position_ids=positions,
+            use_cache=True,
+            attention_mask=torch.cat([prompt_attention, completion_mask.long()], 1),
+            **{cache_kwarg(decoder): cache},
+        ).last_hidden_state
     last_prompt = prompt.last_hidden_state[:, -1:].repeat_interleave(group_size, 0)
-    hidden = torch.cat([last_prompt, completion.last_hidden_state[:, :-1]], dim=1)
+    hidden = torch.cat([last_prompt, completion[:, :-1]], dim=1)
     head = linear_head(base)
     return hidden, head.weight, head.bias
