@@ -1,6 +1,6 @@
 """Entry point: ``python -m bench [NAME] [options]``, NAME one of logits (the default), fused_linear, cpu_kernels,
-accuracy, kernels, isa, layouts, fused_work, trainer, sampler, tracking, trainer_memory (``python -m bench --help``
-lists them; ``python -m bench NAME --help`` gives one's options)."""
+accuracy, kernels, isa, layouts, fused_work, trainer, sampler, tracking, trainer_memory, update_profile
+(``python -m bench --help`` lists them; ``python -m bench NAME --help`` gives one's options)."""
 
 import sys
 
@@ -17,6 +17,7 @@ BENCHMARKS = {
     "sampler": "bench.sampler",
     "tracking": "bench.tracking",
     "trainer_memory": "bench.trainer_memory",
+    "update_profile": "bench.update_profile",
 }
 SUMMARIES = {
     "logits": "the loss on materialised logits: eager and compiled PyTorch, our backends, Liger (the default)",
@@ -31,6 +32,7 @@ SUMMARIES = {
     "sampler": "the sampler's decoding step against the bare matrix products of its shapes (and torch.compile)",
     "tracking": "what --report-to (TensorBoard, W&B offline, trackio) costs per logged row, against a run's step",
     "trainer_memory": "peak memory of one gtpo-train step: float32, bf16 weights, LoRA, --beta (default, 0.5B-class)",
+    "update_profile": "one update's time with our grouped attention and with transformers' pass, and its profile",
 }
 
 

@@ -714,7 +714,7 @@ MUTANTS: Tuple[Mutant, ...] = (
     Mutant(
         "allocator: large blocks still get mappings of their own, unmapped on free",
         "trainer/allocator.py",
-        "mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) and ",
+        "mallopt(M_MMAP_MAX, 0) and ",
         "",
         ("tests/test_allocator.py::test_freed_blocks_stay_in_the_process",),
         "freed 8 MiB blocks stay in the process for the next step",

@@ -5,7 +5,10 @@ glibc's malloc hands freed memory at the top of its heap back to the kernel once
 there, and serves large blocks from mappings of their own, unmapped on free; either way the next step's allocations
 fault every page in again, zeroed by the kernel, and the update's decoder forward took about twice as long inside a
 step as the same forward run twice in a row (`python -m bench trainer`; bench/results/step-issue64/). Keeping freed
-memory in the process removes that: the resident set stays at the step's peak, which it reaches anyway.
+memory in the process removes that: the resident set stays at the step's peak, which it reaches anyway. No block gets
+a mapping of its own, however large: the built-in model's embedding gradient (49152 x 576 in float32, 113 MB, one per
+embedding call in the update) is above the largest threshold glibc allows (32 MiB), and faulting it in again took
+about 0.15 s a call (`python -m bench update_profile`, bench/results/step-issue64/update-profile.md).
 """
 
 from __future__ import annotations
@@ -16,9 +19,7 @@ from typing import Optional
 
 # mallopt's parameter numbers (glibc's malloc.h).
 M_TRIM_THRESHOLD = -1
-M_MMAP_THRESHOLD = -3
-# glibc's largest mmap threshold on a 64-bit machine (DEFAULT_MMAP_THRESHOLD_MAX): blocks below it come from the heap.
-MMAP_THRESHOLD_MAX = 32 * 2**20
+M_MMAP_MAX = -4  # how many blocks may have mappings of their own: 0, every block comes from the heap
 # Free memory at the heap's top is kept up to this much: the largest value mallopt's int takes, 2 GiB, above a
 # default step's activations.
 TRIM_THRESHOLD = 2**31 - 1
@@ -26,7 +27,7 @@ TRIM_THRESHOLD = 2**31 - 1
 
 def keep_freed_memory() -> Optional[str]:
     """Tells glibc's malloc to keep freed memory for the process's next allocations (free memory at the heap's top
-    trimmed only past 2 GiB, blocks below 32 MiB from the heap); returns why it could not, or None. Not glibc (musl,
+    trimmed only past 2 GiB, every block from the heap); returns why it could not, or None. Not glibc (musl,
     macOS): nothing is changed."""
     name = ctypes.util.find_library("c")
     try:
@@ -35,6 +36,6 @@ def keep_freed_memory() -> Optional[str]:
     except (OSError, AttributeError, TypeError):
         return f"no glibc mallopt in {name!r}"
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    if not (mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)):
+    if not (mallopt(M_MMAP_MAX, 0) and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)):
         return "mallopt refused the settings"
     return None
