@@ -53,12 +53,18 @@ def test_the_update_runs_the_shared_prefix_once_and_equals_the_whole_rows(adapte
     prompt_ids, prompt_mask, completion_ids, completion_mask = batch
     gtpo_kernels.hf.check_hidden_states_supported(model)  # its probe runs the model: before counting calls
     calls, hook = decoder_calls(model)
-    grouped_calls = []
+    grouped_calls, mlp_rows = [], []
     attention = gtpo_kernels.hf.llama_layers.GroupedPromptAttention
     apply = attention.apply
+    mlp = gtpo_kernels.hf.decoder_of(model).layers[0].mlp
+    packed = mlp.register_forward_pre_hook(lambda m, a: mlp_rows.append(a[0].shape[0]) if a[0].dim() == 2 else None)
     with patch.object(attention, "apply", side_effect=lambda *a: (grouped_calls.append(1), apply(*a))[1]):
         hidden, _, _ = grouped_completion_hidden_states(model, *batch, GROUP, completion_pass=completion_pass)
     hook.remove()
+    packed.remove()
+    # ours runs the completions' positions under the mask only, packed: not every row to the longest one's end
+    assert mlp_rows == ([int(completion_mask.sum())] if completion_pass == "auto" else [])
+    assert int(completion_mask.sum()) < completion_mask.numel()
     own = 24 - PREFIX
     expected = [(1, PREFIX), (2, own)]  # the prefix once, for both prompts; then each prompt's own tokens
     if completion_pass == "model":

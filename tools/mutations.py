@@ -550,6 +550,14 @@ MUTANTS: Tuple[Mutant, ...] = (
         "every completion of a group is in one of the chunks",
     ),
     Mutant(
+        "grouped pass: every position runs, not only those under the mask",
+        "gtpo_kernels/hf/llama_layers.py",
+        "    index = completion_mask.bool().flatten().nonzero().squeeze(1)",
+        "    index = torch.arange(completion_mask.numel(), device=completion_mask.device)",
+        ("tests/test_prefix_sharing.py::test_the_update_runs_the_shared_prefix_once_and_equals_the_whole_rows",),
+        "the layers' per-token work runs on the completion tokens only, packed",
+    ),
+    Mutant(
         "grouped pass: a completion attends to its later positions",
         "gtpo_kernels/hf/llama_layers.py",
         "    causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()",

@@ -226,17 +226,20 @@ def grouped_completion_pass(
     """``[N, L, H]`` final hidden states (after the decoder's norm) of completions ``completion_ids [N, L]`` at
     ``positions [N, L]``, on the prompt pass's transformers cache of ``B = N / group_size`` rows (``S`` positions,
     ``prompt_attention [B, S]``), the ``G`` completions of group ``b`` in rows ``b * G .. b * G + G - 1``; equal to
-    transformers' pass on the cache repeated for each completion. Keys past a completion's mask are not attended to,
-    as there. Gradients reach the prompt pass through the cache's tensors."""
+    transformers' pass on the cache repeated for each completion where ``completion_mask`` holds, 0 where not.
+    Only the ``T`` positions under the mask run: the layers' per-token work (norms, projections, MLP) on them packed
+    ``[T, H]``, attention on the ``[N, L]`` layout with the rest masked, so a batch whose rows end early costs its
+    tokens, not its longest row times its rows. Gradients reach the prompt pass through the cache's tensors."""
     decoder = decoder_of(unwrap(model))
     n, length = completion_ids.shape
     g = group_size
     b = n // g
-    x = decoder.embed_tokens(completion_ids)  # [N, L, H]
+    index = completion_mask.bool().flatten().nonzero().squeeze(1)  # [T]: the positions that run
+    x = decoder.embed_tokens(completion_ids.flatten()[index])  # [T, H]
     device = x.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-    cos, sin = decoder.rotary_emb(x, positions)
-    cos, sin = cos[:, None], sin[:, None]  # [N, 1, L, dim]
+    cos, sin = decoder.rotary_emb(x[None], positions.flatten()[index][None])
+    cos, sin = cos[0, :, None], sin[0, :, None]  # [T, 1, dim]
     first = decoder.layers[0].self_attn
     kv_heads = cache.layers[0].keys.shape[1]
     r = first.q_proj.out_features // (kv_heads * first.head_dim)
@@ -250,28 +253,38 @@ def grouped_completion_pass(
     own_bias = torch.where(own_keys, zero, blocked).view(b, 1, g, 1, length, length)
     shape = (b, 1, g, r, length)
     bias = torch.cat([prompt_bias.expand(*shape, -1), own_bias.expand(*shape, length)], -1).view(b, 1, g, m, -1)
+
+    def grouped(t: torch.Tensor) -> torch.Tensor:
+        """Packed ``[T, K * j, D]`` -> ``[B, K, G, j * L, D]``: a group's completions and a key/value head's ``j``
+        query heads stacked, the positions not run 0 (and masked)."""
+        heads, dim = t.shape[1], t.shape[2]
+        padded = t.new_zeros(n * length, heads, dim).index_copy(0, index, t)
+        j = heads // kv_heads
+        padded = padded.view(b, g, length, kv_heads, j, dim).permute(0, 3, 1, 4, 2, 5)
+        return padded.reshape(b, kv_heads, g, j * length, dim)
+
     for i, layer in enumerate(decoder.layers):
         attn = layer.self_attn
         dim = attn.head_dim
         h = layer.input_layernorm(x)
-        q = attn.q_proj(h).view(n, length, -1, dim)
-        k = attn.k_proj(h).view(n, length, -1, dim)
-        v = attn.v_proj(h).view(n, length, -1, dim)
+        q, k, v = (proj(h).view(h.shape[0], -1, dim) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
         if getattr(attn, "q_norm", None) is not None:  # Qwen3: RMSNorm per head before the rotation
             q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [N, heads, L, dim]
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        # [N, K * r, L, D] -> [B, K, G, r * L, D]: a group's completions and a key/value head's query heads stacked
-        q = q.reshape(b, g, kv_heads, m, dim).transpose(1, 2)
-        k, v = (t.reshape(b, g, kv_heads, length, dim).transpose(1, 2) for t in (k, v))
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)  # [T, heads, dim]
         layer_cache = cache.layers[i]
         with torch.autocast(device, enabled=False):
             out = GroupedPromptAttention.apply(
-                *(t.to(dtype).contiguous() for t in (q, layer_cache.keys, layer_cache.values, k, v)),
+                grouped(q.to(dtype)),
+                layer_cache.keys.to(dtype).contiguous(),
+                layer_cache.values.to(dtype).contiguous(),
+                grouped(k.to(dtype)),
+                grouped(v.to(dtype)),
                 bias,
                 float(attn.scaling),
             )
-        out = out.transpose(1, 2).reshape(n, kv_heads * r, length, dim).transpose(1, 2).reshape(n, length, -1)
-        x = x + attn.o_proj(out)
+        # [B, K, G, r * L, D] -> [N * L, K * r * D] -> the positions that run
+        out = out.view(b, kv_heads, g, r, length, dim).permute(0, 2, 4, 1, 3, 5).reshape(n * length, -1)
+        x = x + attn.o_proj(out.index_select(0, index))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return decoder.norm(x)
+    x = decoder.norm(x)
+    return x.new_zeros(n * length, x.shape[-1]).index_copy(0, index, x).view(n, length, -1)
