@@ -204,12 +204,15 @@ def phase_work(model, batch, log_prob_passes: int = 0) -> dict:
     attends to, padding included, none it does not): the prompt pass runs the shared prefix once and each prompt's
     own tokens once (the padded width), then the head on each prompt's last; decoding runs every row's tokens but its
     last (the first comes from the prompt pass), each through every layer and the head, attending to its prompt and
-    the tokens before it; the update's decoder forward the same prompts plus every completion position, its backward
-    twice that; the fused loss the head's product forward and both of its gradients on the completions' tokens (not
+    the tokens before it; the update's decoder forward the same prompts plus the completions' positions, its
+    backward twice that (where the model takes our grouped pass, `llama_layers.grouped_pass_issue`: the completions'
+    tokens only, packed, and attention over every prompt and completion position of a row, the masked pairs
+    computed too; else every completion position, as transformers' pass runs them); the fused loss the head's product forward and both of its gradients on the completions' tokens (not
     their padding, which it skips); the old/reference log-probs a
     decoder forward and the head for each of ``log_prob_passes``. ``optimizer_gb``: what AdamW reads
     and writes (float32 weights, gradients and both moments: 28 bytes a weight)."""
     from gtpo_kernels.hf import prefix_run_once
+    from gtpo_kernels.hf.llama_layers import grouped_pass_issue
 
     sizes = model_sizes(model)
     layer_params = sum(i * o for i, o in sizes["shapes"])
@@ -224,8 +227,13 @@ def phase_work(model, batch, log_prob_passes: int = 0) -> dict:
     lengths = batch.completion_mask.sum(1).tolist()
     decode_tokens = sum(max(n - 1, 0) for n in lengths)
     decode_pairs = sum(width + t for n in lengths for t in range(1, n))  # token t attends to the prompt and t more
-    update_pairs = prompt_pairs + rows * sum(width + t + 1 for t in range(length))
-    forward = 2 * layer_params * (prompt_tokens + rows * length) + pair * update_pairs
+    if grouped_pass_issue(model) is None:
+        update_tokens = prompt_tokens + sum(lengths)
+        update_pairs = prompt_pairs + rows * length * (width + length)
+    else:
+        update_tokens = prompt_tokens + rows * length
+        update_pairs = prompt_pairs + rows * sum(width + t + 1 for t in range(length))
+    forward = 2 * layer_params * update_tokens + pair * update_pairs
     return {
         "prompt_pass": (2 * layer_params * prompt_tokens + pair * prompt_pairs + 2 * hidden * vocab * prompts) / 1e9,
         "decode": (2 * (layer_params + hidden * vocab) * decode_tokens + pair * decode_pairs) / 1e9,
@@ -237,7 +245,7 @@ def phase_work(model, batch, log_prob_passes: int = 0) -> dict:
         "prompt_tokens": prompt_tokens,
         "shared_prefix": prefix,
         "decode_tokens": decode_tokens,
-        "update_tokens": prompt_tokens + rows * length,
+        "update_tokens": update_tokens,
     }
 
 

@@ -109,8 +109,8 @@ def test_the_roofline_counts_each_phases_products_by_hand(tiny_model_dir):
     32x100; a query-key pair costs 4 x 32 FLOPs a layer, 256 for both. Two prompts of 10 positions sharing 6 tokens
     run 6 + 2 x 4 = 14 tokens; the prefix's 6 attend to 21 pairs, each prompt's own 4 to 4 x 6 + 10. Completion rows
     of 5, 3 and 1 tokens (three more rows of 5): decoding runs 4 + 2 + 0 tokens a row of each kind, a row's token t
-    attending to the 10 prompt positions and t more; the update runs all 6 rows x 5 positions, position t attending
-    to 11 + t."""
+    attending to the 10 prompt positions and t more; the update (our grouped pass: a Llama) runs the rows' 24 tokens
+    packed, and attention over all 6 rows x 5 positions x (10 + 5) pairs, the masked ones computed too."""
     transformers = pytest.importorskip("transformers")
     from bench import trainer as bench_trainer
     from trainer.rollout import Completions
@@ -130,15 +130,15 @@ def test_the_roofline_counts_each_phases_products_by_hand(tiny_model_dir):
         with_old = bench_trainer.phase_work(model, batch, log_prob_passes=2)
     finally:
         prompt_cache.MIN_SHARED_PREFIX = old
-    assert (work["shared_prefix"], work["prompt_tokens"], work["update_tokens"]) == (6, 14, 14 + 30)
+    assert (work["shared_prefix"], work["prompt_tokens"], work["update_tokens"]) == (6, 14, 14 + 24)
     assert work["decode_tokens"] == 4 * 4 + 2 + 0
     layers, head, pair = 18432, 3200, 256
     prompt_pairs = 21 + 2 * (4 * 6 + 10)
     decode_pairs = 4 * (11 + 12 + 13 + 14) + (11 + 12)
-    update_pairs = prompt_pairs + 6 * (11 + 12 + 13 + 14 + 15)
+    update_pairs = prompt_pairs + 6 * 5 * 15
     assert work["prompt_pass"] == pytest.approx((2 * layers * 14 + pair * prompt_pairs + 2 * head * 2) / 1e9)
     assert work["decode"] == pytest.approx((2 * (layers + head) * 18 + pair * decode_pairs) / 1e9)
-    forward = 2 * layers * 44 + pair * update_pairs
+    forward = 2 * layers * 38 + pair * update_pairs
     assert work["decoder_forward"] == pytest.approx(forward / 1e9)
     assert work["backward"] == pytest.approx(2 * forward / 1e9)
     assert work["loss"] == pytest.approx(6 * head * (5 + 3 + 1 + 5 + 5 + 5) / 1e9)  # the tokens, not the padding
