@@ -207,10 +207,10 @@ def phase_work(model, batch, log_prob_passes: int = 0) -> dict:
     the tokens before it; the update's decoder forward the same prompts plus the completions' positions, its
     backward twice that (where the model takes our grouped pass, `llama_layers.grouped_pass_issue`: the completions'
     tokens only, packed, and attention over every prompt and completion position of a row, the masked pairs
-    computed too; else every completion position, as transformers' pass runs them); the fused loss the head's product forward and both of its gradients on the completions' tokens (not
-    their padding, which it skips); the old/reference log-probs a
-    decoder forward and the head for each of ``log_prob_passes``. ``optimizer_gb``: what AdamW reads
-    and writes (float32 weights, gradients and both moments: 28 bytes a weight)."""
+    computed too; else every completion position, as transformers' pass runs them); the fused loss the head's
+    product forward and both of its gradients on the completions' tokens (not their padding, which it skips); the
+    old/reference log-probs a decoder forward and the head for each of ``log_prob_passes``. ``optimizer_gb``: what
+    AdamW reads and writes (float32 weights, gradients and both moments: 28 bytes a weight)."""
     from gtpo_kernels.hf import prefix_run_once
     from gtpo_kernels.hf.llama_layers import grouped_pass_issue
 

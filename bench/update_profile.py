@@ -85,6 +85,54 @@ def timed_update(call) -> tuple:
     return time.perf_counter() - started, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
 
 
+def loss_and_gradient(call, completion_pass: str, bf16: bool) -> tuple:
+    """``(loss, flat gradient)`` of the update's loss on its rollout, as one micro-batch, without stepping: the
+    completions through ``completion_pass``, under bf16 autocast or in float32."""
+    import torch
+
+    policy, optimizer, rollout, config, dist, initial_entropy = call[0][:6]
+    with_pass(completion_pass)
+    mask = rollout.completions.completion_mask
+    optimizer.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        out = policy(
+            rollout,
+            slice(0, rollout.prompts),
+            config,
+            initial_entropy=initial_entropy,
+            num_sequences=torch.tensor(float(mask.shape[0]), dtype=torch.float64),
+            num_tokens=mask.sum().double(),
+        )
+    out.loss.backward()
+    grads = torch.cat([p.grad.flatten() for p in policy.parameters() if p.grad is not None])
+    optimizer.zero_grad()
+    return float(out.loss.detach()), grads
+
+
+def accuracy_lines(call) -> list:
+    """Each completion pass's loss and gradient on the same rollout and weights, in float32 and under bf16, against
+    transformers' pass in float32."""
+    reference_loss, reference = loss_and_gradient(call, "model", bf16=False)
+    lines = [
+        "The update's loss and gradient on this rollout (the weights after its step), against transformers' pass in "
+        "float32:",
+        "",
+        "| completion pass | precision | loss | relative difference of the loss | gradient norm | "
+        "relative difference of the gradient |",
+        "|---|---|---|---|---|---|",
+    ]
+    for bf16 in (False, True):
+        for completion_pass in PASSES:
+            loss, grads = loss_and_gradient(call, completion_pass, bf16)
+            loss_diff = abs(loss - reference_loss) / abs(reference_loss)
+            grad_diff = float((grads - reference).norm() / reference.norm())
+            lines.append(
+                f"| {completion_pass} | {'bf16' if bf16 else 'fp32'} | {loss:.6g} | {loss_diff:.1e} | "
+                f"{float(grads.norm()):.6g} | {grad_diff:.1e} |"
+            )
+    return lines + [""]
+
+
 def profile_lines(call, top: int) -> list:
     """The ``top`` operators of one profiled update by their own time, with their input shapes."""
     from torch.profiler import ProfilerActivity, profile
@@ -128,6 +176,7 @@ def main(argv: Optional[list] = None) -> None:
         faults = ", ".join(str(f) for _, f in timings[p])
         lines.append(f"| {p} | {each} | {medians[p]:.2f} | {faults} |")
     lines += ["", f"auto / model, medians: **{medians['auto'] / medians['model']:.2f}**.", ""]
+    lines += accuracy_lines(call)
     for p in PASSES:
         with_pass(p)
         lines += [f"Profile of one update, completion pass `{p}`:", ""] + profile_lines(call, args.top) + [""]
