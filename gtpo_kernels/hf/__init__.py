@@ -3,7 +3,8 @@
 Two parts with one job each: `head` checks that a model's logits are ``final_hidden @ lm_head.weight.T (+ b)``
 (or names the transform it applies) and returns the hidden states of ``[B, T]`` rows; `prompt_cache` runs a
 group's prompt once for its ``G`` completions (and a batch's shared prompt prefix once), for the trainer's
-step and sampler.
+step and sampler; `llama_layers` runs a Llama-family model's completions on that prompt cache with attention written
+out for the group (each prompt's keys and values read once by its completions, only the tokens under the mask run).
 """
 
 from . import llama_layers
