@@ -71,6 +71,7 @@ def test_grouped_attention_equals_a_float64_softmax_over_every_key(dtype, chunki
     # float32 inputs: everything accumulates in float32; bf16/fp16: outputs and gradients rounded to them
     bar = 1e-5 if dtype == torch.float32 else 1e-2
     assert out.dtype == dtype
+    expected = expected.detach()
     assert float((out.detach().double() - expected).norm() / expected.norm()) < bar
     for name, t, leaf in zip(("q", "prompt_k", "prompt_v", "own_k", "own_v"), tensors, leaves):
         error = float((t.grad.double() - leaf.grad).norm() / leaf.grad.norm())
@@ -80,3 +81,20 @@ def test_grouped_attention_equals_a_float64_softmax_over_every_key(dtype, chunki
 def test_grouped_attention_passes_gradcheck_in_float64():
     tensors, bias, _ = inputs(torch.float64)
     assert torch.autograd.gradcheck(lambda *t: GroupedPromptAttention.apply(*t, bias.double(), SCALE), tensors)
+
+
+def test_the_grouped_pass_is_taken_only_where_it_is_exact_and_measured():
+    """A Llama on the CPU takes it; the same model on another device (here ``meta``), in training with attention
+    dropout, or a model outside the family each say why not, and the update then runs transformers' pass."""
+    transformers = pytest.importorskip("transformers")
+    from tests.test_hf import tiny_llama
+
+    model = tiny_llama()
+    assert llama_layers.grouped_pass_issue(model) is None
+    assert "meta" in llama_layers.grouped_pass_issue(tiny_llama().to("meta"))
+    dropout = tiny_llama()
+    dropout.config.attention_dropout = 0.1
+    assert llama_layers.grouped_pass_issue(dropout.eval()) is None  # dropout only draws in training
+    assert "dropout" in llama_layers.grouped_pass_issue(dropout.train())
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
+    assert "gpt2" in llama_layers.grouped_pass_issue(gpt2)

@@ -558,6 +558,22 @@ MUTANTS: Tuple[Mutant, ...] = (
         "the layers' per-token work runs on the completion tokens only, packed",
     ),
     Mutant(
+        "grouped pass: taken on any device",
+        "gtpo_kernels/hf/llama_layers.py",
+        '    if weight is not None and weight.device.type != "cpu":',
+        "    if False:",
+        ("tests/test_grouped_attention.py::test_the_grouped_pass_is_taken_only_where_it_is_exact_and_measured",),
+        "a GPU keeps transformers' fused attention until this pass is measured there",
+    ),
+    Mutant(
+        "grouped pass: taken in training with attention dropout",
+        "gtpo_kernels/hf/llama_layers.py",
+        "    if decoder.training and float(",
+        "    if False and float(",
+        ("tests/test_grouped_attention.py::test_the_grouped_pass_is_taken_only_where_it_is_exact_and_measured",),
+        "this pass draws no attention dropout, so a model that would is refused",
+    ),
+    Mutant(
         "grouped pass: a completion attends to its later positions",
         "gtpo_kernels/hf/llama_layers.py",
         "    causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()",

@@ -66,13 +66,17 @@ def llama_layers_issue(model) -> Optional[str]:
 
 def grouped_pass_issue(model) -> Optional[str]:
     """Why the update's completions cannot take `grouped_completion_pass` (they then run through transformers'
-    forward on a repeated cache, which is exact too), or ``None``: `llama_layers_issue`'s reasons; layers sharded by
-    FSDP, whose hooks gather the weights around whole layers that this pass goes inside; attention dropout in
-    training, which this pass does not draw."""
+    forward on a repeated cache, which is exact too), or ``None``: `llama_layers_issue`'s reasons; a model off the
+    CPU; layers sharded by FSDP, whose hooks gather the weights around whole layers that this pass goes inside;
+    attention dropout in training, which this pass does not draw."""
     issue = llama_layers_issue(model)
     if issue is not None:
         return issue
     decoder = decoder_of(unwrap(model))
+    weight = next(decoder.parameters(), None)
+    if weight is not None and weight.device.type != "cpu":
+        # Measured on CPUs only; a GPU keeps transformers' fused attention kernels until this pass is timed there.
+        return f"it runs on {weight.device.type}, where this pass has not been measured against the fused kernels"
     if any(isinstance(m, _fsdp_modules()) for m in decoder.modules()):
         return "its layers are sharded by FSDP"
     if decoder.training and float(getattr(text_config(unwrap(model)), "attention_dropout", 0.0) or 0.0) > 0:
