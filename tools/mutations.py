@@ -596,8 +596,9 @@ MUTANTS: Tuple[Mutant, ...] = (
         "grouped pass: Qwen3's per-head q/k norms skipped",
         "gtpo_kernels/hf/llama_layers.py",
         '        if getattr(attn, "q_norm", None) is not None:  # Qwen3: RMSNorm per head before the rotation\n'
-        "            q, k = attn.q_norm(q), attn.k_norm(k)\n        q, k, v =",
-        "        q, k, v =",
+        "            q, k = attn.q_norm(q), attn.k_norm(k)\n"
+        "        q, k = rotate(q, cos, sin), rotate(k, cos, sin)  # [T",
+        "        q, k = rotate(q, cos, sin), rotate(k, cos, sin)  # [T",
         ("tests/test_architectures.py::test_family_shares_prompt_passes_exactly",),
         "Qwen3's q_norm/k_norm apply in the completions' pass as in its forward",
     ),
@@ -663,7 +664,7 @@ MUTANTS: Tuple[Mutant, ...] = (
     ),
     Mutant(
         "decode: a sliding-window model taken by our step",
-        "trainer/decode.py",
+        "gtpo_kernels/hf/llama_layers.py",
         '    if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):',
         "    if False:",
         ("tests/test_sampling.py::test_models_our_decoder_does_not_take_decode_through_transformers",),

@@ -23,8 +23,7 @@ from typing import Optional
 import torch
 
 from .head import decoder_of
-from .model_config import linear_head, text_config, unwrap
-from .prompt_cache import shared_prompt_pass_issue
+from .model_config import linear_head, shared_prompt_pass_issue, text_config, unwrap
 
 # Decoders whose layers are: RMSNorm, attention (q/k/v/o projections, rotary embedding, optional per-head q/k
 # norms), RMSNorm, MLP, with residuals around both: the passes written out for them are exactly theirs.

@@ -1,7 +1,9 @@
-"""What both halves of `gtpo_kernels.hf` read off a model: the transformers model inside a PEFT wrapper, and
-its text config (a multimodal model's language half)."""
+"""What every part of `gtpo_kernels.hf` reads off a model: the transformers model inside a PEFT wrapper, its text
+config (a multimodal model's language half), and whether two passes on a cache are one (`shared_prompt_pass_issue`)."""
 
 from __future__ import annotations
+
+from typing import Optional
 
 
 def unwrap(model):
@@ -36,3 +38,37 @@ def text_config(base):
     config = getattr(base, "config", None)
     get_text = getattr(config, "get_text_config", None)
     return (get_text() if callable(get_text) else None) or config
+
+
+# RoPE variants whose frequencies depend on the longest position of the forward call: a prompt pass and a
+# completion pass on its cache may pick different frequencies where one row in a single pass would not.
+LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
+# Layer kinds whose cache holds a state, not per-position keys and values (hybrid models): not shared here.
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
+
+
+def shared_prompt_pass_issue(model) -> Optional[str]:
+    """Why `grouped_completion_hidden_states` cannot share one prompt pass across a group for ``model`` (it then
+    runs each row whole, which is exact), or ``None``."""
+    config = text_config(unwrap(model))
+    for attr in ("rope_parameters", "rope_scaling"):
+        rope = getattr(config, attr, None)
+        if isinstance(rope, dict):
+            kind = rope.get("rope_type", rope.get("type"))
+            if kind in LENGTH_DEPENDENT_ROPE:
+                return (
+                    f"its RoPE ({kind!r}) picks frequencies from the longest position of a forward call, which "
+                    f"differs between a prompt pass and a completion pass on its cache"
+                )
+    layer_types = []
+    for attr in ("layer_types", "layers_block_type"):  # Jamba and Falcon-H1 name them layers_block_type
+        try:
+            layer_types += list(getattr(config, attr, None) or ())
+        except (TypeError, AttributeError, ValueError):
+            pass
+    other = sorted({t for t in layer_types if isinstance(t, str) and t not in ATTENTION_LAYER_TYPES})
+    if other:
+        return (
+            f"it has layers whose cache is a recurrent state ({', '.join(other)}), which one prompt pass cannot share"
+        )
+    return None

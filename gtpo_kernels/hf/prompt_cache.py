@@ -10,40 +10,8 @@ from typing import Optional, Tuple
 import torch
 
 from .head import causal_lm_hidden_states, check_hidden_states_supported, decoder_of
-from .model_config import linear_head, text_config, unwrap
-
-# RoPE variants whose frequencies depend on the longest position of the forward call: a prompt pass and a
-# completion pass on its cache may pick different frequencies where one row in a single pass would not.
-LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
-# Layer kinds whose cache holds a state, not per-position keys and values (hybrid models): not shared here.
-ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
-
-
-def shared_prompt_pass_issue(model) -> Optional[str]:
-    """Why `grouped_completion_hidden_states` cannot share one prompt pass across a group for ``model`` (it then
-    runs each row whole, which is exact), or ``None``."""
-    config = text_config(unwrap(model))
-    for attr in ("rope_parameters", "rope_scaling"):
-        rope = getattr(config, attr, None)
-        if isinstance(rope, dict):
-            kind = rope.get("rope_type", rope.get("type"))
-            if kind in LENGTH_DEPENDENT_ROPE:
-                return (
-                    f"its RoPE ({kind!r}) picks frequencies from the longest position of a forward call, which "
-                    f"differs between a prompt pass and a completion pass on its cache"
-                )
-    layer_types = []
-    for attr in ("layer_types", "layers_block_type"):  # Jamba and Falcon-H1 name them layers_block_type
-        try:
-            layer_types += list(getattr(config, attr, None) or ())
-        except (TypeError, AttributeError, ValueError):
-            pass
-    other = sorted({t for t in layer_types if isinstance(t, str) and t not in ATTENTION_LAYER_TYPES})
-    if other:
-        return (
-            f"it has layers whose cache is a recurrent state ({', '.join(other)}), which one prompt pass cannot share"
-        )
-    return None
+from .llama_layers import grouped_completion_pass, grouped_pass_issue
+from .model_config import linear_head, shared_prompt_pass_issue, text_config, unwrap
 
 
 def cache_kwarg(module) -> str:
@@ -221,28 +189,28 @@ def grouped_completion_hidden_states(
             position_ids=(attention.cumsum(1) - 1).clamp(min=0),
         )
         return hidden[:, prompt_ids.shape[1] - 1 : -1], weight, bias
-    # Imported here: the module reads `shared_prompt_pass_issue` from this one.
-    from .llama_layers import grouped_completion_pass, grouped_pass_issue
-
     prompt, cache, prompt_attention, lengths = prompt_pass(decoder, prompt_ids, prompt_mask)
     positions = lengths.repeat_interleave(group_size, 0) + torch.arange(
         completion_ids.shape[1], device=completion_ids.device
     )
-    if completion_pass == "auto" and grouped_pass_issue(model) is None:
-        completion = grouped_completion_pass(
-            model, cache, prompt_attention, completion_ids, completion_mask, positions, group_size
-        )
-    else:
-        cache.batch_repeat_interleave(group_size)  # new tensors: gradients still reach the prompt pass
-        prompt_attention = prompt_attention.repeat_interleave(group_size, 0)
-        completion = decoder(
-            input_ids=completion_ids,
-            position_ids=positions,
-            use_cache=True,
-            attention_mask=torch.cat([prompt_attention, completion_mask.long()], 1),
-            **{cache_kwarg(decoder): cache},
-        ).last_hidden_state
+    take = grouped_completion_pass if completion_pass == "auto" and grouped_pass_issue(model) is None else model_pass
+    completion = take(model, cache, prompt_attention, completion_ids, completion_mask, positions, group_size)
     last_prompt = prompt.last_hidden_state[:, -1:].repeat_interleave(group_size, 0)
     hidden = torch.cat([last_prompt, completion[:, :-1]], dim=1)
     head = linear_head(base)
     return hidden, head.weight, head.bias
+
+
+def model_pass(model, cache, prompt_attention, completion_ids, completion_mask, positions, group_size: int):
+    """`llama_layers.grouped_completion_pass`'s result through transformers' forward instead: the prompt cache
+    repeated for each completion (new tensors: gradients still reach the prompt pass), the completions on top."""
+    decoder = decoder_of(unwrap(model))
+    cache.batch_repeat_interleave(group_size)
+    prompt_attention = prompt_attention.repeat_interleave(group_size, 0)
+    return decoder(
+        input_ids=completion_ids,
+        position_ids=positions,
+        use_cache=True,
+        attention_mask=torch.cat([prompt_attention, completion_mask.long()], 1),
+        **{cache_kwarg(decoder): cache},
+    ).last_hidden_state
