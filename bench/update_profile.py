@@ -1,7 +1,7 @@
 """Where one update's time goes: ``gtpo-train``'s update on one rollout of the default's shapes, the completions
-through our grouped attention (``completion_pass="auto"``, gtpo_kernels/hf/llama_layers.py) and through
-transformers' forward on a repeated cache (``"model"``), alternated on the same rollout in one process, then one
-update of each under torch's profiler: the operators that took the most time, with their shapes.
+through our grouped attention ("auto", gtpo_kernels/hf/llama_layers.py) and through transformers' forward on a
+repeated cache ("model", what a model `grouped_pass_issue` refuses takes), alternated on the same rollout in one
+process, then one update of each under torch's profiler: the operators that took the most time, with their shapes.
 
     python -m bench update_profile [--precision bf16] [--max-new-tokens 48] [--repeats 3]
 
@@ -11,7 +11,6 @@ The updates step the optimiser (as a run does), so the weights move between them
 from __future__ import annotations
 
 import argparse
-import functools
 import resource
 import statistics
 import sys
@@ -66,13 +65,12 @@ def one_rollout(args):
 
 
 def with_pass(completion_pass: str):
-    """Has the trainer's update run its completions through ``completion_pass``."""
-    from gtpo_kernels.hf import prompt_cache
-    from trainer import update as update_module
+    """Has the trainer's update run its completions through ``completion_pass``: ``"model"`` as for a model that
+    `grouped_pass_issue` refuses."""
+    from gtpo_kernels.hf import llama_layers, prompt_cache
 
-    update_module.grouped_completion_hidden_states = functools.partial(
-        prompt_cache.grouped_completion_hidden_states, completion_pass=completion_pass
-    )
+    refused = lambda model: "transformers' pass, for the comparison"  # noqa: E731
+    prompt_cache.grouped_pass_issue = llama_layers.grouped_pass_issue if completion_pass == "auto" else refused
 
 
 def timed_update(call) -> tuple:

@@ -11,6 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import gtpo_kernels.hf  # noqa: E402
+import gtpo_kernels.hf.prompt_cache as prompt_cache  # noqa: E402
 from gtpo_kernels.hf import causal_lm_hidden_states, grouped_completion_hidden_states  # noqa: E402
 from tests.test_hf import grouped_batch, tiny_llama  # noqa: E402
 from trainer.config import TrainConfig  # noqa: E402
@@ -38,9 +39,12 @@ def whole_rows(model, prompt_ids, prompt_mask, completion_ids, completion_mask):
 
 @pytest.mark.parametrize("completion_pass", ["auto", "model"])
 @pytest.mark.parametrize("adapter", ["full", "lora"])
-def test_the_update_runs_the_shared_prefix_once_and_equals_the_whole_rows(adapter, completion_pass):
+def test_the_update_runs_the_shared_prefix_once_and_equals_the_whole_rows(adapter, completion_pass, monkeypatch):
     """``auto``: the completions through our grouped attention (`llama_layers`), ``model``: transformers' forward
-    on the repeated cache; either equals the whole rows, LoRA adapters applied."""
+    on the repeated cache (what a model `grouped_pass_issue` refuses takes); either equals the whole rows, LoRA
+    adapters applied."""
+    if completion_pass == "model":
+        monkeypatch.setattr(prompt_cache, "grouped_pass_issue", lambda model: "transformers' pass, for the test")
     model = tiny_llama().double()
     if adapter == "lora":
         peft = pytest.importorskip("peft")
@@ -59,7 +63,7 @@ def test_the_update_runs_the_shared_prefix_once_and_equals_the_whole_rows(adapte
     mlp = gtpo_kernels.hf.decoder_of(model).layers[0].mlp
     packed = mlp.register_forward_pre_hook(lambda m, a: mlp_rows.append(a[0].shape[0]) if a[0].dim() == 2 else None)
     with patch.object(attention, "apply", side_effect=lambda *a: (grouped_calls.append(1), apply(*a))[1]):
-        hidden, _, _ = grouped_completion_hidden_states(model, *batch, GROUP, completion_pass=completion_pass)
+        hidden, _, _ = grouped_completion_hidden_states(model, *batch, GROUP)
     hook.remove()
     packed.remove()
     # ours runs the completions' positions under the mask only, packed: not every row to the longest one's end

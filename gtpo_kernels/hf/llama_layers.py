@@ -131,17 +131,8 @@ class GroupedPromptAttention(torch.autograd.Function):
         with torch.autocast(q.device.type, enabled=False):
             grad_out = grad_out.to(q.dtype)
             for b, g in _chunks(q.shape, bias.shape[-1]):
-                parts = _attention_backward(
-                    q[b, :, g],
-                    prompt_k[b],
-                    prompt_v[b],
-                    own_k[b, :, g],
-                    own_v[b, :, g],
-                    bias[b, :, g],
-                    out[b, :, g],
-                    grad_out[b, :, g],
-                    ctx.scale,
-                )
+                inputs = (q[b, :, g], prompt_k[b], prompt_v[b], own_k[b, :, g], own_v[b, :, g])
+                parts = _attention_backward(inputs, bias[b, :, g], out[b, :, g], grad_out[b, :, g], ctx.scale)
                 grad_q[b, :, g], prompt_k_part, prompt_v_part, grad_own_k[b, :, g], grad_own_v[b, :, g] = parts
                 grad_prompt_k[b] += prompt_k_part
                 grad_prompt_v[b] += prompt_v_part
@@ -192,8 +183,10 @@ def _weighted_values(p, prompt_v, own_v):
     return on_prompt + p[..., s:] @ own_v
 
 
-def _attention_backward(q, prompt_k, prompt_v, own_k, own_v, bias, out, grad_out, scale: float):
-    """The gradients of one chunk's ``(q, prompt_k, prompt_v, own_k, own_v)``, its probabilities recomputed."""
+def _attention_backward(inputs: tuple, bias, out, grad_out, scale: float):
+    """The gradients of one chunk's ``inputs``, ``(q, prompt_k, prompt_v, own_k, own_v)``, its probabilities
+    recomputed."""
+    q, prompt_k, prompt_v, own_k, own_v = inputs
     b, k, g, m, d = q.shape
     s = prompt_k.shape[2]
     probs = _probabilities(q, prompt_k, own_k, bias, scale)

@@ -136,7 +136,6 @@ def grouped_completion_hidden_states(
     *,
     allow_unknown: bool = False,
     head_checked: bool = False,
-    completion_pass: str = "auto",
 ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """The hidden states that predict each completion token, running each prompt once per group.
 
@@ -156,9 +155,6 @@ def grouped_completion_hidden_states(
 
         head_checked: the caller checked the head with `head_logit_transform` and hands its scale or soft cap to
             the fused functions itself (Gemma 2/3, Cohere, Granite): the plain-head check is skipped.
-        completion_pass: ``"auto"``: the completions run through `llama_layers.grouped_completion_pass`, which
-            reads each prompt's keys and values once for its group, where `grouped_pass_issue` allows it, else
-            through transformers' forward on the cache repeated for each completion; ``"model"``: always the latter.
 
     Returns:
         ``(hidden [N, L, H], lm_head.weight [V, H], lm_head.bias or None)``: ``hidden[:, t]`` gives
@@ -167,8 +163,6 @@ def grouped_completion_hidden_states(
     if not head_checked:
         check_hidden_states_supported(model, allow_unknown)
     _check_groups(prompt_ids, prompt_mask, completion_ids, completion_mask, group_size)
-    if completion_pass not in ("auto", "model"):
-        raise ValueError(f"completion_pass must be 'auto' or 'model', not {completion_pass!r}")
     base = unwrap(model)
     decoder = decoder_of(base)
     prompt_mask = prompt_mask.long()
@@ -193,7 +187,9 @@ def grouped_completion_hidden_states(
     positions = lengths.repeat_interleave(group_size, 0) + torch.arange(
         completion_ids.shape[1], device=completion_ids.device
     )
-    take = grouped_completion_pass if completion_pass == "auto" and grouped_pass_issue(model) is None else model_pass
+    # Llama-family models on the CPU: each prompt's keys and values read once by its group, only the completions'
+    # tokens through the layers (`llama_layers`); others through transformers' forward on the repeated cache.
+    take = grouped_completion_pass if grouped_pass_issue(model) is None else model_pass
     completion = take(model, cache, prompt_attention, completion_ids, completion_mask, positions, group_size)
     last_prompt = prompt.last_hidden_state[:, -1:].repeat_interleave(group_size, 0)
     hidden = torch.cat([last_prompt, completion[:, :-1]], dim=1)
