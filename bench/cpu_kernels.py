@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from .common import environment, markdown_table, save
+from .common import Row, environment, markdown_table, save
 from .logits import run as run_logits
 
 SHAPES = [(4096, 32000, torch.float32), (1024, 151936, torch.bfloat16)]
@@ -31,17 +31,72 @@ def forward_vs_read(tokens: int, vocab: int, dtype: torch.dtype, reps: int = 15)
     ids = torch.randint(0, vocab, (1, tokens))
     valid = torch.ones(1, tokens, dtype=torch.bool)
     forward = get_backend("cpu").forward
-    forward(logits, ids, valid, 1.0, None)
+    forward(logits, ids, valid, 1.0)
     kernel, read = [], []
     for _ in range(reps):
         t0 = time.perf_counter()
         logits.sum()
         t1 = time.perf_counter()
-        forward(logits, ids, valid, 1.0, None)
+        forward(logits, ids, valid, 1.0)
         t2 = time.perf_counter()
         read.append(t1 - t0)
         kernel.append(t2 - t1)
     return 1e3 * statistics.median(kernel), 1e3 * statistics.median(read)
+
+
+def forward_ns_per_logit(tokens: int, vocab: int, dtype: torch.dtype, reps: int) -> float:
+    """The C++ forward's best time per logit on one thread (``[1, tokens, vocab]`` logits, shifted so that every
+    row's max lies in its first block, as in the timed shapes' random rows)."""
+    from gtpo_kernels.backends import get_backend
+
+    logits = (torch.randn(1, tokens, vocab) * 2).to(dtype)
+    ids = torch.zeros(1, tokens, dtype=torch.long)
+    valid = torch.ones(1, tokens, dtype=torch.bool)
+    forward = get_backend("cpu").forward
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        forward(logits, ids, valid, 1.0)
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            forward(logits, ids, valid, 1.0)
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return 1e9 * best / logits.numel()
+
+
+def forward_only(name: str, tokens_scale: float = 1.0) -> None:
+    """``--forward-only``: per target shape, the forward against a read (all threads) and, on one thread, its time
+    per logit on the shape's logits (streamed from memory) and on logits that stay in the cache (4 MiB or less):
+    equal rates say the arithmetic, not the memory, is the limit."""
+    rows = []
+    for tokens, vocab, dtype in SHAPES:
+        tokens = max(2, int(tokens * tokens_scale))
+        fwd_ms, read_ms = forward_vs_read(tokens, vocab, dtype)
+        streamed = forward_ns_per_logit(tokens, vocab, dtype, reps=5)
+        resident_tokens = max(1, (4 << 20) // (vocab * torch.finfo(dtype).bits // 8))
+        resident = forward_ns_per_logit(resident_tokens, vocab, dtype, reps=40)
+        row = Row("gtpo-cpu forward", tokens, vocab, str(dtype).replace("torch.", ""), forward_ms=fwd_ms)
+        row.extra.update(
+            {
+                "read ms": read_ms,
+                "fwd / read": fwd_ms / read_ms,
+                "1 thread ns/logit, streamed": streamed,
+                "1 thread ns/logit, in cache": resident,
+            }
+        )
+        print(f"{tokens} x {vocab} {dtype}: {row.extra}", flush=True)
+        rows.append(row)
+    table = markdown_table(rows, list(rows[0].extra))
+    print(table)
+    notes = (
+        "`python -m bench cpu_kernels --forward-only`: the C++ forward against `logits.sum()` on the same logits "
+        "(alternately, median of 15, all threads), and its best time per logit on one thread, on the shape's "
+        "logits and on logits that fit in 4 MiB (in cache)."
+    )
+    print("wrote", save(name, environment(torch.device("cpu")), rows, table, notes))
 
 
 def main(argv=None) -> None:
@@ -49,8 +104,13 @@ def main(argv=None) -> None:
         prog="python -m bench cpu_kernels", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--name", default="cpu-kernels")
+    p.add_argument("--name", default=None, help="the table's file name (default cpu-kernels, cpu-forward)")
+    p.add_argument("--forward-only", action="store_true", help="only the forward against a read (about a minute)")
     args = p.parse_args(argv)
+    if args.forward_only:
+        forward_only(args.name or "cpu-forward")
+        return
+    args.name = args.name or "cpu-kernels"
     device = torch.device("cpu")
     rows = []
     for tokens, vocab, dtype in SHAPES:

@@ -13,11 +13,15 @@
 // Parallel over tokens (at::parallel_for), SIMD within a row (at::vec). Every token is handled by one
 // thread in a fixed order, so results are bitwise the same whatever the number of threads.
 //
-// The forward reads each logit from memory once: the row is walked in blocks of kBlock values that
-// stay in L1 between a max sweep and an exp sweep (an online softmax at block granularity). Each
-// block's sums are reduced across lanes and added to double-precision running totals, so rounding
-// does not grow with the vocabulary (a lane summing V / 16 terms one after another lost 5e-5 at
-// V = 151936).
+// The forward reads each logit from memory once: the row is walked in blocks of kBlock values (an online
+// softmax at block granularity). A block whose values all lie below the running max (after a row's first
+// blocks, nearly every block) is summed in one sweep that also takes its max (block_sums_below); a block that
+// reaches the running max, or holds a NaN, is done again by two sweeps over it in L1, a max sweep and an exp
+// sweep. Two sweeps per block left the memory idle while the second one computed, and the hardware's
+// prefetch idle with it: one sweep lets the reads run under the arithmetic, which is then the forward's limit
+// (bench/results/cpu-kernels-avx2*.md). Each block's sums are reduced across lanes and added to
+// double-precision running totals, so rounding does not grow with the vocabulary (a lane summing V / 16
+// terms one after another lost 5e-5 at V = 151936).
 //
 // Built once per instruction set (CPU_CAPABILITY = DEFAULT, AVX2, AVX512; see
 // gtpo_kernels/backends/cpu_build.py); Python loads the one the machine supports.
@@ -32,6 +36,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <tuple>
 #include <vector>
@@ -116,6 +122,97 @@ void block_sums(const float* z, int64_t n, float shift, float inv_t, double& s, 
   tops += tops_block;
 }
 
+// 2^n for t = n + kRoundBias as float32 (n an integer in [-126, 127] held in t's low mantissa bits): those bits
+// shifted into the exponent field.
+inline Vec exponent_from_rounded(const Vec& t) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_castps_si512(t), 23));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(t), 23));
+#else
+  float lanes[Vec::size()];
+  t.store(lanes);
+  for (int k = 0; k < Vec::size(); ++k) {
+    uint32_t bits;
+    std::memcpy(&bits, &lanes[k], sizeof(bits));
+    bits <<= 23;
+    std::memcpy(&lanes[k], &bits, sizeof(bits));
+  }
+  return Vec::loadu(lanes);
+#endif
+}
+
+// t = x + kRoundBias rounds x in [-126, 0] to an integer n and keeps n + 127 (2^n's biased exponent) in the low
+// bits of t's mantissa: 1.5 * 2^23 is where float32's spacing is 1.
+constexpr float kRoundBias = 12582912.f + 127.f;
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr double kLn2 = 0.693147180559945309;
+
+struct BlockBelow {
+  float block_max;  // the block's max (NaNs are seen by s instead)
+  double s, w;      // sum e and sum e d, e = exp(d), d = (z - m) * inv_t
+};
+
+// The one-sweep sums of a block all of whose values lie below the running max m, the common case after a row's
+// first blocks: the block's max is taken in the same sweep and checked afterwards (a block that reaches m, or
+// holds a NaN, is done again by the two-sweep path). exp(d) = 2^x, x = d log2(e): x = n + r with n = round(x),
+// r in [-1/2, 1/2], 2^r by Cephes' exp2f polynomial (relative error 2e-7), 2^n put in the exponent bits. x is
+// clamped at -125 (2^-125 = 2.4e-38 for a banned token, z = -inf, against the exact 0: below float32's
+// spacing of any s >= 1); the clamp keeps NaN (max(floor, x) returns x when x is NaN).
+// Two vectors of float32 from 2 * Vec::size() logits (half precision widened in registers).
+template <typename scalar_t>
+std::tuple<Vec, Vec> load_pair(const scalar_t* src) {
+  return at::vec::convert_to_float<scalar_t>(at::vec::Vectorized<scalar_t>::loadu(src));
+}
+template <>
+std::tuple<Vec, Vec> load_pair<float>(const float* src) {
+  return {Vec::loadu(src), Vec::loadu(src + Vec::size())};
+}
+
+template <typename scalar_t>
+BlockBelow block_sums_below(const scalar_t* z, int64_t n, float m, float inv_t) {
+  constexpr int64_t kStep = 2 * Vec::size();
+  const int64_t n_vec = n - n % kStep;
+  const Vec vm(m), vscale(inv_t * kLog2e), floor_x(-125.f), bias(kRoundBias);
+  const Vec p5(1.327645838951286e-3f), p4(9.675541727112047e-3f), p3(5.550713319925286e-2f),
+      p2(2.402211971733091e-1f), p1(6.931469670336139e-1f), p0(1.000000071655693f);
+  // Two sets of accumulators (one per vector of a pair): two independent chains of adds.
+  Vec vmax0(kNegInf), vmax1(kNegInf), vs0(0.f), vs1(0.f), vw0(0.f), vw1(0.f);
+  auto accumulate = [&](const Vec& zi, Vec& vmax, Vec& vs, Vec& vw) {
+    vmax = at::vec::clamp_min(vmax, zi);
+    const Vec x = at::vec::clamp_min((zi - vm) * vscale, floor_x);
+    const Vec t = x + bias;
+    const Vec r = x - (t - bias);
+    Vec poly = at::vec::fmadd(p5, r, p4);
+    poly = at::vec::fmadd(poly, r, p3);
+    poly = at::vec::fmadd(poly, r, p2);
+    poly = at::vec::fmadd(poly, r, p1);
+    poly = at::vec::fmadd(poly, r, p0);
+    const Vec e = poly * exponent_from_rounded(t);
+    vs = vs + e;
+    vw = at::vec::fmadd(e, x, vw);
+  };
+  for (int64_t i = 0; i < n_vec; i += kStep) {
+    // A hint 2048 logits ahead (past a row's end too): measured to take about 8 % off the float32 forward on a
+    // 2-core AMD EPYC with AVX2, nothing off bfloat16's (its limit is the arithmetic).
+    __builtin_prefetch(z + i + 2048);
+    const auto [z0, z1] = load_pair(z + i);
+    accumulate(z0, vmax0, vs0, vw0);
+    accumulate(z1, vmax1, vs1, vw1);
+  }
+  float block_max = lanes_max(at::vec::clamp_min(vmax0, vmax1));
+  double s = lanes_sum(vs0) + lanes_sum(vs1), w = (lanes_sum(vw0) + lanes_sum(vw1)) * kLn2;
+  for (int64_t i = n_vec; i < n; ++i) {
+    const float zi = static_cast<float>(z[i]);
+    block_max = std::max(block_max, zi);
+    const float d = (zi - m) * inv_t;
+    const float e = std::exp(d);
+    s += e;
+    w += zi == kNegInf ? 0.0 : static_cast<double>(e) * d;
+  }
+  return {block_max, s, w};
+}
+
 // log s and entropy of softmax(z * inv_t) for one row of `vocab` values, reading each value from memory
 // once: per block of kBlock values (in L1), a max sweep, then the sums. Differences to the max are taken
 // in z first (exact for nearby values), then scaled: scaling first would round twice.
@@ -128,6 +225,14 @@ RowStats row_stats(const scalar_t* row, int64_t vocab, float inv_t, float* buf) 
   for (int64_t b0 = 0; b0 < vocab; b0 += kBlock) {
     const int64_t n = std::min(kBlock, vocab - b0);
     const int64_t n_vec = n - n % Vec::size();
+    if (std::isfinite(m)) {
+      const BlockBelow below = block_sums_below(row + b0, n, m, inv_t);
+      if (below.block_max < m && std::isfinite(below.s) && std::isfinite(below.w)) {
+        rest += below.s;
+        w_total += below.w;
+        continue;
+      }
+    }
     const float* z = block_as_float(row + b0, n, buf);
     Vec vmax(kNegInf);
     for (int64_t i = 0; i < n_vec; i += Vec::size()) vmax = at::vec::maximum(vmax, Vec::loadu(z + i));

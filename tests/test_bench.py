@@ -56,6 +56,20 @@ def test_fused_linear_benchmark_rows_for_the_settings_against_collapse(tmp_path,
     assert all(r.error is None and r.total_ms > 0 for r in rows), [r.error for r in rows]
 
 
+@pytest.mark.cpu_kernels
+def test_cpu_kernels_forward_against_a_read_runs(tmp_path, monkeypatch):
+    """`--forward-only` (and the full table's "fwd / read" column, the same loop) calls the C++ forward as the
+    backend exposes it: it once passed an argument the forward no longer takes, and the benchmark died after
+    minutes of reference rows."""
+    from bench import cpu_kernels
+
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    cpu_kernels.forward_only("t", tokens_scale=0.001)
+    table = (tmp_path / "t.md").read_text()
+    assert table.count("| gtpo-cpu forward |") == len(cpu_kernels.SHAPES)
+    assert "fwd / read" in table and "in cache" in table
+
+
 def test_layouts_benchmark_harness(tmp_path):
     """`python -m bench layouts` starts its own two processes and writes one table: every row timed, ratios to the
     padded row (tiny shapes)."""

@@ -1818,6 +1818,47 @@ MUTANTS: Tuple[Mutant, ...] = (
         ("tests/test_api.py::test_compute_advantages_errors",),
         "a NaN reward is named",
     ),
+    # ---------------------------------------------------------------- the C++ forward's one sweep (issue 64)
+    Mutant(
+        "C++ one sweep: 2^r's polynomial off in its linear term",
+        "csrc/gtpo_cpu.cpp",
+        "p1(6.931469670336139e-1f)",
+        "p1(6.941469670336139e-1f)",
+        ("tests/test_cpu_one_sweep.py",),
+        "the one-sweep blocks' exp is checked against float64 (lse, log p, entropy to 1e-5)",
+    ),
+    Mutant(
+        "C++ one sweep: sum e x not turned back into natural log units",
+        "csrc/gtpo_cpu.cpp",
+        "w = (lanes_sum(vw0) + lanes_sum(vw1)) * kLn2;",
+        "w = (lanes_sum(vw0) + lanes_sum(vw1));",
+        ("tests/test_cpu_one_sweep.py",),
+        "the entropy of rows whose later blocks take the one sweep is checked against float64",
+    ),
+    Mutant(
+        "C++ one sweep: a block that passes the running max kept",
+        "csrc/gtpo_cpu.cpp",
+        "if (below.block_max < m && std::isfinite(below.s)",
+        "if (std::isfinite(below.s)",
+        ("tests/test_cpu_one_sweep.py",),
+        "the row's max is returned exactly (rows whose max rises block by block)",
+    ),
+    Mutant(
+        "C++ one sweep: the clamp drops a NaN",
+        "csrc/gtpo_cpu.cpp",
+        "const Vec x = at::vec::clamp_min((zi - vm) * vscale, floor_x);",
+        "const Vec x = at::vec::clamp_min(floor_x, (zi - vm) * vscale);",
+        ("tests/test_cpu_one_sweep.py",),
+        "a NaN logit in a later block leaves that token's outputs non-finite",
+    ),
+    Mutant(
+        "bench cpu_kernels: the forward called with an argument it does not take",
+        "bench/cpu_kernels.py",
+        "    forward(logits, ids, valid, 1.0)\n    kernel, read = [], []",
+        "    forward(logits, ids, valid, 1.0, None)\n    kernel, read = [], []",
+        ("tests/test_bench.py::test_cpu_kernels_forward_against_a_read_runs",),
+        "the benchmark's forward-against-a-read loop runs (at a small shape)",
+    ),
     # ---------------------------------------------------------------- one objective, one walk, one seam (issue 38)
     Mutant(
         "per-completion temperature: the C++ kernels given the completions' scales in the wrong rows",
@@ -2165,9 +2206,19 @@ def apply(mutant: Mutant, tree: Path) -> None:
     path.write_text(text.replace(mutant.old, mutant.new))
 
 
+def rebuild_kernels_from_source(tree: Path) -> dict:
+    """A mutant of the C++ source: the copied build of the kernels goes, so that the package JIT-compiles the
+    mutated csrc/ on first use (about a minute), into a cache inside the scratch tree; the extra environment."""
+    for built in (tree / "gtpo_kernels" / "backends").glob("_cpu_*.so"):
+        built.unlink()
+    return {"GTPO_KERNELS_CACHE": str(tree / ".kernels-cache")}
+
+
 def run_tests(mutant: Mutant, tree: Path, timeout: float) -> Tuple[str, float, str]:
     """``(verdict, seconds, last lines of pytest's output)``."""
     env = dict(os.environ, PYTHONPATH=str(tree), TRITON_INTERPRET="1", PYTHONDONTWRITEBYTECODE="1")
+    if mutant.file.startswith("csrc/"):
+        env.update(rebuild_kernels_from_source(tree))
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *mutant.tests]
     start = time.monotonic()
     try:
