@@ -48,6 +48,9 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--compile", action="store_true", help="also time the step under torch.compile (minutes on a CPU)")
     p.add_argument("--name", default=None, help="the table's file name (default sampler-cpu-PRECISION)")
+    p.add_argument(
+        "--profile", action="store_true", help="also profile five of our decoding steps (torch.profiler's table)"
+    )
     return p
 
 
@@ -113,6 +116,8 @@ def measure(args) -> dict:
             return lambda: decoder(kv, tokens, positions, torch.tensor([start]))
 
         results["ours_step_s"] = best_of(args.repeats, ours(Decoder(model)))
+        if args.profile:
+            results["profile"] = profile_steps(ours(Decoder(model)))
         # transformers' step: the prompts' cache repeated, one token through the model's forward
         cache_kw = cache_kwarg(model)
 
@@ -159,6 +164,20 @@ def measure(args) -> dict:
     return results
 
 
+def profile_steps(step, steps: int = 5) -> str:
+    """torch.profiler's operators over ``steps`` calls of ``step`` (after one untimed call), by self time: each
+    operator, then each operator and input shape."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(steps):
+            step()
+    by_op = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+    by_shape = prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=15)
+    return f"Five of our decoding steps under torch.profiler, by self CPU time:\n\n```\n{by_op}\n{by_shape}\n```"
+
+
 def table(results: dict, args) -> list:
     rows = results["rows"]
     bare = rows / results["bare_step_s"]
@@ -200,6 +219,8 @@ def table(results: dict, args) -> list:
             + (f"; it failed: {results['compile_issue']}" if results["compile_issue"] else "")
             + ". A new shape (another prompt width or row count) compiles again.",
         ]
+    if "profile" in results:
+        lines += ["", results["profile"]]
     return lines
 
 

@@ -70,6 +70,21 @@ def test_cpu_kernels_forward_against_a_read_runs(tmp_path, monkeypatch):
     assert "fwd / read" in table and "in cache" in table
 
 
+def test_sampler_benchmark_harness(tiny_model_dir):
+    """`python -m bench sampler` end to end on the tiny model, with `--profile`: every row of its table, and the
+    profiler's operators."""
+    from bench import sampler
+
+    args = sampler.parser().parse_args(
+        ["--model", str(tiny_model_dir), "--prompts", "2", "--group-size", "2", "--max-new-tokens", "3"]
+        + ["--repeats", "1", "--profile"]
+    )
+    text = "\n".join(sampler.table(sampler.measure(args), args))
+    for row in ("| bare decode products", "| our decoding step |", "| the whole sampler, ours"):
+        assert row in text, text
+    assert "torch.profiler" in text and "aten::mm" in text
+
+
 def test_layouts_benchmark_harness(tmp_path):
     """`python -m bench layouts` starts its own two processes and writes one table: every row timed, ratios to the
     padded row (tiny shapes)."""

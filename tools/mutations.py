@@ -1859,6 +1859,14 @@ MUTANTS: Tuple[Mutant, ...] = (
         ("tests/test_bench.py::test_cpu_kernels_forward_against_a_read_runs",),
         "the benchmark's forward-against-a-read loop runs (at a small shape)",
     ),
+    Mutant(
+        "bench sampler: --profile ignored",
+        "bench/sampler.py",
+        '        if args.profile:\n            results["profile"] = profile_steps(ours(Decoder(model)))',
+        '        if False:\n            results["profile"] = profile_steps(ours(Decoder(model)))',
+        ("tests/test_bench.py::test_sampler_benchmark_harness",),
+        "the sampler benchmark's table holds the profiler's operators when --profile is given",
+    ),
     # ---------------------------------------------------------------- one objective, one walk, one seam (issue 38)
     Mutant(
         "per-completion temperature: the C++ kernels given the completions' scales in the wrong rows",
