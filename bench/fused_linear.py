@@ -11,6 +11,8 @@ With --remedies, the settings against one-answer collapse on the device's fused 
   fused-B+old-logprobs  the paper preset given old log-probs (an update after a rollout's first: the ratio acts)
   fused-B+clip-higher   the same with the clip at [1 - 0.2, 1 + 0.28] (--epsilon 0.2 --epsilon-high 0.28)
   fused-B+shift-scope   entropy_shift_scope="nonzero_advantage" (no entropy shift where A = 0)
+  fused-B+clip-cov      cov_mode="clip_cov" given old log-probs (the covariance, its band and the random pick)
+  fused-B+kl-cov        cov_mode="kl_cov" given old log-probs (the covariance, the top-k and the |logp - old| term)
 On a GPU the table adds achieved TFLOP/s counting the floor of 6 T H V FLOPs (one forward GEMM and two
 backward GEMMs) and the ratio to that floor at the bf16 matrix rate given by --peak-tflops.
 """
@@ -81,6 +83,9 @@ def implementations(device: torch.device, gpu_rows: bool, remedies: bool = False
         impls[f"fused-{backend}+old-logprobs"] = fused(backend, with_old=True)
         impls[f"fused-{backend}+clip-higher"] = fused(backend, clip_higher, with_old=True)
         impls[f"fused-{backend}+shift-scope"] = fused(backend, scoped)
+        for mode in ("clip_cov", "kl_cov"):
+            cov = GTPOConfig(preset="paper", cov_mode=mode, warn_no_signal=False)
+            impls[f"fused-{backend}+{mode.replace('_', '-')}"] = fused(backend, cov, with_old=True)
     return impls
 
 
@@ -154,7 +159,11 @@ def main(argv=None) -> None:
     )
     p.add_argument("--name")
     p.add_argument("--gpu-rows", action="store_true", help="the Triton rows on CPU tensors (TRITON_INTERPRET=1)")
-    p.add_argument("--remedies", action="store_true", help="rows for the clip, old log-probs and the shift's scope")
+    p.add_argument(
+        "--remedies",
+        action="store_true",
+        help="rows for the clip, old log-probs, the shift's scope, Clip-Cov and KL-Cov",
+    )
     args = p.parse_args(argv)
     device = torch.device(args.device)
     gpu = device.type == "cuda"

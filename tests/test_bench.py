@@ -43,7 +43,8 @@ def test_fused_linear_benchmark_harness(tmp_path, monkeypatch):
 
 
 def test_fused_linear_benchmark_rows_for_the_settings_against_collapse(tmp_path, monkeypatch):
-    """--remedies: the clip-higher, old-log-prob and shift-scope rows beside today's loss, each timed without error."""
+    """--remedies: the clip-higher, old-log-prob, shift-scope, Clip-Cov and KL-Cov rows beside today's loss, each
+    timed without error."""
     from bench import fused_linear
 
     monkeypatch.setattr(common, "RESULTS", tmp_path)
@@ -52,7 +53,9 @@ def test_fused_linear_benchmark_rows_for_the_settings_against_collapse(tmp_path,
     )
     backend = "cpu" if common.cpu_kernels_available() else "torch"
     names = {r.impl for r in rows}
-    assert {f"fused-{backend}+{k}" for k in ("old-logprobs", "clip-higher", "shift-scope")} <= names, names
+    assert {
+        f"fused-{backend}+{k}" for k in ("old-logprobs", "clip-higher", "shift-scope", "clip-cov", "kl-cov")
+    } <= names, names
     assert all(r.error is None and r.total_ms > 0 for r in rows), [r.error for r in rows]
 
 
