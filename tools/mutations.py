@@ -1867,6 +1867,14 @@ MUTANTS: Tuple[Mutant, ...] = (
         ("tests/test_bench.py::test_sampler_benchmark_harness",),
         "the sampler benchmark's table holds the profiler's operators when --profile is given",
     ),
+    Mutant(
+        "bench fused_linear: the Clip-Cov and KL-Cov rows left out of --remedies",
+        "bench/fused_linear.py",
+        'for mode in ("clip_cov", "kl_cov"):',
+        "for mode in ():",
+        ("tests/test_bench.py::test_fused_linear_benchmark_rows_for_the_settings_against_collapse",),
+        "--remedies times Clip-Cov and KL-Cov beside today's loss",
+    ),
     # ---------------------------------------------------------------- one objective, one walk, one seam (issue 38)
     Mutant(
         "per-completion temperature: the C++ kernels given the completions' scales in the wrong rows",
