@@ -123,6 +123,7 @@ def test_cpu_suite_passes_with_a_lower_variant(variant):
     env = dict(os.environ, GTPO_CPU_CAPABILITY=variant)
     tests = [
         "tests/test_cpu_backend.py",
+        "tests/test_cpu_one_sweep.py",
         "tests/test_parity.py::test_configs_and_dtypes",
         "tests/test_parity.py::test_vocab_sizes",
         "tests/test_accuracy.py",
