@@ -23,21 +23,27 @@ SHAPES = [(4096, 32000, torch.float32), (1024, 151936, torch.bfloat16)]
 IMPLS = ["reference-eager", "reference-compile", "gtpo-torch", "gtpo-cpu", "gtpo-cpu-inplace"]
 
 
-def forward_vs_read(tokens: int, vocab: int, dtype: torch.dtype, reps: int = 15):
-    """Median ms of the C++ forward and of ``logits.sum()`` on the same logits, measured alternately."""
+def forward_call(tokens: int, vocab: int, dtype: torch.dtype):
+    """``(call, logits)``: the C++ forward on fresh random ``[1, tokens, vocab]`` logits, ready to time."""
     from gtpo_kernels.backends import get_backend
 
     logits = (torch.randn(1, tokens, vocab) * 2).to(dtype)
     ids = torch.randint(0, vocab, (1, tokens))
     valid = torch.ones(1, tokens, dtype=torch.bool)
     forward = get_backend("cpu").forward
-    forward(logits, ids, valid, 1.0)
+    return (lambda: forward(logits, ids, valid, 1.0)), logits
+
+
+def forward_vs_read(tokens: int, vocab: int, dtype: torch.dtype, reps: int = 15):
+    """Median ms of the C++ forward and of ``logits.sum()`` on the same logits, measured alternately."""
+    forward, logits = forward_call(tokens, vocab, dtype)
+    forward()
     kernel, read = [], []
     for _ in range(reps):
         t0 = time.perf_counter()
         logits.sum()
         t1 = time.perf_counter()
-        forward(logits, ids, valid, 1.0)
+        forward()
         t2 = time.perf_counter()
         read.append(t1 - t0)
         kernel.append(t2 - t1)
@@ -45,22 +51,17 @@ def forward_vs_read(tokens: int, vocab: int, dtype: torch.dtype, reps: int = 15)
 
 
 def forward_ns_per_logit(tokens: int, vocab: int, dtype: torch.dtype, reps: int) -> float:
-    """The C++ forward's best time per logit on one thread (``[1, tokens, vocab]`` logits, shifted so that every
-    row's max lies in its first block, as in the timed shapes' random rows)."""
-    from gtpo_kernels.backends import get_backend
-
-    logits = (torch.randn(1, tokens, vocab) * 2).to(dtype)
-    ids = torch.zeros(1, tokens, dtype=torch.long)
-    valid = torch.ones(1, tokens, dtype=torch.bool)
-    forward = get_backend("cpu").forward
+    """The C++ forward's best time per logit on one thread, on ``[1, tokens, vocab]`` random logits (as
+    `forward_vs_read`'s)."""
+    forward, logits = forward_call(tokens, vocab, dtype)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        forward(logits, ids, valid, 1.0)
+        forward()
         best = float("inf")
         for _ in range(reps):
             t0 = time.perf_counter()
-            forward(logits, ids, valid, 1.0)
+            forward()
             best = min(best, time.perf_counter() - t0)
     finally:
         torch.set_num_threads(threads)

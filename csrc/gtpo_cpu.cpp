@@ -153,12 +153,6 @@ struct BlockBelow {
   double s, w;      // sum e and sum e d, e = exp(d), d = (z - m) * inv_t
 };
 
-// The one-sweep sums of a block all of whose values lie below the running max m, the common case after a row's
-// first blocks: the block's max is taken in the same sweep and checked afterwards (a block that reaches m, or
-// holds a NaN, is done again by the two-sweep path). exp(d) = 2^x, x = d log2(e): x = n + r with n = round(x),
-// r in [-1/2, 1/2], 2^r by Cephes' exp2f polynomial (relative error 2e-7), 2^n put in the exponent bits. x is
-// clamped at -125 (2^-125 = 2.4e-38 for a banned token, z = -inf, against the exact 0: below float32's
-// spacing of any s >= 1); the clamp keeps NaN (max(floor, x) returns x when x is NaN).
 // Two vectors of float32 from 2 * Vec::size() logits (half precision widened in registers).
 template <typename scalar_t>
 std::tuple<Vec, Vec> load_pair(const scalar_t* src) {
@@ -169,6 +163,13 @@ std::tuple<Vec, Vec> load_pair<float>(const float* src) {
   return {Vec::loadu(src), Vec::loadu(src + Vec::size())};
 }
 
+// The one-sweep sums of a block all of whose values lie below the running max m, the common case after a row's
+// first blocks: the block's max is taken in the same sweep and checked afterwards (a block that reaches m, or
+// holds a NaN, is done again by the two-sweep path). exp(d) = 2^x, x = d log2(e): x = n + r with n = round(x),
+// r in [-1/2, 1/2], 2^r by a degree-5 polynomial fitted for least relative error on that range (held to the
+// float64 oracle by tests/test_cpu_one_sweep.py), 2^n put in the exponent bits. x is clamped at -125 (2^-125 =
+// 2.4e-38 for a banned token, z = -inf, against the exact 0: below float32's spacing of any s >= 1); the clamp
+// keeps NaN (max(floor, x) returns x when x is NaN).
 template <typename scalar_t>
 BlockBelow block_sums_below(const scalar_t* z, int64_t n, float m, float inv_t) {
   constexpr int64_t kStep = 2 * Vec::size();
@@ -193,8 +194,8 @@ BlockBelow block_sums_below(const scalar_t* z, int64_t n, float m, float inv_t) 
     vw = at::vec::fmadd(e, x, vw);
   };
   for (int64_t i = 0; i < n_vec; i += kStep) {
-    // A hint 2048 logits ahead (past a row's end too): measured to take about 8 % off the float32 forward on a
-    // 2-core AMD EPYC with AVX2, nothing off bfloat16's (its limit is the arithmetic).
+    // A hint 2048 logits ahead (past a row's end too, where the hardware's prefetch has not yet seen a stream):
+    // float32 logits are the larger read under the same arithmetic.
     __builtin_prefetch(z + i + 2048);
     const auto [z0, z1] = load_pair(z + i);
     accumulate(z0, vmax0, vs0, vw0);
@@ -214,7 +215,8 @@ BlockBelow block_sums_below(const scalar_t* z, int64_t n, float m, float inv_t) 
 }
 
 // log s and entropy of softmax(z * inv_t) for one row of `vocab` values, reading each value from memory
-// once: per block of kBlock values (in L1), a max sweep, then the sums. Differences to the max are taken
+// once: per block of kBlock values, the one sweep of block_sums_below where it applies, else (in L1) a max
+// sweep, then the sums. Differences to the max are taken
 // in z first (exact for nearby values), then scaled: scaling first would round twice.
 template <typename scalar_t>
 RowStats row_stats(const scalar_t* row, int64_t vocab, float inv_t, float* buf) {
