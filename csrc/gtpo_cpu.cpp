@@ -19,7 +19,8 @@
 // reaches the running max, or holds a NaN, is done again by two sweeps over it in L1, a max sweep and an exp
 // sweep. Two sweeps per block left the memory idle while the second one computed, and the hardware's
 // prefetch idle with it: one sweep lets the reads run under the arithmetic, which is then the forward's limit
-// (bench/results/cpu-kernels-avx2*.md). Each block's sums are reduced across lanes and added to
+// (bench/results/cpu-kernels-avx2*.md; the AVX-512 build has its own sweep with fewer instructions a logit,
+// bench/results/cpu-forward-avx512*.md). Each block's sums are reduced across lanes and added to
 // double-precision running totals, so rounding does not grow with the vocabulary (a lane summing V / 16
 // terms one after another lost 5e-5 at V = 151936).
 //
@@ -122,12 +123,11 @@ void block_sums(const float* z, int64_t n, float shift, float inv_t, double& s, 
   tops += tops_block;
 }
 
+#if !defined(CPU_CAPABILITY_AVX512)
 // 2^n for t = n + kRoundBias as float32 (n an integer in [-126, 127] held in t's low mantissa bits): those bits
 // shifted into the exponent field.
 inline Vec exponent_from_rounded(const Vec& t) {
-#if defined(CPU_CAPABILITY_AVX512)
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_castps_si512(t), 23));
-#elif defined(CPU_CAPABILITY_AVX2)
+#if defined(CPU_CAPABILITY_AVX2)
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(t), 23));
 #else
   float lanes[Vec::size()];
@@ -141,6 +141,7 @@ inline Vec exponent_from_rounded(const Vec& t) {
   return Vec::loadu(lanes);
 #endif
 }
+#endif
 
 // t = x + kRoundBias rounds x in [-126, 0] to an integer n and keeps n + 127 (2^n's biased exponent) in the low
 // bits of t's mantissa: 1.5 * 2^23 is where float32's spacing is 1.
@@ -163,6 +164,88 @@ std::tuple<Vec, Vec> load_pair<float>(const float* src) {
   return {Vec::loadu(src), Vec::loadu(src + Vec::size())};
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// The AVX-512 build's one sweep (the same contract as the version below). It does fewer instructions per logit,
+// which is this sweep's limit: exp(d) = 2^x, x = d log2(e), with x rounded to k, a multiple of 1/32, by adding
+// kRoundBias32 (its low 5 mantissa bits then index a table of 2^(j/32), j = 32 k mod 32); r = x - k in
+// [-1/64, 1/64] (one fused multiply-subtract from d, the product exact); 2^r by a degree-2 polynomial fitted for
+// least relative error (5.3e-8 on that range; 2.2e-7 through the float32 steps, as the degree-5 version below);
+// 2^floor(k) applied by scalef. The lanes' order of bfloat16 pairs differs (even words, then odd): a sum and a max
+// do not care. d is clamped where x = -125 (a banned token's e is 2^-125, below float32's spacing of any s >= 1);
+// max(floor, d) returns d when d is NaN, so a NaN reaches s.
+constexpr float kRoundBias32 = 393216.f;  // 1.5 * 2^18: float32's spacing there is 1/32
+constexpr float kExp2P2 = 0.240224749f, kExp2P1 = 0.693157315f;
+
+struct Exp2Table {
+  __m512 lo, hi;  // 2^(j/32) for j = 0..15 and 16..31
+};
+const Exp2Table& exp2_table() {
+  static const Exp2Table table = [] {
+    alignas(64) float v[32];
+    for (int j = 0; j < 32; ++j) v[j] = static_cast<float>(std::exp2(j / 32.0));
+    return Exp2Table{_mm512_load_ps(v), _mm512_load_ps(v + 16)};
+  }();
+  return table;
+}
+
+// Two vectors of float32 from 32 logits. bfloat16 is float32's upper half: the even values are the 32-bit words
+// shifted left by 16, the odd ones the words with their low half cleared, one instruction a vector.
+template <typename scalar_t>
+std::tuple<__m512, __m512> load_pair_512(const scalar_t* src) {
+  const auto [a, b] = load_pair(src);
+  return {a, b};
+}
+template <>
+std::tuple<__m512, __m512> load_pair_512<at::BFloat16>(const at::BFloat16* src) {
+  const __m512i words = _mm512_loadu_si512(src);
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(words, 16)),
+          _mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))))};
+}
+
+template <typename scalar_t>
+BlockBelow block_sums_below(const scalar_t* z, int64_t n, float m, float inv_t) {
+  constexpr int64_t kStep = 32;
+  const int64_t n_vec = n - n % kStep;
+  const float scale = inv_t * kLog2e;
+  const Exp2Table& table = exp2_table();
+  const __m512 vm = _mm512_set1_ps(m), vscale = _mm512_set1_ps(scale), floor_d = _mm512_set1_ps(-125.f / scale),
+               bias = _mm512_set1_ps(kRoundBias32), p2 = _mm512_set1_ps(kExp2P2), p1 = _mm512_set1_ps(kExp2P1),
+               one = _mm512_set1_ps(1.f);
+  __m512 vmax0 = _mm512_set1_ps(kNegInf), vmax1 = vmax0, vs0 = _mm512_setzero_ps(), vs1 = vs0, vw0 = vs0, vw1 = vs0;
+  auto accumulate = [&](const __m512 zi, __m512& vmax, __m512& vs, __m512& vw) {
+    vmax = _mm512_max_ps(vmax, zi);
+    const __m512 d = _mm512_max_ps(floor_d, _mm512_sub_ps(zi, vm));
+    const __m512 t = _mm512_fmadd_ps(d, vscale, bias);
+    const __m512 k = _mm512_sub_ps(t, bias);
+    const __m512 r = _mm512_fmsub_ps(d, vscale, k);
+    const __m512 two_j = _mm512_permutex2var_ps(table.lo, _mm512_castps_si512(t), table.hi);
+    const __m512 poly = _mm512_fmadd_ps(_mm512_fmadd_ps(p2, r, p1), r, one);
+    const __m512 e = _mm512_scalef_ps(_mm512_mul_ps(poly, two_j), k);
+    vs = _mm512_add_ps(vs, e);
+    vw = _mm512_fmadd_ps(e, d, vw);
+  };
+  for (int64_t i = 0; i < n_vec; i += kStep) {
+    __builtin_prefetch(z + i + 2048);  // as in the version below
+    const auto [z0, z1] = load_pair_512(z + i);
+    accumulate(z0, vmax0, vs0, vw0);
+    accumulate(z1, vmax1, vs1, vw1);
+  }
+  // Reduced in float32 (a fixed tree, so deterministic; each lane holds 32 terms) before the double totals: lane
+  // by lane into doubles, as the version below does, was a visible share of a block's time here.
+  float block_max = _mm512_reduce_max_ps(_mm512_max_ps(vmax0, vmax1));
+  double s = _mm512_reduce_add_ps(_mm512_add_ps(vs0, vs1));
+  double w = static_cast<double>(_mm512_reduce_add_ps(_mm512_add_ps(vw0, vw1))) * inv_t;
+  for (int64_t i = n_vec; i < n; ++i) {
+    const float zi = static_cast<float>(z[i]);
+    block_max = std::max(block_max, zi);
+    const float d = (zi - m) * inv_t;
+    const float e = std::exp(d);
+    s += e;
+    w += zi == kNegInf ? 0.0 : static_cast<double>(e) * d;
+  }
+  return {block_max, s, w};
+}
+#else
 // The one-sweep sums of a block all of whose values lie below the running max m, the common case after a row's
 // first blocks: the block's max is taken in the same sweep and checked afterwards (a block that reaches m, or
 // holds a NaN, is done again by the two-sweep path). exp(d) = 2^x, x = d log2(e): x = n + r with n = round(x),
@@ -213,6 +296,8 @@ BlockBelow block_sums_below(const scalar_t* z, int64_t n, float m, float inv_t) 
   }
   return {block_max, s, w};
 }
+
+#endif
 
 // log s and entropy of softmax(z * inv_t) for one row of `vocab` values, reading each value from memory
 // once: per block of kBlock values, the one sweep of block_sums_below where it applies, else (in L1) a max

@@ -39,6 +39,9 @@ class Mutant:
     new: str
     tests: Tuple[str, ...]  # pytest's arguments: node ids or files relative to the root (and -k EXPR)
     claim: str  # what the tests must notice
+    # A C++ mutant in code only one build holds: the tests run with GTPO_CPU_CAPABILITY set to it, and are not
+    # run on a CPU that lacks it (reported so). "" = whatever the CPU loads.
+    cpu_variant: str = ""
 
 
 MUTANTS: Tuple[Mutant, ...] = (
@@ -1820,20 +1823,22 @@ MUTANTS: Tuple[Mutant, ...] = (
     ),
     # ---------------------------------------------------------------- the C++ forward's one sweep (issue 64)
     Mutant(
-        "C++ one sweep: 2^r's polynomial off in its linear term",
+        "C++ one sweep (AVX2 build): 2^r's polynomial off in its linear term",
         "csrc/gtpo_cpu.cpp",
         "p1(6.931469670336139e-1f)",
         "p1(6.941469670336139e-1f)",
         ("tests/test_cpu_one_sweep.py",),
         "the one-sweep blocks' exp is checked against float64 (lse, log p, entropy to 1e-5)",
+        cpu_variant="avx2",
     ),
     Mutant(
-        "C++ one sweep: sum e x not turned back into natural log units",
+        "C++ one sweep (AVX2 build): sum e x not turned back into natural log units",
         "csrc/gtpo_cpu.cpp",
         "w = (lanes_sum(vw0) + lanes_sum(vw1)) * kLn2;",
         "w = (lanes_sum(vw0) + lanes_sum(vw1));",
         ("tests/test_cpu_one_sweep.py",),
         "the entropy of rows whose later blocks take the one sweep is checked against float64",
+        cpu_variant="avx2",
     ),
     Mutant(
         "C++ one sweep: a block that passes the running max kept",
@@ -1844,12 +1849,59 @@ MUTANTS: Tuple[Mutant, ...] = (
         "the row's max is returned exactly (rows whose max rises block by block)",
     ),
     Mutant(
-        "C++ one sweep: the clamp drops a NaN",
+        "C++ one sweep (AVX2 build): the clamp drops a NaN",
         "csrc/gtpo_cpu.cpp",
         "const Vec x = at::vec::clamp_min((zi - vm) * vscale, floor_x);",
         "const Vec x = at::vec::clamp_min(floor_x, (zi - vm) * vscale);",
         ("tests/test_cpu_one_sweep.py",),
         "a NaN logit in a later block leaves that token's outputs non-finite",
+        cpu_variant="avx2",
+    ),
+    Mutant(
+        "C++ one sweep (AVX-512 build): 2^r's polynomial without its quadratic term",
+        "csrc/gtpo_cpu.cpp",
+        "kExp2P2 = 0.240224749f",
+        "kExp2P2 = 0.f",
+        ("tests/test_cpu_one_sweep.py",),
+        "the one-sweep blocks' exp is checked against float64 (lse, log p, entropy to 1e-5; dropping the term is an "
+        "error of up to 6e-5 a value)",
+        cpu_variant="avx512",
+    ),
+    Mutant(
+        "C++ one sweep (AVX-512 build): the table's halves swapped",
+        "csrc/gtpo_cpu.cpp",
+        "_mm512_permutex2var_ps(table.lo, _mm512_castps_si512(t), table.hi)",
+        "_mm512_permutex2var_ps(table.hi, _mm512_castps_si512(t), table.lo)",
+        ("tests/test_cpu_one_sweep.py",),
+        "2^(j/32) is looked up at the right j",
+        cpu_variant="avx512",
+    ),
+    Mutant(
+        "C++ one sweep (AVX-512 build): a bfloat16 pair's odd value keeps its neighbour's bits",
+        "csrc/gtpo_cpu.cpp",
+        "_mm512_set1_epi32(static_cast<int>(0xFFFF0000u))",
+        "_mm512_set1_epi32(static_cast<int>(0xFFFFFFFFu))",
+        ("tests/test_cpu_one_sweep.py",),
+        "bfloat16 rows are read exactly (checked against float64 in bf16)",
+        cpu_variant="avx512",
+    ),
+    Mutant(
+        "C++ one sweep (AVX-512 build): sum e d not scaled by 1/T",
+        "csrc/gtpo_cpu.cpp",
+        "_mm512_reduce_add_ps(_mm512_add_ps(vw0, vw1))) * inv_t;",
+        "_mm512_reduce_add_ps(_mm512_add_ps(vw0, vw1)));",
+        ("tests/test_cpu_one_sweep.py",),
+        "the entropy at T != 1 of rows whose later blocks take the one sweep is checked against float64",
+        cpu_variant="avx512",
+    ),
+    Mutant(
+        "C++ one sweep (AVX-512 build): the clamp drops a NaN",
+        "csrc/gtpo_cpu.cpp",
+        "_mm512_max_ps(floor_d, _mm512_sub_ps(zi, vm))",
+        "_mm512_max_ps(_mm512_sub_ps(zi, vm), floor_d)",
+        ("tests/test_cpu_one_sweep.py",),
+        "a NaN logit in a later block leaves that token's outputs non-finite",
+        cpu_variant="avx512",
     ),
     Mutant(
         "bench cpu_kernels: the forward called with an argument it does not take",
@@ -2230,11 +2282,25 @@ def rebuild_kernels_from_source(tree: Path) -> dict:
     return {"GTPO_KERNELS_CACHE": str(tree / ".kernels-cache")}
 
 
+def cpu_lacks(variant: str) -> str:
+    """Why a mutant of one CPU build cannot run here ("" when it can)."""
+    if not variant:
+        return ""
+    from gtpo_kernels.backends import cpu_build, cpu_extension
+
+    supported = cpu_extension.supported_variant()
+    if cpu_build.VARIANTS.index(variant) < cpu_build.VARIANTS.index(supported):
+        return f"not run: this CPU lacks {variant} (it supports up to {supported})"
+    return ""
+
+
 def run_tests(mutant: Mutant, tree: Path, timeout: float) -> Tuple[str, float, str]:
     """``(verdict, seconds, last lines of pytest's output)``."""
     env = dict(os.environ, PYTHONPATH=str(tree), TRITON_INTERPRET="1", PYTHONDONTWRITEBYTECODE="1")
     if mutant.file.startswith("csrc/"):
         env.update(rebuild_kernels_from_source(tree))
+    if mutant.cpu_variant:
+        env["GTPO_CPU_CAPABILITY"] = mutant.cpu_variant
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *mutant.tests]
     start = time.monotonic()
     try:
@@ -2261,6 +2327,11 @@ def check(mutants: List[Mutant], timeout: float) -> List[Tuple[Mutant, str, floa
                 apply(mutant, tree)
             except LookupError as exc:
                 results.append((mutant, f"stale: {exc}", 0.0, ""))
+                continue
+            lacking = cpu_lacks(mutant.cpu_variant)
+            if lacking:
+                results.append((mutant, lacking, 0.0, ""))
+                print(f"{'not run':>10}  {mutant.name}: {lacking}", flush=True)
                 continue
             verdict, seconds, tail = run_tests(mutant, tree, timeout)
             print(f"{verdict:>10}  {seconds:6.1f} s  {mutant.name}", flush=True)
@@ -2293,7 +2364,11 @@ def report(results, command: str, source: str) -> str:
     lines += [f"- **{mutant.name}**: {mutant.claim}." for mutant, _, _, _ in results]
     # A mutant not killed: the last lines pytest printed, so that the report says why (a survivor, a collection
     # error in the mutated code, a timeout).
-    unkilled = [(mutant, verdict, tail) for mutant, verdict, _, tail in results if verdict != "killed"]
+    unkilled = [
+        (mutant, verdict, tail)
+        for mutant, verdict, _, tail in results
+        if verdict != "killed" and not verdict.startswith("not run")
+    ]
     for mutant, verdict, tail in unkilled:
         lines += ["", f"**{mutant.name}** ({verdict}):", "", "```", tail or "(no output)", "```"]
     return "\n".join(lines) + "\n"
@@ -2320,7 +2395,7 @@ def main(argv=None) -> int:
     else:
         REPORT.write_text(text)
         print(f"report: {REPORT.relative_to(ROOT)}")
-    return 0 if all(verdict == "killed" for _, verdict, _, _ in results) else 1
+    return 0 if all(verdict == "killed" or verdict.startswith("not run") for _, verdict, _, _ in results) else 1
 
 
 if __name__ == "__main__":
