@@ -18,19 +18,34 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 
-# Each task's reasoning-gym settings: small enough numbers and words that a 135M model's working can get there.
+
+@dataclass(frozen=True)
+class TaskSettings:
+    dataset: str  # reasoning-gym's dataset name
+    config: dict  # its settings
+
+
+# Each task's reasoning-gym settings: small enough numbers and words that a 135M model's working can get there. A
+# label other than the dataset's name is the same dataset at other settings.
 TASKS = {
-    "chain_sum": {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2},
-    "gcd": {"min_value": 1, "max_value": 60},
-    "lcm": {"min_value": 2, "max_value": 30},
-    "letter_counting": {"min_words": 3, "max_words": 6},
-    "spell_backward": {"min_word_len": 3, "max_word_len": 6},
-    "prime_factorization": {"min_value": 2, "max_value": 200},
+    "chain_sum": TaskSettings("chain_sum", {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}),
+    "chain_sum-two-terms": TaskSettings(
+        "chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
+    ),
+    "chain_sum-one-digit": TaskSettings(
+        "chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
+    ),
+    "gcd": TaskSettings("gcd", {"min_value": 1, "max_value": 60}),
+    "lcm": TaskSettings("lcm", {"min_value": 2, "max_value": 30}),
+    "letter_counting": TaskSettings("letter_counting", {"min_words": 3, "max_words": 6}),
+    "spell_backward": TaskSettings("spell_backward", {"min_word_len": 3, "max_word_len": 6}),
+    "prime_factorization": TaskSettings("prime_factorization", {"min_value": 2, "max_value": 200}),
 }
 COLUMNS = ("accuracy", "pass@1", "pass@4", "pass@16", "maj@16", "reasoning_share", "mean_reasoning_words")
 
@@ -41,9 +56,10 @@ def run_task(task: str, out: Path, eval_size: int, extra: list) -> dict:
     if done.exists():
         return json.loads(done.read_text())
     data = ROOT / "data" / f"{task}-reasoning"
-    settings = json.dumps(TASKS[task])
+    settings = TASKS[task]
     subprocess.run(
-        [sys.executable, str(HERE / "make_data.py"), "--task", task, "--recipe", "reasoning", "--config", settings]
+        [sys.executable, str(HERE / "make_data.py"), "--task", settings.dataset, "--recipe", "reasoning"]
+        + ["--config", json.dumps(settings.config)]
         + ["--train", "100", "--test", str(2 * eval_size), "--out", str(data)],  # repeats dropped: eval_size left
         check=True,
     )
@@ -64,8 +80,8 @@ def run_task(task: str, out: Path, eval_size: int, extra: list) -> dict:
     for name in ("config.json", "summary.json", "held-out-answers.jsonl"):
         if (run / name).exists():
             shutil.copy(run / name, out / task / name)
-    settings = {"reasoning_gym": TASKS[task], "seconds": time.time() - start}
-    (out / task / "settings.json").write_text(json.dumps(settings))
+    record = {"reasoning_gym": settings.config, "dataset": settings.dataset, "seconds": time.time() - start}
+    (out / task / "settings.json").write_text(json.dumps(record))
     (out / task / "end-of-run.txt").write_text(log.stdout[log.stdout.find("held-out metric") :])
     return json.loads(done.read_text())
 
