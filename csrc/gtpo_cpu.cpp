@@ -164,6 +164,20 @@ std::tuple<Vec, Vec> load_pair<float>(const float* src) {
   return {Vec::loadu(src), Vec::loadu(src + Vec::size())};
 }
 
+// A block's values from `from` on (past its last full vector step), one by one, added to the vector part's sums.
+template <typename scalar_t>
+BlockBelow with_tail(const scalar_t* z, int64_t from, int64_t n, float m, float inv_t, BlockBelow sums) {
+  for (int64_t i = from; i < n; ++i) {
+    const float zi = static_cast<float>(z[i]);
+    sums.block_max = std::max(sums.block_max, zi);
+    const float d = (zi - m) * inv_t;
+    const float e = std::exp(d);
+    sums.s += e;
+    sums.w += zi == kNegInf ? 0.0 : static_cast<double>(e) * d;
+  }
+  return sums;
+}
+
 #if defined(CPU_CAPABILITY_AVX512)
 // The AVX-512 build's one sweep (the same contract as the version below). It does fewer instructions per logit,
 // which is this sweep's limit: exp(d) = 2^x, x = d log2(e), with x rounded to k, a multiple of 1/32, by adding
@@ -235,15 +249,7 @@ BlockBelow block_sums_below(const scalar_t* z, int64_t n, float m, float inv_t) 
   float block_max = _mm512_reduce_max_ps(_mm512_max_ps(vmax0, vmax1));
   double s = _mm512_reduce_add_ps(_mm512_add_ps(vs0, vs1));
   double w = static_cast<double>(_mm512_reduce_add_ps(_mm512_add_ps(vw0, vw1))) * inv_t;
-  for (int64_t i = n_vec; i < n; ++i) {
-    const float zi = static_cast<float>(z[i]);
-    block_max = std::max(block_max, zi);
-    const float d = (zi - m) * inv_t;
-    const float e = std::exp(d);
-    s += e;
-    w += zi == kNegInf ? 0.0 : static_cast<double>(e) * d;
-  }
-  return {block_max, s, w};
+  return with_tail(z, n_vec, n, m, inv_t, {block_max, s, w});
 }
 #else
 // The one-sweep sums of a block all of whose values lie below the running max m, the common case after a row's
@@ -286,15 +292,7 @@ BlockBelow block_sums_below(const scalar_t* z, int64_t n, float m, float inv_t) 
   }
   float block_max = lanes_max(at::vec::clamp_min(vmax0, vmax1));
   double s = lanes_sum(vs0) + lanes_sum(vs1), w = (lanes_sum(vw0) + lanes_sum(vw1)) * kLn2;
-  for (int64_t i = n_vec; i < n; ++i) {
-    const float zi = static_cast<float>(z[i]);
-    block_max = std::max(block_max, zi);
-    const float d = (zi - m) * inv_t;
-    const float e = std::exp(d);
-    s += e;
-    w += zi == kNegInf ? 0.0 : static_cast<double>(e) * d;
-  }
-  return {block_max, s, w};
+  return with_tail(z, n_vec, n, m, inv_t, {block_max, s, w});
 }
 
 #endif
