@@ -74,6 +74,8 @@ def write_spec(path, model_dir, out, extra_common=(), **changes):
         ({"variants": {"grpo": [], "b": {"flags": [], "against": "ppo"}}}, "variants.b.against: 'ppo' is not"),
         ({"variants": {"grpo": {"flags": [], "seeds": [0]}}}, "baseline 'grpo' must run every task and seed"),
         ({"keep_models": "no"}, "'keep_models' must be true or false"),
+        ({"threads": 0}, "'threads' must be a positive integer"),
+        ({"threads": True}, "'threads' must be a positive integer"),
     ],
 )
 def test_a_spec_mistake_is_one_line_naming_it(tmp_path, change, message):
@@ -121,7 +123,7 @@ def test_a_failed_cell_is_listed_with_the_last_line_of_its_log(tiny_model_dir, t
     one-line error), so that a user need not open 28 logs to see why."""
     spec = write_spec(tmp_path / "spec.json", tiny_model_dir, tmp_path / "out")
 
-    def run_study(spec, jobs):
+    def run_study(spec, jobs, only=None):
         cell = spec.cells()[0]
         cell.folder.parent.mkdir(parents=True)
         cell.folder.with_suffix(".log").write_text("loading\ngtpo-train: error: the reward raised on row 3\n")
@@ -295,6 +297,24 @@ def test_a_cell_run_with_other_flags_is_refused_before_anything_runs(tmp_path):
         other.check_shared_cells()
     with pytest.raises(SystemExit):
         study.main([str(tmp_path / "other.json"), "--dry-run"])
+
+
+def test_only_runs_the_cells_it_names_each_with_the_specs_threads(tmp_path, monkeypatch):
+    spec = study.StudySpec.read(write_spec(tmp_path / "s.json", "m", tmp_path / "o", seeds=[0, 1, 2], threads=1))
+    ran = []
+    monkeypatch.setattr(study, "run_cell", lambda cell, threads, keep: ran.append((cell.variant, cell.seed, threads)))
+    study.run_study(spec, jobs=1, only="arithmetic/gtpo/s1, */grpo")
+    # a pattern without a seed takes every seed; one thread, the spec's, though one job on this machine would get all
+    assert sorted(ran) == [("grpo", 0, 1), ("grpo", 1, 1), ("grpo", 2, 1), ("gtpo", 1, 1)]
+    ran.clear()
+    study.run_study(spec, jobs=1, only="arithmetic/gtpo*")
+    assert sorted(ran) == [("gtpo", 0, 1), ("gtpo", 1, 1), ("gtpo", 2, 1)]
+    with pytest.raises(ConfigError, match=r"--only: 'arithmetic/ppo' names no cell"):
+        study.run_study(spec, jobs=1, only="arithmetic/gtpo,arithmetic/ppo")
+    without = study.StudySpec.read(write_spec(tmp_path / "t.json", "m", tmp_path / "o"))
+    ran.clear()
+    study.run_study(without, jobs=1, only="*/grpo/s0")
+    assert ran == [("grpo", 0, os.cpu_count())]  # no threads in the spec: the cores over the jobs
 
 
 def test_variants_run_their_own_seeds_and_tasks_and_pair_with_their_partner(tmp_path):

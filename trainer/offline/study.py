@@ -1,6 +1,6 @@
 """A study in one command: every (task, variant, seed) cell a plain ``gtpo-train`` run, then a paired report.
 
-    python -m gtpo_train.offline.study SPEC [--jobs N] [--dry-run] [--report-only]
+    python -m gtpo_train.offline.study SPEC [--jobs N] [--only PATTERNS] [--dry-run] [--report-only]
 
 SPEC is a YAML or JSON file::
 
@@ -22,14 +22,18 @@ its stream and its draws from ``--seed``; the held-out rows never depend on it),
 difference per metric. A cell with a ``summary.json`` is finished and skipped; one with a ``checkpoint-STEP/`` was
 interrupted and continues with ``--resume``; any other is started afresh (a study survives a kill, or a move to
 another machine with its folder). ``--jobs N`` runs N cells side by side, each a process of its own with
-``cores / N`` threads. ``--dry-run`` lists the cells, their state and an estimate of their time from the finished
-ones. The report (`report`) is written when every cell has finished, or alone with ``--report-only``.
+``cores / N`` threads, or the spec's ``threads`` (then every cell of the study has the same count, whatever
+``--jobs`` a session runs it with). ``--only gcd/grpo,gcd/gtpo`` runs those cells only (`chosen`): one
+comparison's seeds first, on a study too long for one sitting. ``--dry-run`` lists the cells, their state and an
+estimate of their time from the finished ones. The report (`report`) is written when every cell has finished,
+or alone with ``--report-only``.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import fnmatch
 import io
 import json
 import math
@@ -99,6 +103,10 @@ class StudySpec:
     common: Tuple[str, ...] = ()
     # False: a finished cell's checkpoints and final model are deleted (its figures and logs stay): 2 GB a cell.
     keep_models: bool = True
+    # Threads per cell, whatever --jobs: every cell of a study with the same count, so that a pair differs in its one
+    # change only (a product's float32 sums can be split differently over another number of threads). None: the
+    # machine's cores / jobs.
+    threads: Optional[int] = None
 
     @classmethod
     def read(cls, path: Path) -> StudySpec:
@@ -141,7 +149,7 @@ class StudySpec:
                     raise bad(f"{owned} is set by the study for each cell")
             return tuple(str(f) for f in value)
 
-        known = {"name", "out", "seeds", "tasks", "variants", "baseline", "common", "keep_models"}
+        known = {"name", "out", "seeds", "tasks", "variants", "baseline", "common", "keep_models", "threads"}
         unknown = sorted(set(raw) - known)
         if unknown:
             raise bad(f"unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
@@ -192,6 +200,9 @@ class StudySpec:
                 raise bad(f"variants.{variant.name}.against: {variant.against!r} is not one of the variants")
         if not isinstance(raw.get("keep_models", True), bool):
             raise bad("'keep_models' must be true or false")
+        threads = raw.get("threads")
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise bad(f"'threads' must be a positive integer, the threads of every cell (got {threads!r})")
         return cls(
             name=str(raw.get("name", Path(path).stem)),
             out=Path(raw.get("out", Path(path).with_suffix(""))),
@@ -201,6 +212,7 @@ class StudySpec:
             baseline=baseline,
             common=flag_list(raw.get("common", []), "'common'"),
             keep_models=raw.get("keep_models", True),
+            threads=threads,
         )
 
     @property
@@ -315,7 +327,7 @@ def run_cell(cell: Cell, threads: int, keep_models: bool = True) -> int:
     if cell.state == "new" and cell.folder.exists():
         shutil.rmtree(cell.folder)  # a run stopped before its first checkpoint: nothing to keep
     cell.folder.mkdir(parents=True, exist_ok=True)
-    (cell.folder / "study-cell.json").write_text(json.dumps({"flags": list(cell.flags)}))
+    (cell.folder / "study-cell.json").write_text(json.dumps({"flags": list(cell.flags), "threads": threads}))
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
     with open(cell.folder.with_suffix(".log"), "a") as log:
         status = subprocess.run(cell.command(), stdout=log, stderr=subprocess.STDOUT, env=env).returncode
@@ -371,13 +383,19 @@ def check_cells(spec: StudySpec) -> None:
             ) from None
 
 
-def dry_run(spec: StudySpec, jobs: int) -> List[str]:
-    cells = spec.cells()
-    lines = [f"study {spec.name}: {len(cells)} cells in {spec.out / 'runs'} ({jobs} at a time)"]
+def dry_run(spec: StudySpec, jobs: int, only: Optional[str] = None) -> List[str]:
+    every = spec.cells()
+    cells = chosen(every, only)
+    threads = spec.threads or max(1, (os.cpu_count() or 1) // jobs)
+    lines = [
+        f"study {spec.name}: {len(cells)} cells"
+        + (f" of {len(every)}" if len(cells) < len(every) else "")
+        + f" in {spec.out / 'runs'} ({jobs} at a time, {threads} thread{'s' if threads > 1 else ''} each)"
+    ]
     owed = 0.0
     unknown = 0
     for cell in cells:
-        minutes = estimate_minutes(cell, cells)
+        minutes = estimate_minutes(cell, every)
         if cell.state == "finished":
             took = f"took {cell.summary().get('wall_minutes', float('nan')):.1f} min"
         else:
@@ -782,10 +800,31 @@ def report(spec: StudySpec) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_study(spec: StudySpec, jobs: int) -> List[Tuple[Cell, int]]:
-    """Runs every unfinished cell, ``jobs`` at a time; returns the cells that failed with their exit status."""
-    todo = [c for c in spec.cells() if c.state != "finished"]
-    threads = max(1, (os.cpu_count() or 1) // jobs)
+def chosen(cells: Sequence[Cell], only: Optional[str]) -> List[Cell]:
+    """The ``cells`` named by ``only``: comma-separated patterns of ``TASK/VARIANT/sSEED`` (shell wildcards:
+    ``gcd/*``, ``*/grpo/s0``, ``letter_counting/gtpo*``; a pattern without a seed takes every seed); all of them
+    for None. A pattern that names no cell is a `ConfigError`: a typo must not run nothing, or something else."""
+    if only is None:
+        return list(cells)
+    patterns = [p.strip() for p in only.split(",") if p.strip()]
+    if not patterns:
+        raise ConfigError("--only: give comma-separated TASK/VARIANT[/sSEED] patterns, such as 'gcd/grpo,gcd/gtpo'")
+    names = {cell: f"{cell.task}/{cell.variant}/s{cell.seed}" for cell in cells}
+
+    def named(name: str, pattern: str) -> bool:
+        return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, pattern + "/*")  # any seed
+
+    for pattern in patterns:
+        if not any(named(name, pattern) for name in names.values()):
+            raise ConfigError(f"--only: {pattern!r} names no cell of this study (cells are TASK/VARIANT/sSEED)")
+    return [cell for cell in cells if any(named(names[cell], p) for p in patterns)]
+
+
+def run_study(spec: StudySpec, jobs: int, only: Optional[str] = None) -> List[Tuple[Cell, int]]:
+    """Runs every unfinished cell (of those ``only`` names, `chosen`), ``jobs`` at a time, each with the spec's
+    ``threads`` (else cores / jobs); returns the cells that failed with their exit status."""
+    todo = [c for c in chosen(spec.cells(), only) if c.state != "finished"]
+    threads = spec.threads or max(1, (os.cpu_count() or 1) // jobs)
     failed = []
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         for cell, status in zip(todo, pool.map(lambda c: run_cell(c, threads, spec.keep_models), todo)):
@@ -805,6 +844,12 @@ def main(argv=None) -> None:
     )
     p.add_argument("spec", help="the study's YAML or JSON file")
     p.add_argument("--jobs", type=int, default=1, help="cells side by side (each with cores / jobs threads)")
+    p.add_argument(
+        "--only",
+        metavar="PATTERNS",
+        help="run only these cells: comma-separated TASK/VARIANT[/sSEED] patterns with shell wildcards "
+        "('gcd/grpo,gcd/gtpo', '*/base'); the report covers every finished cell",
+    )
     p.add_argument("--dry-run", action="store_true", help="list the cells, their state and estimated time")
     p.add_argument("--report-only", action="store_true", help="write the report from the finished cells")
     args = p.parse_args(argv)
@@ -813,15 +858,16 @@ def main(argv=None) -> None:
     try:
         spec = StudySpec.read(Path(args.spec))
         spec.check_shared_cells()
+        chosen(spec.cells(), args.only)  # a pattern that names no cell: one line, before anything runs
         if not args.report_only:
             check_cells(spec)
     except ConfigError as exc:
         p.error(str(exc))
     if args.dry_run:
-        print("\n".join(dry_run(spec, args.jobs)))
+        print("\n".join(dry_run(spec, args.jobs, args.only)))
         return
     started = time.time()
-    failed = [] if args.report_only else run_study(spec, args.jobs)
+    failed = [] if args.report_only else run_study(spec, args.jobs, args.only)
     spec.out.mkdir(parents=True, exist_ok=True)
     spec.report_path.write_text(report(spec))
     print(f"report: {spec.report_path} ({(time.time() - started) / 60:.1f} min)")
