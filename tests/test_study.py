@@ -299,8 +299,9 @@ def test_a_cell_run_with_other_flags_is_refused_before_anything_runs(tmp_path):
         study.main([str(tmp_path / "other.json"), "--dry-run"])
 
 
-def test_only_runs_the_cells_it_names_each_with_the_specs_threads(tmp_path, monkeypatch):
-    spec = study.StudySpec.read(write_spec(tmp_path / "s.json", "m", tmp_path / "o", seeds=[0, 1, 2], threads=1))
+def test_only_runs_the_cells_it_names_each_with_the_specs_threads(tmp_path, monkeypatch, capsys):
+    path = write_spec(tmp_path / "s.json", "m", tmp_path / "o", seeds=[0, 1, 2], threads=1)
+    spec = study.StudySpec.read(path)
     ran = []
     monkeypatch.setattr(study, "run_cell", lambda cell, threads, keep: ran.append((cell.variant, cell.seed, threads)))
     study.run_study(spec, jobs=1, only="arithmetic/gtpo/s1, */grpo")
@@ -311,6 +312,10 @@ def test_only_runs_the_cells_it_names_each_with_the_specs_threads(tmp_path, monk
     assert sorted(ran) == [("gtpo", 0, 1), ("gtpo", 1, 1), ("gtpo", 2, 1)]
     with pytest.raises(ConfigError, match=r"--only: 'arithmetic/ppo' names no cell"):
         study.run_study(spec, jobs=1, only="arithmetic/gtpo,arithmetic/ppo")
+    ran.clear()
+    with pytest.raises(SystemExit):  # from the command line: one line, before any cell is checked or run
+        study.main([str(path), "--only", "arithmetic/ppo"])
+    assert "--only: 'arithmetic/ppo' names no cell" in capsys.readouterr().err and not ran
     without = study.StudySpec.read(write_spec(tmp_path / "t.json", "m", tmp_path / "o"))
     ran.clear()
     study.run_study(without, jobs=1, only="*/grpo/s0")

@@ -308,6 +308,14 @@ MUTANTS: Tuple[Mutant, ...] = (
         "--only TASK/VARIANT runs that variant's every seed",
     ),
     Mutant(
+        "study: an --only pattern naming no cell not checked before the cells are",
+        "trainer/offline/study.py",
+        "        chosen(spec.cells(), args.only)  # a pattern that names no cell: one line, before anything runs",
+        "        pass",
+        ("tests/test_study.py", "-k", "only_runs"),
+        "--only with a pattern that names no cell is one line from the command, before any cell is checked or run",
+    ),
+    Mutant(
         "study: a threads value not checked",
         "trainer/offline/study.py",
         "(isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):",
