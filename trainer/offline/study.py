@@ -89,6 +89,17 @@ class Variant:
     reference: bool = False
 
 
+def run_settings(raw: dict, bad) -> Tuple[bool, Optional[int]]:
+    """A raw spec's ``keep_models`` and ``threads``, checked (``bad(why)`` makes the error)."""
+    keep_models = raw.get("keep_models", True)
+    if not isinstance(keep_models, bool):
+        raise bad("'keep_models' must be true or false")
+    threads = raw.get("threads")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise bad(f"'threads' must be a positive integer, the threads of every cell (got {threads!r})")
+    return keep_models, threads
+
+
 @dataclass(frozen=True)
 class StudySpec:
     """A study: its tasks (each a name and the ``gtpo-train`` flags that pick it) and variants, its seeds, the flags
@@ -198,11 +209,7 @@ class StudySpec:
         for variant in variants.values():
             if variant.against is not None and variant.against not in variants:
                 raise bad(f"variants.{variant.name}.against: {variant.against!r} is not one of the variants")
-        if not isinstance(raw.get("keep_models", True), bool):
-            raise bad("'keep_models' must be true or false")
-        threads = raw.get("threads")
-        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-            raise bad(f"'threads' must be a positive integer, the threads of every cell (got {threads!r})")
+        keep_models, threads = run_settings(raw, bad)
         return cls(
             name=str(raw.get("name", Path(path).stem)),
             out=Path(raw.get("out", Path(path).with_suffix(""))),
@@ -211,7 +218,7 @@ class StudySpec:
             variants=variants,
             baseline=baseline,
             common=flag_list(raw.get("common", []), "'common'"),
-            keep_models=raw.get("keep_models", True),
+            keep_models=keep_models,
             threads=threads,
         )
 
