@@ -8,9 +8,8 @@ times, in one process and one after the other (the best of ``--repeats``):
 
 - *bare decode products*: ``F.linear`` of the step's rows (prompts x group size) through every linear layer and the
   head, the products one decoded token needs and nothing else: the machine's reachable rate for this work;
-- *our decoding step* (`trainer.decode.Decoder` on our `KVCache`, the shared prefix read once, the whole buffer of
-  ``--max-new-tokens`` positions read), the same with the keys in the layout the cache's dtype does not pick
-  (`KVCache.keys_by_dim`), and, for comparison, a step through the model's forward with transformers' own cache;
+- *our decoding step* (`trainer.decode.Decoder` on our `KVCache`, the shared prefix read once) and, for comparison,
+  a step through the model's forward with transformers' own cache;
 - *the whole sampler* (`trainer.sampling.sample`: prompt pass, decoding, draws, end of rows) and the same with
   transformers' cache, in tokens per second: rows x decoded positions / seconds;
 - with ``--compile``, our step under ``torch.compile``: the first call (the compile) and the compiled step.
@@ -112,14 +111,11 @@ def measure(args) -> dict:
         tokens = torch.randint(0, sizes["head"][1], (rows_count,))
         start = attention.shape[1] - prefix
 
-        def ours(decoder, keys_by_dim=None):
-            kv = KVCache.from_prompts(cache, attention, n, new, prefix, keys_by_dim=keys_by_dim)
-            results.setdefault("keys_by_dim", kv.keys_by_dim)  # the layout the cache's dtype picks
+        def ours(decoder):
+            kv = KVCache.from_prompts(cache, attention, n, new, prefix)
             return lambda: decoder(kv, tokens, positions, torch.tensor([start]))
 
         results["ours_step_s"] = best_of(args.repeats, ours(Decoder(model)))
-        # the other layout of the keys, side by side (`KVCache.keys_by_dim`: the dtype picks one)
-        results["other_layout_step_s"] = best_of(args.repeats, ours(Decoder(model), not results["keys_by_dim"]))
         if args.profile:
             results["profile"] = profile_steps(ours(Decoder(model)))
         # transformers' step: the prompts' cache repeated, one token through the model's forward
@@ -196,10 +192,8 @@ def table(results: dict, args) -> list:
         f"| bare decode products (every linear layer and the head, {results['step_gflop']:.1f} GFLOP a step) | "
         f"{results['bare_step_s']:.3f} | {bare:.0f} | 100% |",
     ]
-    layouts = ("positions outer", "positions innermost")
     steps = [
-        (f"our decoding step (keys {layouts[results['keys_by_dim']]}, its dtype's layout)", "ours_step_s"),
-        (f"our decoding step, keys {layouts[not results['keys_by_dim']]}", "other_layout_step_s"),
+        ("our decoding step", "ours_step_s"),
         ("transformers' step (its cache, the model's forward)", "transformers_step_s"),
     ]
     if "compiled_step_s" in results:

@@ -83,13 +83,7 @@ def test_sampler_benchmark_harness(tiny_model_dir):
         + ["--repeats", "1", "--profile"]
     )
     text = "\n".join(sampler.table(sampler.measure(args), args))
-    rows = (
-        "| bare decode products",
-        "| our decoding step (keys positions outer, its dtype's layout) |",  # float32
-        "| our decoding step, keys positions innermost |",
-        "| the whole sampler, ours",
-    )
-    for row in rows:
+    for row in ("| bare decode products", "| our decoding step |", "| the whole sampler, ours"):
         assert row in text, text
     assert "torch.profiler" in text and "aten::mm" in text
 

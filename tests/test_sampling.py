@@ -93,8 +93,7 @@ def tiny_family_model(kind):
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("prefix", [0, 24], ids=["own-prompts", "shared-prefix"])
 @pytest.mark.parametrize("reads", ["written", "whole-buffer"])
-@pytest.mark.parametrize("keys_by_dim", [False, True], ids=["positions-outer", "positions-innermost"])
-def test_decode_step_logits_equal_the_whole_sequence_forward(kind, prefix, reads, keys_by_dim):
+def test_decode_step_logits_equal_the_whole_sequence_forward(kind, prefix, reads):
     model = tiny_family_model(kind)
     assert decoder_issue(model) is None
     ids, mask = prefixed_prompts(97)
@@ -102,9 +101,8 @@ def test_decode_step_logits_equal_the_whole_sequence_forward(kind, prefix, reads
     with torch.no_grad():
         out, cache, attention, lengths = prompt_pass(model, ids, mask, logits_to_keep=1, share_prefix=bool(prefix))
         assert prefix_run_once(model, ids, mask, bool(prefix)) == prefix
-        # each layout of the keys (a bf16 cache's and a float32 one's, `KVCache`), in float32: to 1e-5
-        kv = KVCache.from_prompts(cache, attention, n, steps, prefix, keys_by_dim=keys_by_dim)
-        assert kv.prefix == prefix and kv.keys_by_dim == keys_by_dim
+        kv = KVCache.from_prompts(cache, attention, n, steps, prefix)
+        assert kv.prefix == prefix
         decoder = Decoder(model)
         g = torch.Generator().manual_seed(2)
         new = torch.randint(4, 97, (ids.shape[0] * n, steps), generator=g)
@@ -135,7 +133,6 @@ def test_under_autocast_the_cache_is_held_in_its_dtype_and_the_logits_stay_the_m
         index = attention.shape[1] - 24
         got = Decoder(model)(kv, token, positions, torch.tensor([index]), index + 1).float()
     assert {t.dtype for t in kv.keys + kv.values + kv.prefix_keys + kv.prefix_values} == {torch.bfloat16}
-    assert kv.keys_by_dim  # a bf16 cache's layout, tested in float32 above
     with torch.no_grad():
         whole = torch.cat([ids.repeat_interleave(2, 0), token[:, None]], 1)
         whole_mask = torch.cat([mask.repeat_interleave(2, 0), torch.ones_like(token[:, None])], 1)
@@ -145,11 +142,8 @@ def test_under_autocast_the_cache_is_held_in_its_dtype_and_the_logits_stay_the_m
     assert (got - expected).abs().max() <= 2e-2 * expected.abs().max()
 
 
-@pytest.mark.parametrize("keys_by_dim", [False, True], ids=["positions-outer", "positions-innermost"])
 @pytest.mark.parametrize("greedy_first", [False, True], ids=["sampled", "greedy-first"])
-def test_rows_that_end_leave_the_batch_and_the_rows_that_go_on_take_the_same_tokens(
-    greedy_first, keys_by_dim, monkeypatch
-):
+def test_rows_that_end_leave_the_batch_and_the_rows_that_go_on_take_the_same_tokens(greedy_first, monkeypatch):
     """With several EOS ids the rows end at different steps; each one that ends leaves the decoding batch (the
     cache keeps the others, moved up), and every row takes the tokens it takes when all decode to the end, and those
     of transformers' own cache (sampled rows, and an evaluation's greedy first row of each prompt)."""
@@ -163,10 +157,6 @@ def test_rows_that_end_leave_the_batch_and_the_rows_that_go_on_take_the_same_tok
         keep(self, rows, used)
 
     monkeypatch.setattr(KVCache, "keep", counted_keep)
-    made = KVCache.from_prompts.__func__  # each layout of the keys, whatever the dtype would pick
-    monkeypatch.setattr(
-        KVCache, "from_prompts", classmethod(lambda cls, *a, **k: made(cls, *a, **k, keys_by_dim=keys_by_dim))
-    )
     runs = {}
     for name, options in {
         "compacted": {},

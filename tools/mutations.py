@@ -292,23 +292,6 @@ MUTANTS: Tuple[Mutant, ...] = (
         "the rollout's advantages are scaled as the run's loss asks (GTPO's presets centre; GRPO's divide by the std)",
     ),
     Mutant(
-        "decode cache: rows leaving a cache whose keys hold positions innermost leave their keys where they were",
-        "trainer/decode.py",
-        "                    buffer[:kept, ..., :used] = buffer[rows, ..., :used]",
-        "                    pass",
-        ("tests/test_sampling.py", "-k", "leave_the_batch and positions-innermost"),
-        "with keys held positions innermost (a bf16 cache's), the rows that go on after others leave take the same "
-        "tokens as when every row decodes to the end",
-    ),
-    Mutant(
-        "decode cache: a bf16 cache keeps its keys positions outer",
-        "trainer/decode.py",
-        "            by_dim = (dtype or cache.layers[0].keys.dtype) in (torch.bfloat16, torch.float16)",
-        "            by_dim = (dtype or cache.layers[0].keys.dtype) in (torch.float16,)",
-        ("tests/test_sampling.py", "-k", "autocast"),
-        "under bf16 autocast the cache holds its keys in the layout the scores' product reads fastest",
-    ),
-    Mutant(
         "study: the spec's threads ignored (cores / jobs for every cell)",
         "trainer/offline/study.py",
         "    threads = spec.threads or max(1, (os.cpu_count() or 1) // jobs)\n    failed = []",

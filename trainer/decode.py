@@ -38,64 +38,31 @@ class KVCache:
 
     ``prefix_keys, prefix_values``: per layer ``[kv_heads, c, head_dim]``, the ``c`` tokens every prompt starts with
     (a system turn, worked examples), held once for all rows (``c = 0``: none); ``keys, values``: per layer
-    ``[R, kv_heads, capacity, head_dim]``, each row's own prompt tokens and those written since (with
-    ``keys_by_dim``, keys ``[R, kv_heads, head_dim, capacity]``); ``valid [R, capacity]``: which of a row's positions
-    it attends to (not its left padding, nor the room still empty). Held in the dtype the attention products run in
-    (autocast's, where it is on), so a step casts only its new token's.
-
-    ``keys_by_dim``: a bf16 or fp16 cache holds its keys with the positions innermost, so that the scores' batched
-    product takes each row's keys as they lie, where oneDNN's bf16 batched product was slow on a transposed view
-    (`python -m bench sampler --precision bf16` times a step in each layout,
-    bench/results/step-issue64/sampler-keys-layout-*.md). A float32 cache keeps positions outer, the faster layout
-    for float32's batched products there."""
+    ``[R, kv_heads, capacity, head_dim]``, each row's own prompt tokens and those written since; ``valid [R,
+    capacity]``: which of a row's positions it attends to (not its left padding, nor the room still empty). Held in
+    the dtype the attention products run in (autocast's, where it is on), so a step casts only its new token's."""
 
     prefix_keys: List[torch.Tensor]
     prefix_values: List[torch.Tensor]
     keys: List[torch.Tensor]
     values: List[torch.Tensor]
     valid: torch.Tensor
-    keys_by_dim: bool = False
 
     @property
     def prefix(self) -> int:
         return self.prefix_keys[0].shape[1] if self.prefix_keys else 0
 
-    @property
-    def capacity(self) -> int:
-        """The positions each row's buffers hold (its own prompt's and every token to come)."""
-        return self.valid.shape[1]
-
-    def own_keys(self, layer: int, used: int) -> torch.Tensor:
-        """``[R * kv_heads, head_dim, used]``: layer ``layer``'s keys of each row's first ``used`` own positions, the
-        scores' right operand (a view: nothing copied)."""
-        keys = self.keys[layer]
-        return (keys[..., :used] if self.keys_by_dim else keys[:, :, :used].transpose(2, 3)).flatten(0, 1)
-
-    def write(self, layer: int, index: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """``keys, values [R, kv_heads, 1, head_dim]`` of the new token, at position ``index [1]`` of each row."""
-        if self.keys_by_dim:
-            self.keys[layer].index_copy_(3, index, keys.transpose(2, 3))
-        else:
-            self.keys[layer].index_copy_(2, index, keys)
-        self.values[layer].index_copy_(2, index, values)
-
     @classmethod
-    def from_prompts(
-        cls, cache, attention: torch.Tensor, n: int, extra: int, prefix: int = 0, keys_by_dim: Optional[bool] = None
-    ) -> KVCache:
+    def from_prompts(cls, cache, attention: torch.Tensor, n: int, extra: int, prefix: int = 0) -> KVCache:
         """The cache of a prompt pass (transformers' ``Cache`` of ``B`` rows built under ``attention [B, S]``, whose
         first ``prefix`` positions are the same tokens in every row), each prompt's own part repeated for its ``n``
-        rows, with room for ``extra`` more positions. ``keys_by_dim``: the keys' layout (None: by the dtype, as the
-        class says)."""
+        rows, with room for ``extra`` more positions."""
         batch, length = attention.shape
         own = length - prefix
         device = attention.device.type
         # Under autocast the attention products run in its dtype whatever the cache holds: a float32 cache (what a
         # float32 model's rotary embedding leaves) would be cast whole at every layer of every step.
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-        by_dim = keys_by_dim
-        if by_dim is None:
-            by_dim = (dtype or cache.layers[0].keys.dtype) in (torch.bfloat16, torch.float16)
         prefix_keys, prefix_values, keys, values = [], [], [], []
         for layer in cache.layers:
             for source, shared, into in ((layer.keys, prefix_keys, keys), (layer.values, prefix_values, values)):
@@ -103,31 +70,21 @@ class KVCache:
                 source = source.to(dtype or source.dtype)
                 if prefix:
                     shared.append(source[0, :, :prefix].clone())
-                own_part = source[:, None, :, prefix:]  # [B, 1, heads, own, dim]
-                if by_dim and into is keys:
-                    buffer = source.new_zeros(batch, n, heads, dim, own + extra)
-                    buffer[..., :own] = own_part.transpose(3, 4)  # one copy, straight into each row's buffer
-                    into.append(buffer.view(batch * n, heads, dim, own + extra))
-                else:
-                    buffer = source.new_zeros(batch, n, heads, own + extra, dim)
-                    buffer[:, :, :, :own] = own_part
-                    into.append(buffer.view(batch * n, heads, own + extra, dim))
+                buffer = source.new_zeros(batch, n, heads, own + extra, dim)
+                buffer[:, :, :, :own] = source[:, None, :, prefix:]  # one copy, straight into each row's buffer
+                into.append(buffer.view(batch * n, heads, own + extra, dim))
         valid = torch.zeros(batch * n, own + extra, dtype=torch.bool, device=attention.device)
         valid[:, :own] = attention[:, prefix:].bool().repeat_interleave(n, 0)
-        return cls(prefix_keys, prefix_values, keys, values, valid, keys_by_dim=by_dim)
+        return cls(prefix_keys, prefix_values, keys, values, valid)
 
     def keep(self, rows: torch.Tensor, used: int) -> None:
         """Only the rows ``rows`` (ascending indices of the current ones) from now on, in that order: each kept row's
         first ``used`` positions move up to its new index within the same buffers (nothing allocated, the room not
         yet written not copied), and the buffers' first ``len(rows)`` rows become the cache."""
         kept = rows.numel()
-        for buffers, positions_last in ((self.keys, self.keys_by_dim), (self.values, False)):
+        for buffers in (self.keys, self.values):
             for i, buffer in enumerate(buffers):
-                # the right side is gathered first: no overlap
-                if positions_last:
-                    buffer[:kept, ..., :used] = buffer[rows, ..., :used]
-                else:
-                    buffer[:kept, :, :used] = buffer[rows, :, :used]
+                buffer[:kept, :, :used] = buffer[rows, :, :used]  # the right side is gathered first: no overlap
                 buffers[i] = buffer[:kept]
         self.valid = self.valid[rows]
 
@@ -140,12 +97,11 @@ def attend(q: torch.Tensor, cache: KVCache, layer: int, bias: torch.Tensor, scal
     kv_heads, group, used]``: 0 where a row attends, -inf elsewhere. Written as batched products: at one query a row
     they beat the CPU's fused attention kernel, and the prefix's keys are read once for every row."""
     used = bias.shape[-1]
-    rows, kv_heads, _, dim = cache.values[layer].shape
-    # views of the positions written so far (the room still empty is not read): keys [R * kv_heads, dim, used],
-    # values [R * kv_heads, used, dim]
-    keys, values = cache.own_keys(layer, used), cache.values[layer][:, :, :used].flatten(0, 1)
+    rows, kv_heads, _, dim = cache.keys[layer].shape
+    # [R * kv_heads, used, dim] views of the positions written so far (the room still empty is not read)
+    keys, values = (c[layer][:, :, :used].flatten(0, 1) for c in (cache.keys, cache.values))
     group = q.shape[1]
-    scores = torch.baddbmm(bias, q, keys, alpha=scale)  # [R * kv_heads, group, used]
+    scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=scale)  # [R * kv_heads, group, used]
     c = cache.prefix
     if c:
         by_head = q.view(rows, kv_heads, group, dim).transpose(0, 1).reshape(kv_heads, rows * group, dim)
@@ -172,7 +128,7 @@ def decode_step(
     rows = tokens.shape[0]
     cache.valid.index_fill_(1, index, True)
     kv_heads = cache.keys[0].shape[1]
-    capacity = used or cache.capacity
+    capacity = used or cache.keys[0].shape[2]
     first = decoder.layers[0].self_attn
     group = first.q_proj.out_features // (kv_heads * first.head_dim)
     x = decoder.embed_tokens(tokens[:, None])  # [R, 1, H]
@@ -192,7 +148,8 @@ def decode_step(
         if getattr(attn, "q_norm", None) is not None:  # Qwen3: RMSNorm per head before the rotation
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = rotate(q, cos, sin).to(kv_dtype), rotate(k, cos, sin)
-        cache.write(i, index, k.to(kv_dtype), v.to(kv_dtype))
+        cache.keys[i].index_copy_(2, index, k.to(kv_dtype))
+        cache.values[i].index_copy_(2, index, v.to(kv_dtype))
         out = attend(q.reshape(rows * kv_heads, group, dim), cache, i, bias, attn.scaling)
         x = x + attn.o_proj(out.reshape(rows, 1, -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
@@ -246,7 +203,7 @@ class Decoder:
     ):
         """`decode_step` of this model (a compiled one reads the whole cache, whatever ``used`` says)."""
         if self._compiled is not None:
-            shape = (tokens.shape[0], cache.capacity, cache.prefix)
+            shape = (tokens.shape[0], cache.keys[0].shape[2], cache.prefix)
             started = time.perf_counter()
             try:
                 logits = self._compiled(self.modules, cache, tokens, positions, index)
