@@ -4,6 +4,7 @@ checkpoint, and reports each variant's paired difference from the baseline, seed
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -320,6 +321,27 @@ def test_only_runs_the_cells_it_names_each_with_the_specs_threads(tmp_path, monk
     ran.clear()
     study.run_study(without, jobs=1, only="*/grpo/s0")
     assert ran == [("grpo", 0, os.cpu_count())]  # no threads in the spec: the cores over the jobs
+
+
+def test_a_cell_records_the_code_it_ran(tmp_path, monkeypatch):
+    """study-cell.json holds the commit the study ran from (this checkout's, with "+changes" where tracked files
+    differ from it), beside the cell's flags and threads."""
+    spec = study.StudySpec.read(write_spec(tmp_path / "s.json", "m", tmp_path / "o", threads=1))
+    cell = spec.cells()[0]
+    monkeypatch.setattr(study, "code_version", lambda: "abc123+changes")
+    monkeypatch.setattr(study.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0))  # no cell run
+    study.run_cell(cell, 1)
+    record = json.loads((cell.folder / "study-cell.json").read_text())
+    assert record == {"flags": list(cell.flags), "threads": 1, "code": "abc123+changes"}
+
+
+def test_the_code_version_is_this_checkouts_commit():
+    head = shutil.which("git") and subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    )
+    if not head or head.returncode:
+        pytest.skip("not a git checkout: no commit to record")
+    assert study.code_version().split("+")[0] == head.stdout.strip()
 
 
 def test_variants_run_their_own_seeds_and_tasks_and_pair_with_their_partner(tmp_path):

@@ -316,6 +316,14 @@ MUTANTS: Tuple[Mutant, ...] = (
         "--only with a pattern that names no cell is one line from the command, before any cell is checked or run",
     ),
     Mutant(
+        "study: a cell's code version not recorded",
+        "trainer/offline/study.py",
+        '    record = {"flags": list(cell.flags), "threads": threads, "code": code_version()}',
+        '    record = {"flags": list(cell.flags), "threads": threads}',
+        ("tests/test_study.py", "-k", "records_the_code"),
+        "study-cell.json holds the commit each cell ran from, so that a pair run across a code change shows",
+    ),
+    Mutant(
         "study: a threads value not checked",
         "trainer/offline/study.py",
         "(isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):",

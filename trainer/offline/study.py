@@ -327,6 +327,22 @@ class Cell:
         return json.loads(path.read_text()) if path.exists() else None
 
 
+def code_version() -> Optional[str]:
+    """The commit the study runs from, ``+changes`` after it where tracked files differ from it (None outside a git
+    checkout): a study spanning sessions records what each cell ran, so that a pair run across a code change shows."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        changed = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return commit + ("+changes" if changed else "")
+
+
 def run_cell(cell: Cell, threads: int, keep_models: bool = True) -> int:
     """Runs ``cell`` (resuming it if it was interrupted, afresh if it had not reached a checkpoint) with ``threads``
     threads; its output goes to ``FOLDER.log``. Without ``keep_models``, a finished cell's checkpoints and final
@@ -334,7 +350,8 @@ def run_cell(cell: Cell, threads: int, keep_models: bool = True) -> int:
     if cell.state == "new" and cell.folder.exists():
         shutil.rmtree(cell.folder)  # a run stopped before its first checkpoint: nothing to keep
     cell.folder.mkdir(parents=True, exist_ok=True)
-    (cell.folder / "study-cell.json").write_text(json.dumps({"flags": list(cell.flags), "threads": threads}))
+    record = {"flags": list(cell.flags), "threads": threads, "code": code_version()}
+    (cell.folder / "study-cell.json").write_text(json.dumps(record))
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
     with open(cell.folder.with_suffix(".log"), "a") as log:
         status = subprocess.run(cell.command(), stdout=log, stderr=subprocess.STDOUT, env=env).returncode
