@@ -294,8 +294,8 @@ MUTANTS: Tuple[Mutant, ...] = (
     Mutant(
         "study: the spec's threads ignored (cores / jobs for every cell)",
         "trainer/offline/study.py",
-        "    threads = spec.threads or max(1, (os.cpu_count() or 1) // jobs)\n    failed = []",
-        "    threads = max(1, (os.cpu_count() or 1) // jobs)\n    failed = []",
+        "        return self.threads or max(1, (os.cpu_count() or 1) // jobs)",
+        "        return max(1, (os.cpu_count() or 1) // jobs)",
         ("tests/test_study.py", "-k", "only_runs"),
         "a spec's threads reach every cell whatever --jobs, so that paired cells differ in their one change only",
     ),

@@ -222,6 +222,10 @@ class StudySpec:
             threads=threads,
         )
 
+    def threads_per_cell(self, jobs: int) -> int:
+        """Each cell's threads with ``jobs`` cells side by side: the spec's ``threads``, else the cores / jobs."""
+        return self.threads or max(1, (os.cpu_count() or 1) // jobs)
+
     @property
     def report_path(self) -> Path:
         """``OUT/NAME.md``: studies that share a folder (and so the cells they have in common) keep their reports."""
@@ -410,7 +414,7 @@ def check_cells(spec: StudySpec) -> None:
 def dry_run(spec: StudySpec, jobs: int, only: Optional[str] = None) -> List[str]:
     every = spec.cells()
     cells = chosen(every, only)
-    threads = spec.threads or max(1, (os.cpu_count() or 1) // jobs)
+    threads = spec.threads_per_cell(jobs)
     lines = [
         f"study {spec.name}: {len(cells)} cells"
         + (f" of {len(every)}" if len(cells) < len(every) else "")
@@ -848,7 +852,7 @@ def run_study(spec: StudySpec, jobs: int, only: Optional[str] = None) -> List[Tu
     """Runs every unfinished cell (of those ``only`` names, `chosen`), ``jobs`` at a time, each with the spec's
     ``threads`` (else cores / jobs); returns the cells that failed with their exit status."""
     todo = [c for c in chosen(spec.cells(), only) if c.state != "finished"]
-    threads = spec.threads or max(1, (os.cpu_count() or 1) // jobs)
+    threads = spec.threads_per_cell(jobs)
     failed = []
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         for cell, status in zip(todo, pool.map(lambda c: run_cell(c, threads, spec.keep_models), todo)):
