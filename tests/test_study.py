@@ -323,6 +323,19 @@ def test_only_runs_the_cells_it_names_each_with_the_specs_threads(tmp_path, monk
     assert ran == [("grpo", 0, os.cpu_count())]  # no threads in the spec: the cores over the jobs
 
 
+def test_only_checks_the_cells_it_names(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """A session that runs one task's cells (``--only``) needs no other task's data; without ``--only`` the task
+    whose data is missing stops the study before anything runs."""
+    monkeypatch.chdir(tmp_path)
+    tasks = {"arithmetic": [], "missing": ["--dataset", "nowhere/train.jsonl"]}
+    path = write_spec(tmp_path / "s.json", tiny_model_dir, tmp_path / "o", tasks=tasks)
+    study.main([str(path), "--dry-run", "--only", "arithmetic/*"])
+    assert "arithmetic/grpo/s0: new" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        study.main([str(path), "--dry-run"])
+    assert "cell missing/grpo: dataset 'nowhere/train.jsonl'" in capsys.readouterr().err
+
+
 def test_a_cell_records_the_code_it_ran(tmp_path, monkeypatch):
     """study-cell.json holds the commit the study ran from (this checkout's, with "+changes" where tracked files
     differ from it), beside the cell's flags and threads."""

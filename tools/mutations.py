@@ -316,6 +316,14 @@ MUTANTS: Tuple[Mutant, ...] = (
         "--only with a pattern that names no cell is one line from the command, before any cell is checked or run",
     ),
     Mutant(
+        "study: --only's cells not the only ones checked",
+        "trainer/offline/study.py",
+        "    for cell in chosen(spec.cells(), only):",
+        "    for cell in spec.cells():",
+        ("tests/test_study.py", "-k", "only_checks"),
+        "a session running one task's cells (--only) needs no other task's data",
+    ),
+    Mutant(
         "study: a cell's code version not recorded",
         "trainer/offline/study.py",
         '    record = {"flags": list(cell.flags), "threads": threads, "code": code_version()}',

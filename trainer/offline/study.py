@@ -380,18 +380,19 @@ def estimate_minutes(cell: Cell, cells: Sequence[Cell]) -> Optional[float]:
     return None
 
 
-def check_cells(spec: StudySpec) -> None:
+def check_cells(spec: StudySpec, only: Optional[str] = None) -> None:
     """Every unfinished cell's flags as ``gtpo-train`` reads them, then the trainer's own checks before it loads
     anything (`session.check_before_loading`: prompts over processes, the model's source, trackers) and its task
     as the trainer loads it (data, prompts, rewards), once per distinct set of flags. A mistake that would stop
     every cell in its first second is one `ConfigError` naming a cell before any cell runs. A spec's paths are
-    read from the folder the study runs in, as its cells read them."""
+    read from the folder the study runs in, as its cells read them. Only the cells ``only`` names are checked: a
+    session that runs one task's cells needs no other task's data."""
     from ..config import parse_args
     from ..session import check_before_loading
     from ..task import load_task
 
     seen = set()
-    for cell in spec.cells():
+    for cell in chosen(spec.cells(), only):
         if cell.state == "finished" or tuple(cell.flags) in seen:
             continue
         seen.add(tuple(cell.flags))
@@ -888,7 +889,7 @@ def main(argv=None) -> None:
         spec.check_shared_cells()
         chosen(spec.cells(), args.only)  # a pattern that names no cell: one line, before anything runs
         if not args.report_only:
-            check_cells(spec)
+            check_cells(spec, args.only)
     except ConfigError as exc:
         p.error(str(exc))
     if args.dry_run:
