@@ -336,6 +336,33 @@ def test_only_checks_the_cells_it_names(tiny_model_dir, tmp_path, monkeypatch, c
     assert "cell missing/grpo: dataset 'nowhere/train.jsonl'" in capsys.readouterr().err
 
 
+def test_a_cells_time_is_estimated_from_finished_cells_of_its_kind(tmp_path):
+    """A training cell's estimate comes from training cells (its variant's first, on any task), never from an
+    evaluation-only cell's; with none of its kind finished it is unknown."""
+    variants = {
+        "base": {"flags": ["--steps", "0"], "seeds": [0], "reference": True},
+        "grpo": ["--algo", "grpo"],
+        "gtpo": ["--algo", "gtpo", "--preset", "paper"],
+    }
+    tasks = {"arithmetic": [], "other": []}
+    spec = study.StudySpec.read(write_spec(tmp_path / "s.json", "m", tmp_path / "o", variants=variants, tasks=tasks))
+    cells = {(c.task, c.variant, c.seed): c for c in spec.cells()}
+
+    def finish(key, minutes):
+        cells[key].folder.mkdir(parents=True)
+        (cells[key].folder / "summary.json").write_text(json.dumps({"wall_minutes": minutes}))
+
+    finish(("arithmetic", "base", 0), 10.0)
+    assert study.estimate_minutes(cells[("arithmetic", "grpo", 0)], spec.cells()) is None
+    assert study.estimate_minutes(cells[("other", "base", 0)], spec.cells()) == 10.0
+    finish(("arithmetic", "grpo", 0), 30.0)
+    finish(("arithmetic", "gtpo", 0), 50.0)
+    assert study.estimate_minutes(cells[("arithmetic", "grpo", 1)], spec.cells()) == 30.0  # its own variant
+    assert study.estimate_minutes(cells[("other", "gtpo", 1)], spec.cells()) == 50.0  # its variant, another task
+    assert study.estimate_minutes(cells[("other", "base", 0)], spec.cells()) == 10.0
+    assert "other/grpo/s0: new, about 30.0 min" in "\n".join(study.dry_run(spec, 2))
+
+
 def test_a_cell_records_the_code_it_ran(tmp_path, monkeypatch):
     """study-cell.json holds the commit the study ran from (this checkout's, with "+changes" where tracked files
     differ from it), beside the cell's flags and threads."""

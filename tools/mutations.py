@@ -324,6 +324,22 @@ MUTANTS: Tuple[Mutant, ...] = (
         "a session running one task's cells (--only) needs no other task's data",
     ),
     Mutant(
+        "study: a training cell's time estimated from evaluation-only cells",
+        "trainer/offline/study.py",
+        "        lambda c: c.trains == cell.trains,",
+        "        lambda c: True,",
+        ("tests/test_study.py", "-k", "estimated_from_finished"),
+        "the dry run's estimate of a training cell never comes from the untrained model's evaluation-only cells",
+    ),
+    Mutant(
+        "study: a cell's time not estimated from its variant on other tasks",
+        "trainer/offline/study.py",
+        "        lambda c: c.variant == cell.variant,\n",
+        "",
+        ("tests/test_study.py", "-k", "estimated_from_finished"),
+        "a variant's time on one task estimates it on the others before any mix of variants does",
+    ),
+    Mutant(
         "study: a cell's code version not recorded",
         "trainer/offline/study.py",
         '    record = {"flags": list(cell.flags), "threads": threads, "code": code_version()}',

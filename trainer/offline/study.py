@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fnmatch
+import functools
 import io
 import json
 import math
@@ -287,6 +288,14 @@ class StudySpec:
         ]
 
 
+@functools.cache
+def steps_of(flags: Tuple[str, ...]) -> int:
+    """The training steps ``gtpo-train`` takes with ``flags`` (its own reading: command line over --config file)."""
+    from ..config import parse_args
+
+    return parse_args(list(flags)).steps
+
+
 @dataclass(frozen=True)
 class Cell:
     """One ``gtpo-train`` run of a study: its task, variant and seed, its folder and its flags."""
@@ -305,6 +314,11 @@ class Cell:
         if self.folder.is_dir() and checkpoints(self.folder):  # the trainer's own list: no half-written folder
             return "interrupted"
         return "new"
+
+    @property
+    def trains(self) -> bool:
+        """Whether the cell takes training steps (``--steps 0``: the untrained model, evaluated only)."""
+        return steps_of(self.flags) > 0
 
     def command(self) -> List[str]:
         resume = ["--resume"] if self.state == "interrupted" else []
@@ -367,12 +381,15 @@ def run_cell(cell: Cell, threads: int, keep_models: bool = True) -> int:
 
 def estimate_minutes(cell: Cell, cells: Sequence[Cell]) -> Optional[float]:
     """``cell``'s time from the finished cells (start to saved model): the mean of its task and variant's, else of
-    its task's, else of all; None when none has finished."""
+    its variant's on other tasks, else of its task's cells of its kind (training, or evaluating only), else of all
+    of its kind; None when none has finished (an evaluation-only cell's half hour says nothing of a training
+    cell's)."""
     done = [(c, c.summary()) for c in cells if c.state == "finished"]
     for same in (
         lambda c: c.task == cell.task and c.variant == cell.variant,
-        lambda c: c.task == cell.task,
-        lambda c: True,
+        lambda c: c.variant == cell.variant,
+        lambda c: c.task == cell.task and c.trains == cell.trains,
+        lambda c: c.trains == cell.trains,
     ):
         minutes = [s["wall_minutes"] for c, s in done if same(c) and "wall_minutes" in s]
         if minutes:
