@@ -427,6 +427,24 @@ def test_the_untrained_figures_are_each_runs_first_evaluation(tmp_path):
     assert "| arithmetic | grpo | 1 of 1 | s0: accuracy 0.50 -> 0.10 | s0: 2 / '1' 0.75 |" in text  # 3 of 4 say 1
 
 
+def test_each_variant_shows_its_change_from_the_untrained_model(tmp_path):
+    """Beside each variant's mean after training: the untrained model's figure and the change from it, marked where
+    the change is larger than the seed spread (training moved the figure by more than the seeds disagree)."""
+    variants = {"grpo": ["--algo", "grpo"], "base": {"flags": ["--steps", "0"], "seeds": [0], "reference": True}}
+    spec = study.StudySpec.read(write_spec(tmp_path / "s.json", "m", tmp_path / "o", variants=variants, seeds=[0, 1]))
+    for cell in spec.cells():
+        if cell.variant == "base":
+            cell.folder.mkdir(parents=True)
+            after = {"accuracy": 0.25, "pass@16": 0.80}
+            (cell.folder / "summary.json").write_text(json.dumps({"steps": 0, "after": after, "eval_problems": 64}))
+            (cell.folder / "metrics.jsonl").write_text(json.dumps({"kind": "eval", "step": 0, **after}) + "\n")
+        else:  # accuracy 0.45 and 0.55 (spread 0.10, change +0.25); pass@16 0.70 and 0.90 (spread 0.20, change 0)
+            fake_cell(cell, {"accuracy": [0.45, 0.55][cell.seed], "pass@16": [0.70, 0.90][cell.seed]})
+    text = study.report(spec)
+    assert "| 0.250 | +0.250 (> spread) |" in text.split("| arithmetic | grpo | 2 | accuracy |")[1].splitlines()[0]
+    assert "| 0.800 | +0.000 |" in text.split("| arithmetic | grpo | 2 | pass@16 |")[1].splitlines()[0]
+
+
 def test_a_run_without_train_rows_is_plotted(tmp_path):
     """A --steps 0 run (the untrained model's evaluation) logs one evaluation and no step: its plot is drawn."""
     pytest.importorskip("matplotlib")

@@ -340,6 +340,22 @@ MUTANTS: Tuple[Mutant, ...] = (
         "a variant's time on one task estimates it on the others before any mix of variants does",
     ),
     Mutant(
+        "study: a variant's change from the untrained model not taken from the untrained figure",
+        "trainer/offline/study.py",
+        "            change = mean(values) - before",
+        "            change = mean(values)",
+        ("tests/test_study.py", "-k", "change_from_the_untrained"),
+        "each variant's table row shows how far training moved each figure from the untrained model's",
+    ),
+    Mutant(
+        "study: every change from the untrained model marked larger than the seed spread",
+        "trainer/offline/study.py",
+        '            beyond = " (> spread)" if len(values) > 1 and abs(change) > spread else ""',
+        '            beyond = " (> spread)" if len(values) > 1 else ""',
+        ("tests/test_study.py", "-k", "change_from_the_untrained"),
+        "the mark says training moved a figure by more than the seeds disagree, and only then",
+    ),
+    Mutant(
         "study: a cell's code version not recorded",
         "trainer/offline/study.py",
         '    record = {"flags": list(cell.flags), "threads": threads, "code": code_version()}',

@@ -684,9 +684,11 @@ def agreement_section(spec: StudySpec) -> List[str]:
     ]
 
 
-def figure_rows(task: str, variant: str, summaries: Sequence[dict]) -> List[str]:
-    """One table row per held-out figure of a variant's finished cells on a task: mean, t interval, seed spread, and
-    one run's own Wilson interval width."""
+def figure_rows(task: str, variant: str, summaries: Sequence[dict], untrained: Optional[dict] = None) -> List[str]:
+    """One table row per held-out figure of a variant's finished cells on a task: mean, t interval, seed spread,
+    one run's own Wilson interval width, and the change from the untrained model's figure (``untrained``: its
+    reference cell's, where the task has one), marked where it is larger than the seed spread: training moved the
+    figure by more than the seeds disagree."""
     rows = []
     for metric in sorted(set.intersection(*(set(final_metrics(s)) for s in summaries))):
         values = [final_metrics(s)[metric] for s in summaries]
@@ -695,10 +697,18 @@ def figure_rows(task: str, variant: str, summaries: Sequence[dict]) -> List[str]
             for v, s in zip(values, summaries)
             if is_share(metric) and s.get("eval_problems")
         ]
+        spread = max(values) - min(values)
+        before = (untrained or {}).get(metric)
+        if isinstance(before, (int, float)):
+            change = mean(values) - before
+            beyond = " (> spread)" if len(values) > 1 and abs(change) > spread else ""
+            from_untrained = f"{before:.3f} | {change:+.3f}{beyond}"
+        else:
+            from_untrained = "- | -"
         rows.append(
             f"| {task} | {variant} | {len(summaries)} | {metric} | {mean(values):.3f} | "
-            f"{interval_text(*t_interval(values))} | {max(values) - min(values):.3f} | "
-            f"{f'{mean(widths):.3f}' if widths else '-'} |"
+            f"{interval_text(*t_interval(values))} | {spread:.3f} | "
+            f"{f'{mean(widths):.3f}' if widths else '-'} | {from_untrained} |"
         )
     return rows
 
@@ -790,7 +800,7 @@ def report(spec: StudySpec) -> str:
             if not summaries or spec.variants[variant].reference:
                 continue
             by_variant[variant] = runs = load_runs(mine, untrained.get(task))
-            figures += figure_rows(task, variant, summaries)
+            figures += figure_rows(task, variant, summaries, untrained.get(task))
             stability.append(stability_row(task, variant, runs, minutes, mine))
             mechanisms.append(mechanisms_row(task, variant, runs))
         if by_variant:  # one figure per task, every variant's curves on it
@@ -808,10 +818,13 @@ def report(spec: StudySpec) -> str:
         "## Each variant",
         "",
         "After training: the mean over seeds with its 95 % t interval; the seed spread (largest minus smallest); "
-        "and one run's own 95 % Wilson interval width over the held-out problems (mean over seeds).",
+        "one run's own 95 % Wilson interval width over the held-out problems (mean over seeds); the untrained "
+        "model's figure (the task's reference cell) and the change from it, marked \"> spread\" where it is larger "
+        "than the seed spread (training moved the figure by more than the seeds disagree).",
         "",
-        "| task | variant | seeds | metric | mean | 95 % t interval | seed spread | one run's interval width |",
-        "|---|---|---|---|---|---|---|---|",
+        "| task | variant | seeds | metric | mean | 95 % t interval | seed spread | one run's interval width | "
+        "untrained | change from untrained |",
+        "|---|---|---|---|---|---|---|---|---|---|",
         *figures,
         "",
         "## Collapses, entropy, time",
