@@ -252,14 +252,10 @@ def copy_bandwidth_gbs(device: torch.device, nbytes: int = 2**30, reps: int = 20
 
 
 def cpu_bf16_flags() -> List[str]:
-    """The CPU's bf16 instruction sets from /proc/cpuinfo (``avx512_bf16``, ``amx_bf16``): empty where it has none
-    or the file is not there."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return []
-    return [flag for flag in ("avx512_bf16", "amx_bf16") if flag in flags]
+    """The CPU's bf16 instruction sets (``avx512_bf16``, ``amx_bf16``), as the trainer records them."""
+    from trainer.precision import cpu_bf16_units
+
+    return cpu_bf16_units()
 
 
 def environment(device: torch.device) -> dict:

@@ -12,12 +12,14 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("yaml")
 
 from trainer.config import ConfigError  # noqa: E402
 from trainer.offline import study  # noqa: E402
+from trainer.precision import Machine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -372,7 +374,31 @@ def test_a_cell_records_the_code_it_ran(tmp_path, monkeypatch):
     monkeypatch.setattr(study.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0))  # no cell run
     study.run_cell(cell, 1)
     record = json.loads((cell.folder / "study-cell.json").read_text())
-    assert record == {"flags": list(cell.flags), "threads": 1, "code": "abc123+changes"}
+    machine = str(Machine.this())
+    assert record == {"flags": list(cell.flags), "threads": 1, "code": "abc123+changes", "machine": machine}
+    assert machine.startswith(Machine.this().cpu) and f"torch {torch.__version__}" in machine
+
+
+def test_the_report_names_each_cells_machine_and_the_pairs_that_ran_on_two(tmp_path):
+    """The report lists the machines the finished cells ran on (their summary's record, else study-cell.json's)
+    and each pair whose two cells ran on different ones: bf16 rounds differently on CPUs with and without bf16
+    units, so such a pair's difference holds the machines' too."""
+    spec = study.StudySpec.read(write_spec(tmp_path / "s.json", "m", tmp_path / "o", seeds=[0, 1]))
+    zen = Machine("AMD EPYC", 2, ("avx512_bf16",), None, "2.13.0+cpu")
+    xeon = Machine("Intel Xeon", 2, ("avx512_bf16", "amx_bf16"), None, "2.13.0+cpu")
+    ran_on = {("grpo", 0): zen, ("gtpo", 0): zen, ("grpo", 1): zen, ("gtpo", 1): xeon}
+    for cell in spec.cells():
+        fake_cell(cell, {"accuracy": 0.5})
+        summary = json.loads((cell.folder / "summary.json").read_text())
+        if (cell.variant, cell.seed) == ("gtpo", 1):  # recorded only where it started (a run before summaries did)
+            (cell.folder / "study-cell.json").write_text(json.dumps({"machine": str(xeon)}))
+        else:
+            summary["machine"] = ran_on[cell.variant, cell.seed].as_dict()
+        (cell.folder / "summary.json").write_text(json.dumps(summary))
+    text = study.report(spec)
+    assert "Machines: AMD EPYC (2 cores, avx512_bf16), torch 2.13.0+cpu: 3 cells; Intel Xeon (2 cores, " in text
+    assert "Pairs run on different machines (their difference holds the machines' too): arithmetic/gtpo/s1 " in text
+    assert "arithmetic/gtpo/s0" not in text.split("Pairs run on different machines")[1]
 
 
 def test_the_code_version_is_this_checkouts_commit():

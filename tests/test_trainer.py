@@ -75,6 +75,12 @@ def test_a_few_steps_run_with_finite_losses(tiny_model_dir, tmp_path, algo):
     # Every held-out figure with its 95 % interval over the held-out problems, in summary.json too.
     saved = json.loads((tmp_path / "summary.json").read_text())
     assert saved["eval_problems"] == summary["eval_problems"] == 4
+    # The machine its minutes are of: this CPU's name, cores and bf16 units (read here from /proc/cpuinfo), torch.
+    assert saved["machine"]["torch"] == torch.__version__ and saved["machine"]["cores"] == os.cpu_count()
+    assert saved["machine"]["gpu"] is None and saved["machine"]["cpu"]
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    assert saved["machine"]["bf16_units"] == [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
     for when in ("before", "after"):
         counts = {"distinct_answers", "mean_completion_tokens", "mean_reasoning_words"}  # like a reward's: no interval
         shares = {k: v for k, v in saved[when].items() if not k.startswith("reward") and k not in counts}

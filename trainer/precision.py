@@ -8,9 +8,11 @@ clearly faster; on a GPU it takes bf16.
 
 from __future__ import annotations
 
+import os
+import platform
 import time
-from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from dataclasses import asdict, dataclass
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -38,6 +40,49 @@ class PrecisionChoice:
     @property
     def name(self) -> str:
         return "bf16" if self.bf16 else "fp32"
+
+
+def cpu_bf16_units() -> List[str]:
+    """The CPU's bf16 instruction sets from /proc/cpuinfo (``avx512_bf16``, ``amx_bf16``): empty where it has none
+    or the file is not there. (oneDNN's "bf16 supported" is true on any AVX-512 CPU, emulated or not.)"""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return []
+    return [flag for flag in ("avx512_bf16", "amx_bf16") if flag in flags]
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What a run ran on, for its figures: the CPU's name, cores and bf16 units (CPUs of one name differ in them,
+    which changes bf16 timings and rounding), the GPU where it used one, and torch's version."""
+
+    cpu: str
+    cores: int
+    bf16_units: Tuple[str, ...]
+    gpu: Optional[str]
+    torch: str
+
+    @classmethod
+    def this(cls, device: Optional[torch.device] = None) -> Machine:
+        cpu = platform.machine()  # (not platform.processor(): it runs a program where /proc/cpuinfo is absent)
+        try:
+            with open("/proc/cpuinfo") as f:
+                names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+            cpu = names[0] if names else cpu
+        except OSError:
+            pass
+        gpu = torch.cuda.get_device_name(device) if device is not None and device.type == "cuda" else None
+        return cls(cpu, os.cpu_count() or 1, tuple(cpu_bf16_units()), gpu, torch.__version__)
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "bf16_units": list(self.bf16_units)}
+
+    def __str__(self) -> str:
+        units = ", ".join(self.bf16_units) or "no bf16 units"
+        where = f"{self.gpu} on " if self.gpu else ""
+        return f"{where}{self.cpu} ({self.cores} cores, {units}), torch {self.torch}"
 
 
 def time_product(dtype: torch.dtype, shape: Tuple[int, int], repeats: int = 5) -> float:

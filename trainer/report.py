@@ -37,8 +37,11 @@ def save_final(model, tokenizer, policy, folder: Path, merge_lora: bool = False)
         tokenizer.save_pretrained(folder / "merged")
 
 
-def summarise(config, state, after: dict, stopped, processes: int, eval_rows: int, minutes: float, wall: float) -> dict:
-    """``summary.json``: the run's settings in brief, where it stopped, and its held-out figures before and after."""
+def summarise(
+    config, state, after: dict, stopped, processes: int, eval_rows: int, minutes: float, wall: float, machine=None
+) -> dict:
+    """``summary.json``: the run's settings in brief, where it stopped, its held-out figures before and after, and
+    the machine it ran on (a `precision.Machine`: its minutes are that machine's)."""
     return {
         "algo": config.algo,
         "preset": config.loss_preset,
@@ -49,6 +52,7 @@ def summarise(config, state, after: dict, stopped, processes: int, eval_rows: in
         "processes": processes,
         "minutes": minutes,
         "wall_minutes": wall,
+        "machine": None if machine is None else machine.as_dict(),
         "before": state.before,
         "after": after,
         # Each share is of these rows: its 95 % interval (Wilson) says what it can tell.

@@ -39,7 +39,7 @@ from .distributed import Distributed, full_parameters, full_state, load_optimize
 from .intervals import metric_intervals
 from .metrics_log import MetricsLog
 from .offline.plots import plot_run
-from .precision import autocast
+from .precision import Machine, autocast
 from .report import print_summary, save_final, summarise
 from .rollout import Rollout, compiles_decode, rollout
 from .scoring import RewardError, stop_together
@@ -417,6 +417,7 @@ def finish(
             len(session.task.held_out),
             (now - started) / 60,
             (now - run_started) / 60,
+            Machine.this(dist.device),
         )
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         print_summary(summary, log, plot)

@@ -53,6 +53,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from ..checkpoint import checkpoints
 from ..config import ConfigError
 from ..intervals import is_share, t_interval, wilson, with_interval
+from ..precision import Machine
 
 # The held-out figures each paired difference is taken of (those a run's summary has).
 METRICS = (
@@ -368,7 +369,7 @@ def run_cell(cell: Cell, threads: int, keep_models: bool = True) -> int:
     if cell.state == "new" and cell.folder.exists():
         shutil.rmtree(cell.folder)  # a run stopped before its first checkpoint: nothing to keep
     cell.folder.mkdir(parents=True, exist_ok=True)
-    record = {"flags": list(cell.flags), "threads": threads, "code": code_version()}
+    record = {"flags": list(cell.flags), "threads": threads, "code": code_version(), "machine": str(Machine.this())}
     (cell.folder / "study-cell.json").write_text(json.dumps(record))
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
     with open(cell.folder.with_suffix(".log"), "a") as log:
@@ -653,6 +654,38 @@ def held_out_answers(cell: Cell) -> Optional[List[str]]:
     return [str(row["answer"]) for row in sorted(rows, key=lambda row: row["problem"])]
 
 
+def cell_machine(cell: Cell) -> Optional[str]:
+    """The machine a cell ran on, as text: its summary's (where it finished), else its ``study-cell.json``'s (where
+    it last started); None where neither says (cells run before either recorded it)."""
+    summary = cell.summary() or {}
+    if summary.get("machine"):
+        recorded = summary["machine"]
+        return str(Machine(**{**recorded, "bf16_units": tuple(recorded["bf16_units"])}))
+    path = cell.folder / "study-cell.json"
+    return json.loads(path.read_text()).get("machine") if path.exists() else None
+
+
+def machines_lines(spec: StudySpec, finished: Sequence[Cell]) -> List[str]:
+    """Which machines the finished cells ran on, and each pair whose two cells ran on different ones (bf16 rounds
+    differently on CPUs with and without bf16 units, and a GPU's kernels differ again: such a pair's difference
+    holds the machines' difference too)."""
+    machines = Counter(cell_machine(c) or "not recorded" for c in finished)
+    lines = ["Machines: " + "; ".join(f"{m}: {n} cell{'s' if n > 1 else ''}" for m, n in machines.items()) + "."]
+    by_key = {(c.task, c.variant, c.seed): c for c in finished}
+    mixed = []
+    for task, variant, partner in spec.pairs():
+        for seed in spec.seeds_of(variant):
+            mine, theirs = by_key.get((task, variant, seed)), by_key.get((task, partner, seed))
+            if mine and theirs and None not in (cell_machine(mine), cell_machine(theirs)):
+                if cell_machine(mine) != cell_machine(theirs):
+                    mixed.append(f"{task}/{variant}/s{seed} against {partner}")
+    if mixed:
+        lines.append(
+            "Pairs run on different machines (their difference holds the machines' too): " + ", ".join(mixed) + "."
+        )
+    return lines
+
+
 def agreement_section(spec: StudySpec) -> List[str]:
     """For each paired variant and seed where both cells recorded their answers: the share of held-out problems on
     which the two give the same greedy answer (1.00: the loss made no difference to any greedy answer)."""
@@ -855,6 +888,8 @@ def report(spec: StudySpec) -> str:
         f"Wall time of the finished cells: {total_minutes:.0f} min in all (cells side by side overlap). Figures: "
         + (", ".join(f"`{name}`" for name in drawn) or "none yet")
         + ".",
+        "",
+        *machines_lines(spec, finished),
     ]
     return "\n".join(lines) + "\n"
 
