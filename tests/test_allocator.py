@@ -34,17 +34,20 @@ FREED_AND_KEPT = textwrap.dedent(
         ctypes.memset(b, 1, {mib} * 2**20)
     for b in reversed(blocks):
         libc.free(b)
+    if {release}:
+        from trainer.allocator import release_freed_memory
+        release_freed_memory()
     print(resident_mib() - before)
     """
 )
 
 
-def kept_mib(keep: bool, mib: int) -> float:
+def kept_mib(keep: bool, mib: int, release: bool = False) -> float:
     from pathlib import Path
 
     root = str(Path(__file__).resolve().parents[1])
     out = subprocess.run(
-        [sys.executable, "-c", FREED_AND_KEPT.format(root=root, keep=keep, mib=mib)],
+        [sys.executable, "-c", FREED_AND_KEPT.format(root=root, keep=keep, mib=mib, release=release)],
         capture_output=True,
         text=True,
         check=True,
@@ -59,6 +62,8 @@ def test_freed_blocks_stay_in_the_process(mib):
     # for the next step's allocations.
     assert kept_mib(keep=False, mib=mib) < 32
     assert kept_mib(keep=True, mib=mib) > 160
+    # Before an evaluation (whose cache comes on top), every free page goes back to the kernel.
+    assert kept_mib(keep=True, mib=mib, release=True) < 32
 
 
 def test_a_cpu_session_sets_the_allocator(tiny_model_dir, tmp_path, monkeypatch):
@@ -73,4 +78,22 @@ def test_a_cpu_session_sets_the_allocator(tiny_model_dir, tmp_path, monkeypatch)
     monkeypatch.setattr(session, "keep_freed_memory", lambda: called.append(True))
     config = TrainConfig(model=str(tiny_model_dir), output_dir=str(tmp_path), precision="fp32", eval_size=4)
     session.load_session(config, Distributed.start("cpu"), load_task(config, train_size=16))
+    assert called == [True]
+
+
+def test_an_evaluation_on_the_cpu_first_releases_what_training_freed(tiny_model_dir, tmp_path, monkeypatch):
+    """Two study cells evaluating at once ran a 24 GiB machine out of memory: training's freed memory stayed
+    resident under the evaluation's cache. Every evaluation on the CPU hands it back first."""
+    pytest.importorskip("transformers")
+    import trainer.evaluation as evaluation
+    import trainer.session as session
+    from trainer.config import TrainConfig
+    from trainer.distributed import Distributed
+    from trainer.task import load_task
+
+    config = TrainConfig(model=str(tiny_model_dir), output_dir=str(tmp_path), precision="fp32", eval_size=4)
+    loaded = session.load_session(config, Distributed.start("cpu"), load_task(config, train_size=16))
+    called = []
+    monkeypatch.setattr(evaluation, "release_freed_memory", lambda: called.append(True))
+    assert loaded.evaluate(seed=0, desc="eval") is not None
     assert called == [True]

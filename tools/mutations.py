@@ -380,6 +380,22 @@ MUTANTS: Tuple[Mutant, ...] = (
         "a pair whose cells ran on different machines is listed: its difference holds the machines' too",
     ),
     Mutant(
+        "allocator: freed memory not handed back before an evaluation",
+        "trainer/allocator.py",
+        "    return bool(trim(0))",
+        "    return True",
+        ("tests/test_allocator.py", "-k", "stay_in_the_process"),
+        "release_freed_memory gives training's freed pages back to the kernel (two evaluating cells ran out of memory)",
+    ),
+    Mutant(
+        "evaluation: no release of training's freed memory first",
+        "trainer/evaluation.py",
+        "        release_freed_memory()  # what training freed, before this evaluation's cache (trainer/allocator.py)",
+        "        pass",
+        ("tests/test_allocator.py", "-k", "first_releases"),
+        "every evaluation on the CPU hands training's freed memory back before its cache comes on top",
+    ),
+    Mutant(
         "study: a cell's code version not recorded",
         "trainer/offline/study.py",
         '"code": code_version(), ',

@@ -9,6 +9,11 @@ memory in the process removes that: the resident set stays at the step's peak, w
 a mapping of its own, however large: the built-in model's embedding gradient (49152 x 576 in float32, 113 MB, one per
 embedding call in the update) is above the largest threshold glibc allows (32 MiB), and faulting it in again took
 about 0.15 s a call (`python -m bench update_profile`, bench/results/step-issue64/update-profile.md).
+
+What it costs: what training freed stays resident into an evaluation, whose key/value cache for 32 problems x 17
+completions is a few GB more; two study cells evaluating at once on a 24 GiB machine ran it out of memory (a cell's
+process reached 12.5 GB). So an evaluation first hands every free page back (`release_freed_memory`, glibc's
+``malloc_trim``): the next training step faults its activations in again, once per evaluation, not once per step.
 """
 
 from __future__ import annotations
@@ -39,3 +44,15 @@ def keep_freed_memory() -> Optional[str]:
     if not (mallopt(M_MMAP_MAX, 0) and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)):
         return "mallopt refused the settings"
     return None
+
+
+def release_freed_memory() -> bool:
+    """Hands the free pages of every malloc arena back to the kernel (glibc's ``malloc_trim(0)``), as before an
+    evaluation, whose cache would otherwise come on top of what training freed. Returns whether any was released;
+    False where there is no glibc."""
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return bool(trim(0))

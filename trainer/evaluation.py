@@ -24,6 +24,7 @@ from typing import List, Optional, Tuple
 import torch
 from tqdm.auto import tqdm
 
+from .allocator import release_freed_memory
 from .config import TrainConfig
 from .distributed import Distributed
 from .precision import autocast
@@ -244,6 +245,8 @@ def evaluate(
     completion, whether the accuracy reward scored it 1 and how many of its samples it scored 1
     (``row | {"completion": ..., "correct": ..., "samples_right": ...}``)."""
     model.eval()
+    if dist.device.type == "cpu":
+        release_freed_memory()  # what training freed, before this evaluation's cache (trainer/allocator.py)
     torch.manual_seed(step_seed(config.seed, "eval", seed, dist.rank))
     mine = task.held_out.select(range(dist.rank, len(task.held_out), dist.world))
     sums = HeldOutTotals.zeros(task, config.eval_k).to_sums()
