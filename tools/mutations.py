@@ -422,7 +422,7 @@ MUTANTS: Tuple[Mutant, ...] = (
     Mutant(
         "study: the cells' flags and tasks not checked before any runs",
         "trainer/offline/study.py",
-        "        if not args.report_only:\n            check_cells(spec)",
+        "        if not args.report_only:\n            check_cells(spec, args.only)",
         "        pass",
         ("tests/test_study.py", "-k", "first_second"),
         "a mistake that would stop every cell in its first second stops the study first, naming a cell",
