@@ -388,10 +388,10 @@ MUTANTS: Tuple[Mutant, ...] = (
         "release_freed_memory gives training's freed pages back to the kernel (two evaluating cells ran out of memory)",
     ),
     Mutant(
-        "evaluation: no release of training's freed memory first",
+        "evaluation: no release of freed memory before each batch",
         "trainer/evaluation.py",
-        "        release_freed_memory()  # what training freed, before this evaluation's cache (trainer/allocator.py)",
-        "        pass",
+        "            release_freed_memory()  # (trainer/allocator.py)",
+        "            pass",
         ("tests/test_allocator.py", "-k", "first_releases"),
         "every evaluation on the CPU hands training's freed memory back before its cache comes on top",
     ),

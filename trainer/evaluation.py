@@ -245,8 +245,6 @@ def evaluate(
     completion, whether the accuracy reward scored it 1 and how many of its samples it scored 1
     (``row | {"completion": ..., "correct": ..., "samples_right": ...}``)."""
     model.eval()
-    if dist.device.type == "cpu":
-        release_freed_memory()  # what training freed, before this evaluation's cache (trainer/allocator.py)
     torch.manual_seed(step_seed(config.seed, "eval", seed, dist.rank))
     mine = task.held_out.select(range(dist.rank, len(task.held_out), dist.world))
     sums = HeldOutTotals.zeros(task, config.eval_k).to_sums()
@@ -266,6 +264,8 @@ def evaluate(
             stopped = True
             break
         rows = mine.select(range(start, min(len(mine), start + config.eval_batch_size))).to_dict()
+        if dist.device.type == "cpu":  # what training or the last batch freed, before this batch's cache
+            release_freed_memory()  # (trainer/allocator.py)
         try:
             decoded = decode(model, tokenizer, task, rows, config, dist, on_token)
         except Interrupted:  # one process, a stop request: the layers' hooks cut the batch short
