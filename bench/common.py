@@ -251,13 +251,6 @@ def copy_bandwidth_gbs(device: torch.device, nbytes: int = 2**30, reps: int = 20
     return 2 * nbytes / statistics.median(times) / 1e9
 
 
-def cpu_bf16_flags() -> List[str]:
-    """The CPU's bf16 instruction sets (``avx512_bf16``, ``amx_bf16``), as the trainer records them."""
-    from trainer.precision import cpu_bf16_units
-
-    return cpu_bf16_units()
-
-
 def environment(device: torch.device) -> dict:
     info = {
         "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
@@ -279,15 +272,13 @@ def environment(device: torch.device) -> dict:
         info["gpu_memory_gb"] = round(props.total_memory / 2**30, 1)
         info["cuda"] = torch.version.cuda
     else:
-        try:
-            with open("/proc/cpuinfo") as f:
-                names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-            info["cpu"] = names[0] if names else info["cpu"]
-        except OSError:
-            pass
-        # CPUs of one name differ: some multiply bf16 natively (AVX-512 BF16, AMX), which changes bf16 timings.
-        # (oneDNN's "bf16 supported" is true on any AVX-512 CPU, emulated or not: the CPU's own flags say which.)
-        info["cpu_bf16_units"] = ", ".join(cpu_bf16_flags()) or "none"
+        # The trainer's record of the machine: /proc/cpuinfo's name, and its bf16 units (CPUs of one name differ:
+        # some multiply bf16 natively, AVX-512 BF16 or AMX, which changes bf16 timings).
+        from trainer.precision import Machine
+
+        machine = Machine.this(device)
+        info["cpu"] = machine.cpu
+        info["cpu_bf16_units"] = ", ".join(machine.bf16_units) or "none"
     return info
 
 

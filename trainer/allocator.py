@@ -12,14 +12,16 @@ about 0.15 s a call (`python -m bench update_profile`, bench/results/step-issue6
 
 What it costs: what training freed stays resident into an evaluation, whose key/value cache for 32 problems x 17
 completions is a few GB more; two study cells evaluating at once on a 24 GiB machine ran it out of memory (a cell's
-process reached 12.5 GB). So an evaluation first hands every free page back (`release_freed_memory`, glibc's
-``malloc_trim``): the next training step faults its activations in again, once per evaluation, not once per step.
+process reached 12.5 GB), and each batch's cache, of a new size, came on top of the last one's. So each evaluation
+batch first hands every free page back (`release_freed_memory`, glibc's ``malloc_trim``): the next training step
+faults its activations in again, once per evaluation, not once per step.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 from typing import Optional
 
 # mallopt's parameter numbers (glibc's malloc.h).
@@ -30,16 +32,23 @@ M_MMAP_MAX = -4  # how many blocks may have mappings of their own: 0, every bloc
 TRIM_THRESHOLD = 2**31 - 1
 
 
+@functools.cache
+def _libc() -> Optional[ctypes.CDLL]:
+    """The C library, looked up once per process (``find_library`` runs a program), or None where it cannot be
+    loaded."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c"))
+    except (OSError, TypeError):
+        return None
+
+
 def keep_freed_memory() -> Optional[str]:
     """Tells glibc's malloc to keep freed memory for the process's next allocations (free memory at the heap's top
     trimmed only past 2 GiB, every block from the heap); returns why it could not, or None. Not glibc (musl,
     macOS): nothing is changed."""
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError, TypeError):
-        return f"no glibc mallopt in {name!r}"
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:
+        return f"no glibc mallopt in {ctypes.util.find_library('c')!r}"
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     if not (mallopt(M_MMAP_MAX, 0) and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)):
         return "mallopt refused the settings"
@@ -50,9 +59,8 @@ def release_freed_memory() -> bool:
     """Hands the free pages of every malloc arena back to the kernel (glibc's ``malloc_trim(0)``), as before an
     evaluation, whose cache would otherwise come on top of what training freed. Returns whether any was released;
     False where there is no glibc."""
-    try:
-        trim = ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
-    except (OSError, AttributeError, TypeError):
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is None:
         return False
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     return bool(trim(0))

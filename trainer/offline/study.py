@@ -669,16 +669,15 @@ def machines_lines(spec: StudySpec, finished: Sequence[Cell]) -> List[str]:
     """Which machines the finished cells ran on, and each pair whose two cells ran on different ones (bf16 rounds
     differently on CPUs with and without bf16 units, and a GPU's kernels differ again: such a pair's difference
     holds the machines' difference too)."""
-    machines = Counter(cell_machine(c) or "not recorded" for c in finished)
+    machine_of = {(c.task, c.variant, c.seed): cell_machine(c) for c in finished}  # each cell's files read once
+    machines = Counter(m or "not recorded" for m in machine_of.values())
     lines = ["Machines: " + "; ".join(f"{m}: {n} cell{'s' if n > 1 else ''}" for m, n in machines.items()) + "."]
-    by_key = {(c.task, c.variant, c.seed): c for c in finished}
     mixed = []
     for task, variant, partner in spec.pairs():
         for seed in spec.seeds_of(variant):
-            mine, theirs = by_key.get((task, variant, seed)), by_key.get((task, partner, seed))
-            if mine and theirs and None not in (cell_machine(mine), cell_machine(theirs)):
-                if cell_machine(mine) != cell_machine(theirs):
-                    mixed.append(f"{task}/{variant}/s{seed} against {partner}")
+            mine, theirs = machine_of.get((task, variant, seed)), machine_of.get((task, partner, seed))
+            if mine and theirs and mine != theirs:
+                mixed.append(f"{task}/{variant}/s{seed} against {partner}")
     if mixed:
         lines.append(
             "Pairs run on different machines (their difference holds the machines' too): " + ", ".join(mixed) + "."
